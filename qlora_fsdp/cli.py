@@ -1,0 +1,56 @@
+"""Command line: `--config FILE.yaml`, then flag overrides, one validated TrainConfig, then training."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+from qlora_fsdp.config import build_config, option_docs
+from qlora_fsdp.errors import UserError
+
+
+def main(config: str | None = None, **flags: Any) -> None:
+    """Fine-tune a causal LM with quantized LoRA across processes (torchrun) using FSDP."""
+    if flags.keys() & {"help", "h"}:
+        # fire hands --help to a **flags function as an ordinary flag.
+        print(main.__doc__)
+        return
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = build_config({k.replace("-", "_"): v for k, v in flags.items()}, config).validate()
+        from qlora_fsdp.trainer import run
+
+        run(cfg)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def _help_text() -> str:
+    lines = [
+        "Fine-tune a causal LM with quantized LoRA across processes (torchrun) using FSDP.",
+        "",
+        "Usage: torchrun --nproc_per_node=N train.py --model PATH_OR_HUB_ID --quant bnb|hqq|none [--flag value ...]",
+        "       python train.py ... runs one process; --config FILE.yaml supplies values that flags override.",
+        "",
+        "Options:",
+        "  --config FILE  YAML file of option: value (flat, or grouped by section)",
+    ]
+    section = None
+    for sec, flag, default, doc in option_docs():
+        if sec != section:
+            lines += ["", f"  [{sec}]"]
+            section = sec
+        lines.append(f"  --{flag} (default: {default!r})  {doc}")
+    return "\n".join(lines)
+
+
+main.__doc__ = _help_text()
+
+
+def run_cli() -> None:
+    """Console-script entry point (`qlora-fsdp ...`), the same as `python train.py ...`."""
+    import fire
+
+    fire.Fire(main)

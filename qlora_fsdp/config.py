@@ -1,0 +1,353 @@
+"""Every option of a run, as typed dataclasses: the single source of truth for flags, YAML files and `--help`.
+
+Each section is a dataclass whose field names are the flag names (`--lora_rank` is `LoraConfig.lora_rank`), so
+flag names are unique across sections. `TrainConfig.validate()` runs once, before any heavy work, and reports
+every problem at once, each with the flag that fixes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any, get_type_hints
+
+import yaml
+
+from qlora_fsdp.errors import UserError
+
+
+class ConfigError(UserError):
+    """One or more invalid options; the message lists each with the flag that fixes it."""
+
+
+QUANT_BACKENDS = ("bnb", "hqq", "none")  # kept in step with qlora_fsdp/quant/ by a unit test
+TRAIN_TYPES = ("lora", "full")
+PRECISIONS = ("bf16", "fp32", "fp16_autocast", "bf16_autocast", "bf16_buffers_autocast")
+SHARDING_STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard")
+SCHEDULERS = ("constant", "linear", "cosine")
+OPTIMIZERS = ("adamw",)
+HQQ_BITS = (1, 2, 3, 4, 8)
+LOG_TARGETS = ("tqdm", "stdout", "wandb")
+DEVICES = ("auto", "cpu", "cuda")
+PROMPT_STYLES = ("alpaca", "guanaco", "qna")  # kept in step with qlora_fsdp.data by a unit test
+COMPUTE_DTYPES = ("auto", "bf16", "fp16", "fp32")
+
+
+@dataclass
+class ModelConfig:
+    model: str = ""
+    """Local model directory (config.json + safetensors shards) or a Hugging Face hub id."""
+    low_memory: bool = True
+    """Rank 0 keeps the real weights on CPU, other ranks keep meta tensors; FSDP broadcasts at wrap time."""
+    trust_remote_code: bool = False
+    """Allow model code from the hub repository (off: only architectures transformers ships)."""
+
+
+@dataclass
+class QuantConfig:
+    quant: str = "bnb"
+    """Quantization backend for the base linear layers: bnb (bitsandbytes 4-bit), hqq, or none."""
+    bnb_quant_type: str = "nf4"
+    """bitsandbytes 4-bit data type: nf4 or fp4."""
+    bnb_double_quant: bool = True
+    """bitsandbytes: quantize the per-block scales too (saves about 0.4 bits per parameter)."""
+    hqq_bits: int = 4
+    """HQQ bits per weight: 1, 2, 3, 4 or 8."""
+    hqq_group_size: int = 64
+    """HQQ weights per scale/zero group (a multiple of 8)."""
+    compute_dtype: str = "auto"
+    """Dtype the weights are dequantized to for the matmul: auto (follows --precision), bf16, fp16, fp32."""
+
+
+@dataclass
+class LoraConfig:
+    train_type: str = "lora"
+    """lora: train LoRA adapters on the frozen (quantized) base; full: train every weight (needs --quant none)."""
+    lora_rank: int = 64
+    """LoRA rank r."""
+    lora_alpha: float = 16.0
+    """LoRA scaling numerator: the update is scaled by alpha / rank."""
+    lora_dropout: float = 0.1
+    """Dropout on the LoRA input."""
+    lora_target_modules: str = "all"
+    """Comma-separated linear layer names to adapt (q_proj,v_proj,...) or 'all' for every linear but lm_head."""
+
+
+@dataclass
+class FSDPConfig:
+    precision: str = "bf16"
+    """bf16 / fp32: parameters in that dtype; *_autocast: fp32 (or bf16) parameters under autocast."""
+    sharding_strategy: str = "full_shard"
+    """FSDP sharding: full_shard, shard_grad_op, no_shard or hybrid_shard."""
+    cpu_offload: bool = False
+    """Keep sharded parameters on CPU between uses (FSDP CPUOffload)."""
+    gradient_checkpointing: bool = True
+    """Recompute decoder-layer activations in backward to save memory."""
+    reentrant_checkpointing: bool = False
+    """Use the reentrant checkpoint implementation (some older stacks need it)."""
+
+
+@dataclass
+class DataConfig:
+    dataset: str = "alpaca_sample"
+    """alpaca, alpaca_sample, guanaco, sql, orca_math, dummy, or a local .json/.jsonl/.parquet file in alpaca format."""
+    dataset_samples: int = 0
+    """Use only the first N rows (0: all)."""
+    context_length: int = 512
+    """Tokens per sample: longer rows are truncated, shorter ones padded."""
+    batch_size: int = 1
+    """Samples per rank per micro-step."""
+    train_on_inputs: bool = False
+    """Also compute the loss on the prompt tokens (default: only on the response)."""
+    prompt_style: str = "alpaca"
+    """Prompt template for alpaca-format data (local files, alpaca*): alpaca, guanaco or qna."""
+
+
+@dataclass
+class OptimConfig:
+    optimizer: str = "adamw"
+    """Optimizer: adamw."""
+    lr: float = 1e-5
+    """Peak learning rate."""
+    wd: float = 0.0
+    """Weight decay."""
+    grad_norm: float = 0.3
+    """Clip the global gradient norm to this value (0: no clipping)."""
+    gradient_accumulation_steps: int = 1
+    """Micro-steps per optimizer step."""
+    lr_scheduler: str = "constant"
+    """Learning-rate schedule after warmup: constant, linear or cosine."""
+    warmup_ratio: float = 0.0
+    """Fraction of the optimizer steps spent warming up linearly from 0."""
+    cosine_min_lr_ratio: float = 0.1
+    """Cosine schedule floor, as a fraction of --lr."""
+    num_epochs: int = 1
+    """Passes over the dataset (ignored when --max_steps is set)."""
+    max_steps: int = 0
+    """Stop after this many optimizer steps (0: run --num_epochs)."""
+    seed: int = 42
+    """Seed for weights init of LoRA, data order and dropout: same seed, same losses."""
+
+
+@dataclass
+class OutputConfig:
+    output_dir: str = "output"
+    """Where the adapter, metrics.jsonl and checkpoints go."""
+    save_model: bool = True
+    """Write the trained adapter (LoRA) or model (full) at the end."""
+    log_to: str = "tqdm"
+    """Progress output: tqdm (bar on rank 0), stdout (a line per step) or wandb (tqdm + Weights & Biases)."""
+    project_name: str = "qlora-fsdp"
+    """Weights & Biases project."""
+    run_name: str = ""
+    """Weights & Biases run name (default: W&B picks one)."""
+    wandb_entity: str = ""
+    """Weights & Biases entity (team or user)."""
+
+
+@dataclass
+class DistConfig:
+    device: str = "auto"
+    """auto: CUDA + NCCL when a GPU is visible, else CPU + gloo; or force cpu / cuda."""
+    dist_timeout_s: int = 600
+    """Seconds a collective may wait before the job fails instead of hanging."""
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "quant": QuantConfig,
+    "lora": LoraConfig,
+    "fsdp": FSDPConfig,
+    "data": DataConfig,
+    "optim": OptimConfig,
+    "output": OutputConfig,
+    "dist": DistConfig,
+}
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+
+    def validate(self) -> TrainConfig:
+        """Check every option; raise one ConfigError listing all problems, each with its flag."""
+        problems = [*_check_choices(self), *_check_ranges(self), *_check_combinations(self)]
+        if problems:
+            raise ConfigError("; ".join(problems))
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        """Flat {flag: value}, for logging the run's settings."""
+        return {f.name: getattr(section, f.name) for section in self._sections() for f in fields(section)}
+
+    def _sections(self) -> list[Any]:
+        return [getattr(self, name) for name in SECTIONS]
+
+
+def _flag_types() -> dict[str, tuple[str, type]]:
+    """{flag: (section name, python type)} for every option."""
+    out: dict[str, tuple[str, type]] = {}
+    for section_name, cls in SECTIONS.items():
+        hints = get_type_hints(cls)
+        for f in fields(cls):
+            out[f.name] = (section_name, hints[f.name])
+    return out
+
+
+FLAGS = _flag_types()
+
+
+def option_docs() -> list[tuple[str, str, Any, str]]:
+    """(section, flag, default, one-line meaning) for every option, read from the field docstrings."""
+    import ast
+    import inspect
+
+    rows = []
+    for section_name, cls in SECTIONS.items():
+        tree = ast.parse(inspect.getsource(cls))
+        body = tree.body[0].body  # type: ignore[attr-defined]
+        docs = {}
+        for stmt, nxt in itertools.pairwise(body):
+            if isinstance(stmt, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+                docs[stmt.target.id] = str(nxt.value.value)  # type: ignore[attr-defined]
+        defaults = cls()
+        for f in fields(cls):
+            rows.append((section_name, f.name, getattr(defaults, f.name), docs.get(f.name, "")))
+    return rows
+
+
+def _coerce(flag: str, value: Any, typ: type) -> Any:
+    """Turn a YAML or command-line value into the field's type, or explain which flag is wrong."""
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"--{flag} must be true or false, got {value!r}")
+    if typ is str:
+        # fire parses "q_proj,v_proj" as a tuple; join it back.
+        if isinstance(value, (list, tuple)):
+            return ",".join(str(v) for v in value)
+        return str(value)
+    try:
+        if typ is int:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(value)
+        if typ is float:
+            return float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"--{flag} must be a number ({typ.__name__}), got {value!r}") from None
+    return value
+
+
+def build_config(overrides: dict[str, Any], config_file: str | None = None) -> TrainConfig:
+    """Defaults, then the YAML file's values, then command-line overrides; unknown keys are errors.
+
+    The YAML file may be flat ({lora_rank: 8}) or grouped by section ({lora: {lora_rank: 8}}).
+    """
+    values: dict[str, Any] = {}
+    if config_file:
+        values.update(_read_yaml(config_file))
+    values.update(overrides)
+    unknown = sorted(k for k in values if k not in FLAGS)
+    if unknown:
+        raise ConfigError(
+            "unknown option(s): " + ", ".join(f"--{k}" for k in unknown) + " (python train.py --help lists them)"
+        )
+    cfg = TrainConfig()
+    for flag, value in values.items():
+        section_name, typ = FLAGS[flag]
+        setattr(getattr(cfg, section_name), flag, _coerce(flag, value, typ))
+    return cfg
+
+
+def _read_yaml(path: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        raise ConfigError(f"--config {path}: no such file")
+    try:
+        with open(path) as fh:
+            raw = yaml.safe_load(fh) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--config {path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of option: value")
+    flat: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key in SECTIONS and isinstance(value, dict):
+            flat.update(value)
+        else:
+            flat[key] = value
+    return flat
+
+
+def _choice(flag: str, value: Any, allowed: tuple) -> list[str]:
+    if value in allowed:
+        return []
+    return [f"--{flag} {value!r} is not one of {', '.join(str(a) for a in allowed)}"]
+
+
+def _check_choices(cfg: TrainConfig) -> list[str]:
+    return [
+        *_choice("quant", cfg.quant.quant, QUANT_BACKENDS),
+        *_choice("bnb_quant_type", cfg.quant.bnb_quant_type, ("nf4", "fp4")),
+        *_choice("hqq_bits", cfg.quant.hqq_bits, HQQ_BITS),
+        *_choice("compute_dtype", cfg.quant.compute_dtype, COMPUTE_DTYPES),
+        *_choice("train_type", cfg.lora.train_type, TRAIN_TYPES),
+        *_choice("precision", cfg.fsdp.precision, PRECISIONS),
+        *_choice("sharding_strategy", cfg.fsdp.sharding_strategy, SHARDING_STRATEGIES),
+        *_choice("optimizer", cfg.optim.optimizer, OPTIMIZERS),
+        *_choice("lr_scheduler", cfg.optim.lr_scheduler, SCHEDULERS),
+        *_choice("log_to", cfg.output.log_to, LOG_TARGETS),
+        *_choice("device", cfg.dist.device, DEVICES),
+        *_choice("prompt_style", cfg.data.prompt_style, PROMPT_STYLES),
+    ]
+
+
+def _check_ranges(cfg: TrainConfig) -> list[str]:
+    checks = [
+        (not cfg.model.model, "--model is required (a local model directory or a hub id)"),
+        (cfg.quant.hqq_group_size < 8 or cfg.quant.hqq_group_size % 8, "--hqq_group_size must be a multiple of 8"),
+        (cfg.lora.lora_rank < 1, "--lora_rank must be >= 1"),
+        (not 0 <= cfg.lora.lora_dropout < 1, "--lora_dropout must be in [0, 1)"),
+        (not cfg.lora.lora_target_modules.strip(), "--lora_target_modules must be 'all' or layer names"),
+        (cfg.data.dataset_samples < 0, "--dataset_samples must be >= 0"),
+        (cfg.data.context_length < 8, "--context_length must be >= 8"),
+        (cfg.data.batch_size < 1, "--batch_size must be >= 1"),
+        (cfg.optim.gradient_accumulation_steps < 1, "--gradient_accumulation_steps must be >= 1"),
+        (cfg.optim.lr <= 0, "--lr must be > 0"),
+        (cfg.optim.wd < 0, "--wd must be >= 0"),
+        (cfg.optim.grad_norm < 0, "--grad_norm must be >= 0 (0 disables clipping)"),
+        (not 0 <= cfg.optim.warmup_ratio < 1, "--warmup_ratio must be in [0, 1)"),
+        (not 0 <= cfg.optim.cosine_min_lr_ratio <= 1, "--cosine_min_lr_ratio must be in [0, 1]"),
+        (cfg.optim.num_epochs < 1, "--num_epochs must be >= 1"),
+        (cfg.optim.max_steps < 0, "--max_steps must be >= 0 (0: run --num_epochs)"),
+        (cfg.dist.dist_timeout_s < 1, "--dist_timeout_s must be >= 1"),
+        (not cfg.output.output_dir, "--output_dir must not be empty"),
+    ]
+    return [message for bad, message in checks if bad]
+
+
+def _check_combinations(cfg: TrainConfig) -> list[str]:
+    problems = []
+    if cfg.lora.train_type == "full" and cfg.quant.quant != "none":
+        problems.append("--train_type full trains every weight and needs --quant none")
+    return problems
+
+
+def replace(cfg: TrainConfig, **flags: Any) -> TrainConfig:
+    """A copy of cfg with some flags changed (tests and benchmarks build variants this way)."""
+    out = dataclasses.replace(cfg, **{name: dataclasses.replace(getattr(cfg, name)) for name in SECTIONS})
+    for flag, value in flags.items():
+        section_name, typ = FLAGS[flag]
+        setattr(getattr(out, section_name), flag, _coerce(flag, value, typ))
+    return out

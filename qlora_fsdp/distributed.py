@@ -1,0 +1,94 @@
+"""Process group, device and rank: the only module that reads torchrun's environment variables."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from qlora_fsdp.errors import UserError
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process sits in the job; passed to every builder instead of reading the environment."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def resolve_device(preference: str, local_rank: int) -> torch.device:
+    """auto picks CUDA when visible; asking for cuda without a GPU is a user error, not a crash later."""
+    if preference == "cpu" or (preference == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise UserError("--device cuda was given but no CUDA GPU is visible; use --device cpu or auto")
+    return torch.device("cuda", local_rank)
+
+
+def init_distributed(*, device: str = "auto", timeout_s: int = 600) -> DistEnv:
+    """Join the torchrun job (or make a one-process group) so FSDP runs the same code at any world size.
+
+    Without torchrun, a single-rank group on a free loopback port is created.
+    """
+    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    dev = resolve_device(device, local_rank)
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if not dist.is_initialized():
+        if "MASTER_ADDR" not in os.environ:
+            os.environ["MASTER_ADDR"] = "127.0.0.1"
+            os.environ["MASTER_PORT"] = str(_free_port())
+        dist.init_process_group(
+            backend=backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=dev if dev.type == "cuda" else None,
+        )
+    return DistEnv(rank, local_rank, world_size, local_world_size, dev, backend)
+
+
+def teardown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def broadcast_object(obj: object, env: DistEnv) -> object:
+    """Rank 0's value on every rank (used for decisions that must agree, such as an error found on rank 0)."""
+    if env.world_size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, device=env.device if env.backend == "nccl" else None)
+    return box[0]
+
+
+def all_reduce_mean(value: torch.Tensor, env: DistEnv) -> torch.Tensor:
+    """Mean over ranks, for logging the loss every rank agrees on."""
+    if env.world_size > 1:
+        value = value.detach().clone()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        value /= env.world_size
+    return value

@@ -1,0 +1,193 @@
+"""FSDP wrapping: per-decoder-layer units, adapters in their own units, mixed precision that skips packed storage."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    apply_activation_checkpointing,
+    checkpoint_wrapper,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
+
+from qlora_fsdp.config import FSDPConfig
+from qlora_fsdp.distributed import DistEnv
+from qlora_fsdp.errors import UserError
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+STRATEGIES = {
+    "full_shard": ShardingStrategy.FULL_SHARD,
+    "shard_grad_op": ShardingStrategy.SHARD_GRAD_OP,
+    "no_shard": ShardingStrategy.NO_SHARD,
+    "hybrid_shard": ShardingStrategy.HYBRID_SHARD,
+}
+
+
+@dataclass(frozen=True)
+class Precision:
+    """What `--precision` means for parameters, FSDP MixedPrecision and autocast."""
+
+    param_dtype: torch.dtype
+    """Dtype of every unquantized parameter, and so of the quantized storage flattened with them."""
+    autocast_dtype: torch.dtype | None
+    """Forward/backward run under torch.autocast in this dtype (None: no autocast)."""
+    buffer_dtype: torch.dtype | None
+    """FSDP MixedPrecision buffer dtype (None: no MixedPrecision policy)."""
+    grad_scaler: bool
+    """fp16 needs loss scaling."""
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.autocast_dtype or self.param_dtype
+
+
+PRECISIONS = {
+    "fp32": Precision(torch.float32, None, None, False),
+    "bf16": Precision(torch.bfloat16, None, None, False),
+    "fp16_autocast": Precision(torch.float32, torch.float16, torch.float32, True),
+    "bf16_autocast": Precision(torch.float32, torch.bfloat16, torch.float32, False),
+    "bf16_buffers_autocast": Precision(torch.bfloat16, torch.bfloat16, torch.float32, False),
+}
+
+
+def mixed_precision(precision: Precision, *, ignore: tuple[type[nn.Module], ...]) -> MixedPrecision | None:
+    """FSDP MixedPrecision keeping parameters in their dtype; quantized classes are never cast.
+
+    FSDP puts each ignored module in its own unit with no casting, which is what keeps packed bytes intact.
+    """
+    if precision.buffer_dtype is None:
+        return None
+    return MixedPrecision(
+        param_dtype=precision.param_dtype,
+        reduce_dtype=precision.param_dtype,
+        buffer_dtype=precision.buffer_dtype,
+        _module_classes_to_ignore=list(ignore),
+    )
+
+
+def _is_trainable_leaf(module: nn.Module) -> bool:
+    """Adapter layers (and, in full fine-tuning, nothing else) get units of their own."""
+    params = list(module.parameters(recurse=False))
+    return not list(module.children()) and bool(params) and all(p.requires_grad for p in params)
+
+
+def _device_mesh(cfg: FSDPConfig, env: DistEnv):
+    if cfg.sharding_strategy != "hybrid_shard":
+        return None
+    shard = env.local_world_size
+    if env.world_size % shard:
+        raise UserError(f"--sharding_strategy hybrid_shard needs equal ranks per node; got world {env.world_size}")
+    return init_device_mesh(env.device.type, (env.world_size // shard, shard), mesh_dim_names=("replicate", "shard"))
+
+
+def wrap_model(
+    model: nn.Module,
+    cfg: FSDPConfig,
+    *,
+    env: DistEnv,
+    precision: Precision,
+    layer_classes: tuple[type[nn.Module], ...],
+    ignore: tuple[type[nn.Module], ...],
+    adapters_own_units: bool,
+    sync_from_rank0: bool,
+) -> FSDP:
+    """Shard `model` over the job, one decoder layer at a time, then the root.
+
+    With `sync_from_rank0` (low-memory loading), each layer is materialized on the other ranks and receives rank
+    0's tensors just before it is sharded, so no rank ever holds more than one unsharded layer beyond its shards.
+    This is FSDP's `sync_module_states` done per unit by hand: FSDP's own refuses CPU tensors, and this way the
+    same code runs on GPUs and in the CPU tests. Quantization state is not sent: every rank computed it itself.
+    """
+    # FSDP puts each MixedPrecision-ignored (quantized) module in its own unit, but only under an auto-wrap policy.
+    leaves = functools.partial(lambda_auto_wrap_policy, lambda_fn=_is_trainable_leaf if adapters_own_units else _never)
+    options = dict(
+        auto_wrap_policy=leaves,
+        sharding_strategy=STRATEGIES[cfg.sharding_strategy],
+        device_mesh=_device_mesh(cfg, env),
+        mixed_precision=mixed_precision(precision, ignore=ignore),
+        cpu_offload=CPUOffload(offload_params=True) if cfg.cpu_offload else None,
+        device_id=env.device,
+        use_orig_params=False,
+        limit_all_gathers=True,
+    )
+    for name, unit in _units(model, layer_classes, ignore=ignore, adapters_own_units=adapters_own_units):
+        if sync_from_rank0:
+            _sync_from_rank0(unit, env=env)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, FSDP(unit, **options))
+    if sync_from_rank0:
+        _sync_from_rank0(model, env=env)
+    # Every unit below the root is wrapped already; FSDP refuses auto-wrapping over existing units.
+    wrapped = FSDP(model, **{**options, "auto_wrap_policy": None})
+    if cfg.gradient_checkpointing:
+        impl = CheckpointImpl.REENTRANT if cfg.reentrant_checkpointing else CheckpointImpl.NO_REENTRANT
+        apply_activation_checkpointing(
+            wrapped,
+            checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=impl),
+            check_fn=lambda m: isinstance(m, layer_classes),
+        )
+    return wrapped
+
+
+def _never(module: nn.Module) -> bool:
+    return False
+
+
+def _units(
+    model: nn.Module,
+    layer_classes: tuple[type[nn.Module], ...],
+    *,
+    ignore: tuple[type[nn.Module], ...],
+    adapters_own_units: bool,
+) -> list[tuple[str, nn.Module]]:
+    """Decoder layers, plus any adapter leaf or quantized module outside them (e.g. a LoRA on lm_head)."""
+    units: list[tuple[str, nn.Module]] = []
+    inside: tuple[str, ...] = ()
+    for name, module in model.named_modules():
+        if inside and name.startswith(inside):
+            continue
+        own_unit = isinstance(module, ignore) or (adapters_own_units and _is_trainable_leaf(module))
+        if isinstance(module, layer_classes) or own_unit:
+            units.append((name, module))
+            inside += (name + ".",)
+    return units
+
+
+def _unwrapped_tensors(module: nn.Module) -> list[tuple[nn.Module, str, bool]]:
+    """(owner, name, is_param) for every tensor under `module` that no FSDP unit owns yet, in a fixed order."""
+    out = []
+    for sub in module.children():
+        if not isinstance(sub, FSDP):
+            out += _unwrapped_tensors(sub)
+    out += [(module, n, True) for n, p in module._parameters.items() if p is not None]
+    out += [(module, n, False) for n, b in module._buffers.items() if b is not None]
+    return out
+
+
+def _sync_from_rank0(module: nn.Module, *, env: DistEnv) -> None:
+    """Move `module`'s unsharded tensors to the device (allocating meta ones) and broadcast rank 0's values."""
+    replaced: dict[int, nn.Parameter] = {}
+    for owner, name, is_param in _unwrapped_tensors(module):
+        tensor = owner._parameters[name] if is_param else owner._buffers[name]
+        if id(tensor) in replaced:  # a tied weight seen under its other owner
+            owner._parameters[name] = replaced[id(tensor)]
+            continue
+        value = torch.empty_like(tensor, device=env.device) if tensor.is_meta else tensor.data.to(env.device)
+        if env.world_size > 1:
+            dist.broadcast(value, src=0)
+        if not is_param:
+            owner._buffers[name] = value
+        elif tensor.is_meta:
+            # A meta Parameter cannot take real data in place; a new one keeps requires_grad.
+            replaced[id(tensor)] = owner._parameters[name] = nn.Parameter(value, requires_grad=tensor.requires_grad)
+        else:
+            tensor.data = value

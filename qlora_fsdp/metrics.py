@@ -1,0 +1,97 @@
+"""Per-step metrics: a tqdm bar, OUTPUT_DIR/metrics.jsonl, and Weights & Biases; rank 0 writes all three."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qlora_fsdp.config import OutputConfig
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """This process's peak: the CUDA allocator's on GPU, the resident set's high-water mark on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    # ru_maxrss is KiB on Linux, bytes on macOS.
+    scale = 1 if sys.platform == "darwin" else 1024
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * scale
+
+
+class MetricsLogger:
+    """Writes one JSON object per optimizer step; a no-op on ranks other than 0."""
+
+    def __init__(
+        self, cfg: OutputConfig, *, output_dir: Path, is_main: bool, total_steps: int, run_config: dict[str, Any]
+    ) -> None:
+        self.is_main = is_main
+        self.log_to = cfg.log_to
+        self._bar = None
+        self._wandb = None
+        self._file = None
+        if not is_main:
+            return
+        self._file = open(output_dir / METRICS_FILE, "w", buffering=1)  # noqa: SIM115 - closed in close()
+        if cfg.log_to in ("tqdm", "wandb"):
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total_steps, desc="train", dynamic_ncols=True)
+        if cfg.log_to == "wandb":
+            import wandb
+
+            self._wandb = wandb.init(
+                project=cfg.project_name,
+                name=cfg.run_name or None,
+                entity=cfg.wandb_entity or None,
+                config=run_config,
+                dir=str(output_dir),
+            )
+
+    def log(self, record: dict[str, Any]) -> None:
+        if not self.is_main:
+            return
+        self._file.write(json.dumps(record) + "\n")
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+        if self._bar is not None:
+            self._bar.set_postfix(
+                loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", tok_s=f"{record['tokens_per_s']:.0f}"
+            )
+            self._bar.update(1)
+        elif self.log_to == "stdout":
+            print(
+                f"step {record['step']} loss {record['loss']:.4f} lr {record['lr']:.3e} "
+                f"tokens/s {record['tokens_per_s']:.0f}",
+                flush=True,
+            )
+
+    def message(self, text: str) -> None:
+        """A line for the user that does not break the progress bar."""
+        if not self.is_main:
+            return
+        if self._bar is not None:
+            self._bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+        if self._file is not None:
+            self._file.close()
+        self._bar = self._wandb = self._file = None
+
+
+def read_metrics(output_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """The records of a run's metrics.jsonl (used by tests and comparison tools)."""
+    with open(Path(output_dir) / METRICS_FILE) as fh:
+        return [json.loads(line) for line in fh if line.strip()]

@@ -1,0 +1,43 @@
+"""Optimizer and learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+from qlora_fsdp.config import OptimConfig
+
+
+def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters only (frozen quantized storage has no optimizer state)."""
+    trainable = [p for p in params if p.requires_grad]
+    return torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.wd)
+
+
+# Decay after warmup: progress in [0, 1] and the cosine floor -> multiplier of --lr.
+DECAYS: dict[str, Callable[[float, float], float]] = {
+    "constant": lambda progress, floor: 1.0,
+    "linear": lambda progress, floor: 1.0 - progress,
+    "cosine": lambda progress, floor: floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress)),
+}
+
+
+def lr_factor(cfg: OptimConfig, total_steps: int) -> Callable[[int], float]:
+    """Multiplier of --lr at optimizer step `step` (0-based): linear warmup, then the chosen decay."""
+    warmup = math.ceil(cfg.warmup_ratio * total_steps)
+    decay = DECAYS[cfg.lr_scheduler]
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return decay(progress, cfg.cosine_min_lr_ratio)
+
+    return factor
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int) -> LambdaLR:
+    return LambdaLR(optimizer, lr_factor(cfg, total_steps))

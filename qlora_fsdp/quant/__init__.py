@@ -1,0 +1,33 @@
+"""Quantization backends, found by module name: `--quant NAME` is `qlora_fsdp/quant/NAME.py`'s `BACKEND`.
+
+A new backend is one new file here (plus its own flags in config.py); each library is imported only when its
+backend is used.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+import torch
+
+from qlora_fsdp.config import QuantConfig
+from qlora_fsdp.quant.base import QuantBackend
+
+_NOT_BACKENDS = {"base"}
+
+
+def backend_names() -> tuple[str, ...]:
+    """Every backend module in this package, without importing any quantization library."""
+    return tuple(sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name not in _NOT_BACKENDS))
+
+
+def make_backend(cfg: QuantConfig, *, storage_dtype: torch.dtype, compute_dtype: torch.dtype) -> QuantBackend | None:
+    """The backend for `--quant`, or None for `--quant none` (plain LoRA or full fine-tuning)."""
+    if cfg.quant == "none":
+        return None
+    cls = importlib.import_module(f"{__name__}.{cfg.quant}").BACKEND
+    return cls.from_config(cfg, storage_dtype=storage_dtype, compute_dtype=compute_dtype)
+
+
+__all__ = ["QuantBackend", "backend_names", "make_backend"]
