@@ -144,7 +144,7 @@ def _read_text(path: str) -> str:
         with open(path, encoding="utf-8") as fh:
             return fh.read()
     except UnicodeDecodeError as exc:
-        raise UserError(f"{path}: not UTF-8 text (byte {exc.start}); save the file as UTF-8") from None
+        raise UserError(f"--dataset {path}: not UTF-8 text (byte {exc.start}); save the file as UTF-8") from None
 
 
 def _json_lines(path: str, text: str, expected: str) -> Iterable[tuple[str, Any]]:
@@ -158,9 +158,9 @@ def _json_lines(path: str, text: str, expected: str) -> Iterable[tuple[str, Any]
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
             raise UserError(
-                f"{path} line {line_no}: not valid JSON ({exc.msg} at column {exc.colno}); expected {expected}"
+                f"--dataset {path} line {line_no}: not valid JSON ({exc.msg} at column {exc.colno}); expected {expected}"
             ) from None
-        yield (f"{path} row {row}" if row == line_no else f"{path} row {row} (line {line_no})"), obj
+        yield (f"--dataset {path} row {row}" if row == line_no else f"--dataset {path} row {row} (line {line_no})"), obj
 
 
 def _json_rows(path: str) -> Iterable[tuple[str, Any]]:
@@ -171,8 +171,8 @@ def _json_rows(path: str) -> Iterable[tuple[str, Any]]:
     try:
         rows = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise UserError(f"{path} line {exc.lineno}: not valid JSON ({exc.msg} at column {exc.colno})") from None
-    return ((f"{path} row {i}", obj) for i, obj in enumerate(rows, start=1))
+        raise UserError(f"--dataset {path} line {exc.lineno}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+    return ((f"--dataset {path} row {i}", obj) for i, obj in enumerate(rows, start=1))
 
 
 def _jsonl_rows(path: str) -> Iterable[tuple[str, Any]]:
@@ -186,8 +186,8 @@ def _parquet_rows(path: str) -> Iterable[tuple[str, Any]]:
     try:
         rows = pq.read_table(path).to_pylist()
     except (pa.ArrowException, OSError) as exc:
-        raise UserError(f"{path}: not a readable parquet file ({_one_line(exc)})") from None
-    return ((f"{path} row {i}", obj) for i, obj in enumerate(rows, start=1))
+        raise UserError(f"--dataset {path}: not a readable parquet file ({_one_line(exc)})") from None
+    return ((f"--dataset {path} row {i}", obj) for i, obj in enumerate(rows, start=1))
 
 
 _LOCAL_READERS: dict[str, Callable[[str], Iterable[tuple[str, Any]]]] = {

@@ -38,11 +38,11 @@ class Precision:
 
     param_dtype: torch.dtype
     """Dtype of every unquantized parameter, and so of the quantized storage flattened with them."""
-    autocast_dtype: torch.dtype | None
+    autocast_dtype: torch.dtype | None = None
     """Forward/backward run under torch.autocast in this dtype (None: no autocast)."""
-    buffer_dtype: torch.dtype | None
-    """FSDP MixedPrecision buffer dtype (None: no MixedPrecision policy)."""
-    grad_scaler: bool
+    mixed_precision: tuple[torch.dtype, torch.dtype, torch.dtype] | None = None
+    """FSDP MixedPrecision (param, reduce, buffer) dtypes; None: no MixedPrecision policy."""
+    grad_scaler: bool = False
     """fp16 needs loss scaling."""
 
     @property
@@ -50,27 +50,26 @@ class Precision:
         return self.autocast_dtype or self.param_dtype
 
 
+_FP32, _BF16, _FP16 = torch.float32, torch.bfloat16, torch.float16
 PRECISIONS = {
-    "fp32": Precision(torch.float32, None, None, False),
-    "bf16": Precision(torch.bfloat16, None, None, False),
-    "fp16_autocast": Precision(torch.float32, torch.float16, torch.float32, True),
-    "bf16_autocast": Precision(torch.float32, torch.bfloat16, torch.float32, False),
-    "bf16_buffers_autocast": Precision(torch.bfloat16, torch.bfloat16, torch.float32, False),
+    "fp32": Precision(_FP32),
+    "bf16": Precision(_BF16),
+    "fp16_autocast": Precision(_FP32, _FP16, (_FP32, _FP32, _FP32), grad_scaler=True),
+    "bf16_autocast": Precision(_FP32, _BF16, (_FP32, _FP32, _FP32)),
+    "bf16_buffers_autocast": Precision(_BF16, _BF16, (_BF16, _BF16, _FP32)),
 }
 
 
 def mixed_precision(precision: Precision, *, ignore: tuple[type[nn.Module], ...]) -> MixedPrecision | None:
-    """FSDP MixedPrecision keeping parameters in their dtype; quantized classes are never cast.
+    """FSDP MixedPrecision for the run; quantized classes are never cast.
 
-    FSDP puts each ignored module in its own unit with no casting, which is what keeps packed bytes intact.
+    FSDP puts each ignored module in its own unit without casting, which is what keeps packed bytes intact.
     """
-    if precision.buffer_dtype is None:
+    if precision.mixed_precision is None:
         return None
+    param, reduce, buffer = precision.mixed_precision
     return MixedPrecision(
-        param_dtype=precision.param_dtype,
-        reduce_dtype=precision.param_dtype,
-        buffer_dtype=precision.buffer_dtype,
-        _module_classes_to_ignore=list(ignore),
+        param_dtype=param, reduce_dtype=reduce, buffer_dtype=buffer, _module_classes_to_ignore=list(ignore)
     )
 
 

@@ -1,0 +1,50 @@
+"""Shared fixtures: the tiny model (built once per session) and launchers for the real CLI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from scripts.make_tiny_model import build_tiny_model
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DATASET = REPO_ROOT / "data" / "alpaca_tiny.jsonl"
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random Llama in the real HF layout: config.json, 2 safetensors shards with index, tokenizer."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), seed=0)
+
+
+def worker_env() -> dict[str, str]:
+    """One thread per process: the tests run several ranks on 2 cores."""
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT), TOKENIZERS_PARALLELISM="false", WANDB_MODE="offline")
+    return env
+
+
+def launch(
+    script: str | Path, args: list[str], *, nproc: int, timeout: float = 300, torchrun_args: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess:
+    """Run `script` as `python script` (nproc 0) or under torchrun with `nproc` CPU ranks; output captured."""
+    if nproc == 0:
+        cmd = [sys.executable, str(script), *args]
+    else:
+        cmd = [str(TORCHRUN), "--standalone", f"--nproc_per_node={nproc}", *torchrun_args, str(script), *args]
+    return subprocess.run(
+        cmd, cwd=REPO_ROOT, env=worker_env(), capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def train(args: list[str], *, nproc: int, timeout: float = 300) -> subprocess.CompletedProcess:
+    """The real CLI: `torchrun ... train.py args` (or `python train.py args` for nproc 0); fails loudly."""
+    result = launch(REPO_ROOT / "train.py", args, nproc=nproc, timeout=timeout)
+    if result.returncode != 0:
+        raise AssertionError(f"train.py exited {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}")
+    return result
