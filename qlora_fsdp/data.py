@@ -158,7 +158,8 @@ def _json_lines(path: str, text: str, expected: str) -> Iterable[tuple[str, Any]
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
             raise UserError(
-                f"--dataset {path} line {line_no}: not valid JSON ({exc.msg} at column {exc.colno}); expected {expected}"
+                f"--dataset {path} line {line_no}: not valid JSON ({exc.msg} at column {exc.colno}); "
+                f"expected {expected}"
             ) from None
         yield (f"--dataset {path} row {row}" if row == line_no else f"--dataset {path} row {row} (line {line_no})"), obj
 
@@ -171,7 +172,9 @@ def _json_rows(path: str) -> Iterable[tuple[str, Any]]:
     try:
         rows = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise UserError(f"--dataset {path} line {exc.lineno}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+        raise UserError(
+            f"--dataset {path} line {exc.lineno}: not valid JSON ({exc.msg} at column {exc.colno})"
+        ) from None
     return ((f"--dataset {path} row {i}", obj) for i, obj in enumerate(rows, start=1))
 
 

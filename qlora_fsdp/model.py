@@ -58,7 +58,7 @@ def resolve_model_path(name: str) -> Path:
 
     try:
         return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model"]))
-    except Exception as exc:
+    except Exception as exc:  # offline, unknown repo, gated: the same advice for each
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise UserError(
             f"--model {name}: not a local directory and the Hugging Face hub could not provide it ({reason}); "

@@ -81,7 +81,18 @@ def test_adapter_trained(two_rank_run) -> None:
 def test_rank_equivalence(two_rank_run, tiny_model: Path, tmp_path: Path) -> None:
     """1 rank x batch 2 must reproduce the per-step losses of 2 ranks x batch 1 (same global batch and seed)."""
     quant, out, _ = two_rank_run
-    args = ["--model", str(tiny_model), "--quant", quant, "--batch_size", "2", "--max_steps", "5", "--save_model", "false"]
+    args = [
+        "--model",
+        str(tiny_model),
+        "--quant",
+        quant,
+        "--batch_size",
+        "2",
+        "--max_steps",
+        "5",
+        "--save_model",
+        "false",
+    ]
     train([*args, *COMMON, "--output_dir", str(tmp_path)], nproc=0)
     single = [r["loss"] for r in read_metrics(tmp_path)]
     sharded = [r["loss"] for r in read_metrics(out)][:5]
