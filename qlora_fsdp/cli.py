@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import warnings
 from typing import Any
 
 from qlora_fsdp.config import build_config, option_docs
@@ -17,6 +18,7 @@ def main(config: str | None = None, **flags: Any) -> None:
         print(main.__doc__)
         return
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    _quiet_known_noise()
     try:
         cfg = build_config({k.replace("-", "_"): v for k, v in flags.items()}, config).validate()
         from qlora_fsdp.trainer import run
@@ -25,6 +27,14 @@ def main(config: str | None = None, **flags: Any) -> None:
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
+
+
+def _quiet_known_noise() -> None:
+    """Silence third-party messages that say nothing actionable to a user of this tool."""
+    # bitsandbytes' optional CPU kernels package; the built-in CPU path is used instead.
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    # transformers renaming an attribute that PEFT reads.
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
 
 
 def _help_text() -> str:
