@@ -1,21 +1,55 @@
-"""Saving what was trained: the LoRA adapter in PEFT's format, gathered unit by unit (never the base model)."""
+"""Saving and resuming: the LoRA adapter in PEFT's format, and atomic, resumable training checkpoints.
+
+A checkpoint directory `checkpoint-STEP/` holds:
+- `adapter_model.safetensors` + `adapter_config.json`: the adapter gathered to rank 0, loadable by PEFT on its own;
+- `rank-R.pt` per rank: that rank's optimizer shard, RNG states, and the scheduler and gradient-scaler state.
+  Optimizer state stays sharded (no gather, no extra memory), so a resume needs the same world size;
+- `trainer_state.json`, written last: step, data position, world size. Its presence marks a complete checkpoint.
+
+All ranks write into `.checkpoint-STEP.tmp/`, which rank 0 renames into place only after every rank has finished,
+so a crash mid-write leaves the previous checkpoint intact and nothing that looks complete.
+"""
 
 from __future__ import annotations
 
+import json
+import os
+import random
+import shutil
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.fsdp import FullStateDictConfig, StateDictType
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from qlora_fsdp.distributed import DistEnv
+from qlora_fsdp.errors import UserError
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 FULL_WEIGHTS = "model.safetensors"
+TRAINER_STATE = "trainer_state.json"
+CHECKPOINT_PREFIX = "checkpoint-"
+
+
+@dataclass
+class TrainState:
+    """Where training stands: enough, with the saved tensors, to continue exactly."""
+
+    step: int = 0
+    """Optimizer steps done."""
+    epoch: int = 0
+    """Epoch of the next micro-batch."""
+    batch_in_epoch: int = 0
+    """Micro-batches of that epoch already consumed."""
+    world_size: int = 1
+    seed: int = 0
+    """Seed of the data sampler and of the run."""
 
 
 def gather_adapter(model: FSDP, keys: dict[nn.Module, dict[str, str]], *, env: DistEnv) -> dict[str, torch.Tensor]:
@@ -38,6 +72,18 @@ def gather_adapter(model: FSDP, keys: dict[nn.Module, dict[str, str]], *, env: D
     return state
 
 
+def load_adapter_into(model: FSDP, keys: dict[nn.Module, dict[str, str]], path: Path) -> None:
+    """Copy a saved adapter into the sharded model, unit by unit, bit for bit (every rank reads the file)."""
+    saved = load_file(str(path / ADAPTER_WEIGHTS))
+    for unit in FSDP.fsdp_modules(model):
+        names = keys.get(unit.module)
+        if names is None:
+            continue
+        with FSDP.summon_full_params(unit, recurse=False, writeback=True), torch.no_grad():
+            for param_name, param in unit.module.named_parameters():
+                param.copy_(saved[names[param_name]])
+
+
 def save_adapter(
     model: FSDP, peft_model: nn.Module, keys: dict[nn.Module, dict[str, str]], out: Path, *, env: DistEnv
 ) -> None:
@@ -58,3 +104,126 @@ def save_full_model(model: FSDP, hf_model: nn.Module, out: Path, *, env: DistEnv
         out.mkdir(parents=True, exist_ok=True)
         hf_model.save_pretrained(str(out), state_dict=state, safe_serialization=True)
     dist.barrier()
+
+
+def _rng_state(device: torch.device) -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def save_checkpoint(
+    *,
+    model: FSDP,
+    peft_model: nn.Module,
+    keys: dict[nn.Module, dict[str, str]],
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    scaler: Any,
+    state: TrainState,
+    output_dir: Path,
+    total_limit: int,
+    env: DistEnv,
+) -> Path:
+    """Write `checkpoint-STEP/` atomically (see the module docstring); returns its path."""
+    final = output_dir / f"{CHECKPOINT_PREFIX}{state.step}"
+    tmp = output_dir / f".{CHECKPOINT_PREFIX}{state.step}.tmp"
+    if env.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    save_adapter(model, peft_model, keys, tmp, env=env)
+    per_rank = {
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "scaler": scaler.state_dict() if scaler is not None else None,
+        "rng": _rng_state(env.device),
+    }
+    torch.save(per_rank, tmp / f"rank-{env.rank}.pt")
+    dist.barrier()
+    if env.is_main:
+        _write_json_durably(tmp / TRAINER_STATE, asdict(state))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _prune(output_dir, total_limit)
+    dist.barrier()
+    return final
+
+
+def _write_json_durably(path: Path, data: dict[str, Any]) -> None:
+    with open(path, "w") as fh:
+        json.dump(data, fh, indent=2)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def list_checkpoints(output_dir: Path) -> list[Path]:
+    """Complete checkpoints in `output_dir`, oldest first."""
+    found = []
+    for path in output_dir.glob(f"{CHECKPOINT_PREFIX}*"):
+        suffix = path.name[len(CHECKPOINT_PREFIX) :]
+        if suffix.isdigit() and (path / TRAINER_STATE).is_file():
+            found.append((int(suffix), path))
+    return [p for _, p in sorted(found)]
+
+
+def _prune(output_dir: Path, total_limit: int) -> None:
+    for stale in output_dir.glob(f".{CHECKPOINT_PREFIX}*.tmp"):
+        shutil.rmtree(stale, ignore_errors=True)
+    if total_limit > 0:
+        for old in list_checkpoints(output_dir)[:-total_limit]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def resolve_resume(resume_from: str, output_dir: Path) -> Path | None:
+    """The checkpoint to resume from: None for a fresh run, else a complete checkpoint directory."""
+    if not resume_from:
+        return None
+    if resume_from == "auto":
+        found = list_checkpoints(output_dir)
+        return found[-1] if found else None
+    path = Path(resume_from)
+    if not (path / TRAINER_STATE).is_file():
+        raise UserError(f"--resume_from {resume_from}: not a complete checkpoint (no {TRAINER_STATE}); use 'auto'")
+    return path
+
+
+def read_train_state(path: Path) -> TrainState:
+    return TrainState(**json.loads((path / TRAINER_STATE).read_text()))
+
+
+def load_checkpoint(
+    path: Path,
+    *,
+    model: FSDP,
+    keys: dict[nn.Module, dict[str, str]],
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    scaler: Any,
+    env: DistEnv,
+) -> TrainState:
+    """Restore everything `save_checkpoint` wrote; the world size must match (optimizer state is sharded)."""
+    state = read_train_state(path)
+    if state.world_size != env.world_size:
+        raise UserError(
+            f"--resume_from {path}: saved by {state.world_size} processes but this job has {env.world_size}; "
+            f"optimizer state is sharded per rank, so resume with --nproc_per_node/--nnodes giving {state.world_size}"
+        )
+    load_adapter_into(model, keys, path)
+    # map_location cpu: RNG states must stay CPU tensors; the optimizer moves its state to the parameters.
+    per_rank = torch.load(path / f"rank-{env.rank}.pt", map_location="cpu", weights_only=True)
+    optimizer.load_state_dict(per_rank["optimizer"])
+    scheduler.load_state_dict(per_rank["scheduler"])
+    if scaler is not None and per_rank["scaler"] is not None:
+        scaler.load_state_dict(per_rank["scaler"])
+    _set_rng_state(per_rank["rng"], env.device)
+    return state

@@ -43,6 +43,8 @@ class ModelConfig:
     """Rank 0 keeps the real weights on CPU, other ranks keep meta tensors; FSDP broadcasts at wrap time."""
     trust_remote_code: bool = False
     """Allow model code from the hub repository (off: only architectures transformers ships)."""
+    allow_pickle: bool = False
+    """Also load pickle (.bin) checkpoints, with torch.load(weights_only=True); off: safetensors only."""
 
 
 @dataclass
@@ -129,6 +131,8 @@ class OptimConfig:
     """Stop after this many optimizer steps (0: run --num_epochs)."""
     seed: int = 42
     """Seed for weights init of LoRA, data order and dropout: same seed, same losses."""
+    nan_policy: str = "stop"
+    """On a non-finite loss or gradient norm: stop (exit naming the step) or skip (leave the weights untouched)."""
 
 
 @dataclass
@@ -137,6 +141,14 @@ class OutputConfig:
     """Where the adapter, metrics.jsonl and checkpoints go."""
     save_model: bool = True
     """Write the trained adapter (LoRA) or model (full) at the end."""
+    save_steps: int = 0
+    """Write a resumable checkpoint every N optimizer steps to OUTPUT_DIR/checkpoint-N (0: never)."""
+    save_total_limit: int = 0
+    """Keep only the newest K checkpoints (0: keep all)."""
+    resume_from: str = ""
+    """Resume from a checkpoint directory, or 'auto' for the newest complete one in --output_dir."""
+    overwrite: bool = False
+    """Allow --output_dir to hold a previous run, whose results are replaced."""
     log_to: str = "tqdm"
     """Progress output: tqdm (bar on rank 0), stdout (a line per step) or wandb (tqdm + Weights & Biases)."""
     project_name: str = "qlora-fsdp"
@@ -153,6 +165,8 @@ class DistConfig:
     """auto: CUDA + NCCL when a GPU is visible, else CPU + gloo; or force cpu / cuda."""
     dist_timeout_s: int = 600
     """Seconds a collective may wait before the job fails instead of hanging."""
+    world_size: int = 0
+    """Expected number of processes; the run refuses to start if torchrun launched another number (0: any)."""
 
 
 SECTIONS: dict[str, type] = {
@@ -238,6 +252,9 @@ def _coerce(flag: str, value: Any, typ: type) -> Any:
         if isinstance(value, (list, tuple)):
             return ",".join(str(v) for v in value)
         return str(value)
+    if isinstance(value, bool):
+        # fire turns a flag given without its value (`--lora_rank --lr 1e-4`) into True; int(True) would be 1.
+        raise ConfigError(f"--{flag} must be a number ({typ.__name__}), got {value!r}; did you forget its value?")
     try:
         if typ is int:
             if isinstance(value, float) and not value.is_integer():
@@ -310,6 +327,7 @@ def _check_choices(cfg: TrainConfig) -> list[str]:
         *_choice("log_to", cfg.output.log_to, LOG_TARGETS),
         *_choice("device", cfg.dist.device, DEVICES),
         *_choice("prompt_style", cfg.data.prompt_style, PROMPT_STYLES),
+        *_choice("nan_policy", cfg.optim.nan_policy, ("stop", "skip")),
     ]
 
 
@@ -332,6 +350,9 @@ def _check_ranges(cfg: TrainConfig) -> list[str]:
         (cfg.optim.num_epochs < 1, "--num_epochs must be >= 1"),
         (cfg.optim.max_steps < 0, "--max_steps must be >= 0 (0: run --num_epochs)"),
         (cfg.dist.dist_timeout_s < 1, "--dist_timeout_s must be >= 1"),
+        (cfg.dist.world_size < 0, "--world_size must be >= 0 (0: whatever torchrun launched)"),
+        (cfg.output.save_steps < 0, "--save_steps must be >= 0 (0: no checkpoints)"),
+        (cfg.output.save_total_limit < 0, "--save_total_limit must be >= 0 (0: keep all)"),
         (not cfg.output.output_dir, "--output_dir must not be empty"),
     ]
     return [message for bad, message in checks if bad]

@@ -457,4 +457,7 @@ def build_dataloader(cfg: DataConfig, tokenizer: Any, env: DistEnv, *, seed: int
     sampler = DistributedSampler(
         ds, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=seed, drop_last=True
     )
-    return DataLoader(ds, batch_size=cfg.batch_size, sampler=sampler, drop_last=True)
+    # Its own generator: every new iterator draws a seed, and drawing from the global RNG would shift dropout
+    # masks between a resumed run and an uninterrupted one.
+    generator = torch.Generator().manual_seed(seed)
+    return DataLoader(ds, batch_size=cfg.batch_size, sampler=sampler, drop_last=True, generator=generator)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,7 @@ from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
 from qlora_fsdp.config import FSDPConfig
 from qlora_fsdp.distributed import DistEnv
 from qlora_fsdp.errors import UserError
+from qlora_fsdp.quant.base import QuantBackend
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -106,6 +108,8 @@ def wrap_model(
     This is FSDP's `sync_module_states` done per unit by hand: FSDP's own refuses CPU tensors, and this way the
     same code runs on GPUs and in the CPU tests. Quantization state is not sent: every rank computed it itself.
     """
+    if cfg.cpu_offload and env.device.type == "cpu":
+        raise UserError("--cpu_offload moves GPU parameters to host memory; on --device cpu they are there already")
     # FSDP puts each MixedPrecision-ignored (quantized) module in its own unit, but only under an auto-wrap policy.
     leaves = functools.partial(lambda_auto_wrap_policy, lambda_fn=_is_trainable_leaf if adapters_own_units else _never)
     options = dict(
@@ -190,3 +194,60 @@ def _sync_from_rank0(module: nn.Module, *, env: DistEnv) -> None:
             replaced[id(tensor)] = owner._parameters[name] = nn.Parameter(value, requires_grad=tensor.requires_grad)
         else:
             tensor.data = value
+
+
+def _fingerprint(packed: torch.Tensor) -> tuple[str, int]:
+    """dtype and a position-weighted byte checksum: any cast or reordering of packed bytes changes it."""
+    data = packed.detach().contiguous().view(torch.uint8).flatten().to(torch.int64)
+    weights = torch.arange(data.numel(), device=data.device, dtype=torch.int64) % 65521 + 1
+    return str(packed.dtype), int((data * weights).sum())
+
+
+def packed_fingerprints(quantized: list[nn.Module], backend: QuantBackend) -> list[tuple[str, int]]:
+    """Fingerprints of every packed tensor before wrapping (on a rank that holds real tensors)."""
+    return [_fingerprint(backend.packed(m)) for m in quantized]
+
+
+def verify_packed(
+    model: FSDP,
+    quantized: list[nn.Module],
+    backend: QuantBackend,
+    before: list[tuple[str, int]] | None,
+    *,
+    env: DistEnv,
+) -> None:
+    """Check once, after wrapping, that every rank sees rank 0's packed bytes and dtypes unchanged.
+
+    Each FSDP unit is unsharded alone, so this costs one all-gather pass and one layer of memory.
+    """
+    box = [before]
+    if env.world_size > 1:
+        dist.broadcast_object_list(box, src=0)
+    reference = box[0]
+    index = {id(m): i for i, m in enumerate(quantized)}
+    bad = []
+    for unit in FSDP.fsdp_modules(model):
+        with FSDP.summon_full_params(unit, recurse=False, writeback=False):
+            for module in _owned_modules(unit):
+                i = index.get(id(module))
+                if i is not None and _fingerprint(backend.packed(module)) != reference[i]:
+                    bad.append((i, str(backend.packed(module).dtype)))
+    flag = torch.tensor(len(bad), device=env.device)
+    if env.world_size > 1:
+        dist.all_reduce(flag)
+    if int(flag):
+        detail = f"module {bad[0][0]} is {bad[0][1]}, was {reference[bad[0][0]][0]}" if bad else "on another rank"
+        raise UserError(
+            f"packed quantized weights changed during FSDP wrapping ({detail}): the 4-bit bytes live in a float "
+            "tensor (quant_storage) that must have the same dtype as the parameters flattened with it and must "
+            "never be cast by mixed precision; keep --compute_dtype separate and report this with your flags"
+        )
+
+
+def _owned_modules(unit: FSDP) -> Iterator[nn.Module]:
+    """Modules whose tensors belong to `unit` itself, not to a nested unit."""
+    stack = [unit.module]
+    while stack:
+        module = stack.pop()
+        yield module
+        stack.extend(c for c in module.children() if not isinstance(c, FSDP))

@@ -29,8 +29,20 @@ class MetricsLogger:
     """Writes one JSON object per optimizer step; a no-op on ranks other than 0."""
 
     def __init__(
-        self, cfg: OutputConfig, *, output_dir: Path, is_main: bool, total_steps: int, run_config: dict[str, Any]
+        self,
+        cfg: OutputConfig,
+        *,
+        output_dir: Path,
+        is_main: bool,
+        total_steps: int,
+        run_config: dict[str, Any],
+        resume_step: int | None = None,
     ) -> None:
+        """A fresh run starts metrics.jsonl anew; a resumed one keeps the records up to `resume_step`.
+
+        Records past the checkpoint came from the interrupted run and are replaced by the resumed steps, so the
+        file always holds one consistent trajectory.
+        """
         self.is_main = is_main
         self.log_to = cfg.log_to
         self._bar = None
@@ -38,11 +50,16 @@ class MetricsLogger:
         self._file = None
         if not is_main:
             return
+        kept = []
+        if resume_step is not None and (output_dir / METRICS_FILE).exists():
+            kept = [r for r in read_metrics(output_dir) if r["step"] <= resume_step]
         self._file = open(output_dir / METRICS_FILE, "w", buffering=1)  # noqa: SIM115 - closed in close()
+        for record in kept:
+            self._file.write(json.dumps(record) + "\n")
         if cfg.log_to in ("tqdm", "wandb"):
             from tqdm.auto import tqdm
 
-            self._bar = tqdm(total=total_steps, desc="train", dynamic_ncols=True)
+            self._bar = tqdm(total=total_steps, initial=resume_step or 0, desc="train", dynamic_ncols=True)
         if cfg.log_to == "wandb":
             import wandb
 

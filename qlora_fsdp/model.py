@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+PICKLE_INDEX = "pytorch_model.bin.index.json"
+PICKLE_FILE = "pytorch_model.bin"
 # Never quantized: the output projection is small relative to the body and sensitive to quantization error.
 KEEP_FULL_PRECISION = ("lm_head",)
 
@@ -66,20 +68,39 @@ def resolve_model_path(name: str) -> Path:
         ) from None
 
 
-def shard_files(path: Path) -> list[Path]:
-    """The safetensors files of a model directory, in index order; every listed shard must exist."""
-    index = path / INDEX_FILE
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted(set(weight_map.values()))
-    elif (path / SINGLE_FILE).is_file():
-        files = [SINGLE_FILE]
+def shard_files(path: Path, *, allow_pickle: bool = False) -> list[Path]:
+    """The weight files of a model directory in index order; every listed shard must exist.
+
+    safetensors only, unless `allow_pickle`: a pickle (.bin) checkpoint can run code when loaded.
+    """
+    for index_name, single, pickled in ((INDEX_FILE, SINGLE_FILE, False), (PICKLE_INDEX, PICKLE_FILE, True)):
+        index = path / index_name
+        if index.is_file():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        elif (path / single).is_file():
+            files = [single]
+        else:
+            continue
+        if pickled and not allow_pickle:
+            raise UserError(
+                f"--model {path}: only pickle weights ({files[0]}), which can run code when loaded; convert them to "
+                "safetensors or pass --allow_pickle true (they are then loaded with torch.load(weights_only=True))"
+            )
+        missing = [f for f in files if not (path / f).is_file()]
+        if missing:
+            raise UserError(f"--model {path}: shard {missing[0]} is listed in {index_name} but missing; re-download it")
+        return [path / f for f in files]
+    raise UserError(f"--model {path}: no {INDEX_FILE} or {SINGLE_FILE}; the model directory has no weights")
+
+
+def _read_tensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) one at a time: safetensors lazily from disk; pickle only with weights_only, memory-mapped."""
+    if file.suffix == ".safetensors":
+        with safe_open(file, framework="pt", device="cpu") as shard:
+            for name in shard.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield name, shard.get_tensor(name)
     else:
-        raise UserError(f"--model {path}: no {INDEX_FILE} or {SINGLE_FILE}; only safetensors weights are loaded")
-    missing = [f for f in files if not (path / f).is_file()]
-    if missing:
-        raise UserError(f"--model {path}: shard {missing[0]} is listed in {INDEX_FILE} but missing; re-download it")
-    return [path / f for f in files]
+        yield from torch.load(file, map_location="cpu", weights_only=True, mmap=True).items()
 
 
 @contextlib.contextmanager
@@ -148,7 +169,7 @@ def load_model(
     state (which FSDP does not broadcast) exists, identical, everywhere.
     """
     path = path or resolve_model_path(cfg.model)
-    files = shard_files(path)
+    files = shard_files(path, allow_pickle=cfg.allow_pickle)
     model = build_skeleton(path, dtype=param_dtype, trust_remote_code=cfg.trust_remote_code)
     layer_classes = decoder_layer_classes(model)
     # Names as the checkpoint has them, before quantized modules rename their parameters (HQQ's W_q).
@@ -162,20 +183,18 @@ def load_model(
     modules = dict(model.named_modules())
     loaded: set[str] = set()
     for file in files:
-        with safe_open(file, framework="pt", device="cpu") as shard:
-            for name in shard.keys():  # noqa: SIM118 - safe_open is not a mapping
-                module_name, _, attr = name.rpartition(".")
-                module = modules.get(module_name)
-                if module is None or (name not in expected and attr not in module._buffers):
-                    log.warning("ignoring checkpoint tensor %s: no such parameter in the model", name)
-                    continue
-                tensor = shard.get_tensor(name)
-                if backend is not None and backend.is_quantized(module) and attr == "weight":
-                    backend.load_weight(module, tensor, device=env.device, keep=keep)
-                else:
-                    value = tensor.to(param_dtype) if tensor.is_floating_point() else tensor
-                    _set_tensor(model, name, value if keep else torch.empty_like(value, device="meta"))
-                loaded.add(name)
+        for name, tensor in _read_tensors(file):
+            module_name, _, attr = name.rpartition(".")
+            module = modules.get(module_name)
+            if module is None or (name not in expected and attr not in module._buffers):
+                log.warning("ignoring checkpoint tensor %s: no such parameter in the model", name)
+                continue
+            if backend is not None and backend.is_quantized(module) and attr == "weight":
+                backend.load_weight(module, tensor, device=env.device, keep=keep)
+            else:
+                value = tensor.to(param_dtype) if tensor.is_floating_point() else tensor
+                _set_tensor(model, name, value if keep else torch.empty_like(value, device="meta"))
+            loaded.add(name)
     if getattr(model.config, "tie_word_embeddings", False) and "lm_head.weight" not in loaded:
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
         loaded.add("lm_head.weight")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from fractions import Fraction
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
@@ -27,7 +28,8 @@ DECAYS: dict[str, Callable[[float, float], float]] = {
 
 def lr_factor(cfg: OptimConfig, total_steps: int) -> Callable[[int], float]:
     """Multiplier of --lr at optimizer step `step` (0-based): linear warmup, then the chosen decay."""
-    warmup = math.ceil(cfg.warmup_ratio * total_steps)
+    # Exact decimal arithmetic: in binary 0.07 * 100 is 7.000000000000001, which would round up to 8.
+    warmup = math.ceil(Fraction(str(cfg.warmup_ratio)) * total_steps)
     decay = DECAYS[cfg.lr_scheduler]
 
     def factor(step: int) -> float:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
+import signal
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -16,34 +18,67 @@ from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-from qlora_fsdp.checkpoint import save_adapter, save_full_model
-from qlora_fsdp.config import OptimConfig, TrainConfig
+from qlora_fsdp.checkpoint import (
+    TrainState,
+    list_checkpoints,
+    load_checkpoint,
+    resolve_resume,
+    save_adapter,
+    save_checkpoint,
+    save_full_model,
+)
+from qlora_fsdp.config import OptimConfig, OutputConfig, TrainConfig
 from qlora_fsdp.data import build_dataloader
-from qlora_fsdp.distributed import DistEnv, init_distributed, teardown
+from qlora_fsdp.distributed import DistEnv, broadcast_object, init_distributed, teardown
 from qlora_fsdp.errors import UserError
-from qlora_fsdp.fsdp import DTYPES, PRECISIONS, Precision, wrap_model
+from qlora_fsdp.fsdp import DTYPES, PRECISIONS, Precision, packed_fingerprints, verify_packed, wrap_model
 from qlora_fsdp.lora import adapter_keys, inject_lora, prepare_full_finetune
-from qlora_fsdp.metrics import MetricsLogger, peak_memory_bytes
+from qlora_fsdp.metrics import METRICS_FILE, MetricsLogger, peak_memory_bytes
 from qlora_fsdp.model import load_model, load_tokenizer, resolve_model_path
 from qlora_fsdp.optim import build_optimizer, build_scheduler
 from qlora_fsdp.quant import make_backend
 
 log = logging.getLogger(__name__)
 IGNORE_INDEX = -100
+FINISHED_MARKERS = ("adapter_model.safetensors", "model.safetensors", METRICS_FILE)
+
+
+class TrainingStopped(UserError):
+    """Training cannot go on (a non-finite loss, say); the message names the step and what to change."""
 
 
 @dataclass
 class TrainResult:
     output_dir: Path
-    steps: int
-    losses: list[float]
+    state: TrainState
+    losses: list[float] = field(default_factory=list)
+    preempted_checkpoint: Path | None = None
+
+
+def check_output_dir(cfg: OutputConfig) -> None:
+    """Refuse to mix a new run into the results of a previous one, before anything is written."""
+    out = Path(cfg.output_dir)
+    if cfg.overwrite or cfg.resume_from or not out.is_dir():
+        return
+    found = [m for m in FINISHED_MARKERS if (out / m).exists()] + [p.name for p in list_checkpoints(out)][:1]
+    if found:
+        raise UserError(
+            f"--output_dir {out} already holds a run ({found[0]}); pass --overwrite true to replace it, "
+            "--resume_from auto to continue it, or choose another --output_dir"
+        )
 
 
 def run(cfg: TrainConfig) -> TrainResult:
     """Train as configured on this process's rank of the job; returns where the outputs went."""
+    check_output_dir(cfg.output)
     model_path = resolve_model_path(cfg.model.model)
     env = init_distributed(device=cfg.dist.device, timeout_s=cfg.dist.dist_timeout_s)
     try:
+        if cfg.dist.world_size and cfg.dist.world_size != env.world_size:
+            raise UserError(
+                f"--world_size {cfg.dist.world_size} but torchrun started {env.world_size} processes; "
+                "make --nproc_per_node x --nnodes match or drop --world_size"
+            )
         return _run(cfg, env, model_path)
     finally:
         teardown()
@@ -60,9 +95,12 @@ def _run(cfg: TrainConfig, env: DistEnv, model_path: Path) -> TrainResult:
 
     backend = make_backend(cfg.quant, storage_dtype=precision.param_dtype, compute_dtype=compute_dtype)
     loaded = load_model(cfg.model, backend=backend, env=env, param_dtype=precision.param_dtype, path=model_path)
+    quantized = [m for m in loaded.model.modules() if backend and backend.is_quantized(m)]
+    fingerprints = packed_fingerprints(quantized, backend) if backend and env.is_main else None
     # Adapter init must not depend on how much randomness loading used.
     torch.manual_seed(cfg.optim.seed)
     lora = cfg.lora.train_type == "lora"
+    keys: dict[nn.Module, dict[str, str]] = {}
     if lora:
         trainable = inject_lora(
             loaded.model,
@@ -70,7 +108,10 @@ def _run(cfg: TrainConfig, env: DistEnv, model_path: Path) -> TrainResult:
             dtype=precision.param_dtype,
             quantized_classes=backend.module_classes if backend else (),
         )
-        leaves = adapter_keys(trainable)
+        keys = adapter_keys(trainable)
+        # Only ranks holding real tensors can name the keys; every rank needs them to load a checkpoint.
+        leaves = list(keys)
+        keys = dict(zip(leaves, broadcast_object([keys[m] for m in leaves], env), strict=True))
     else:
         trainable = prepare_full_finetune(loaded.model)
     if cfg.fsdp.gradient_checkpointing and cfg.fsdp.reentrant_checkpointing:
@@ -87,39 +128,83 @@ def _run(cfg: TrainConfig, env: DistEnv, model_path: Path) -> TrainResult:
         adapters_own_units=lora,
         sync_from_rank0=cfg.model.low_memory,
     )
+    if backend:
+        verify_packed(model, quantized, backend, fingerprints, env=env)
     optimizer = build_optimizer(model.parameters(), cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
+    scaler = ShardedGradScaler() if precision.grad_scaler else None
 
     output_dir = Path(cfg.output.output_dir)
+    state = TrainState(world_size=env.world_size, seed=cfg.optim.seed)
+    resume = resolve_resume(cfg.output.resume_from, output_dir)
+    if resume is not None:
+        if not lora:
+            raise UserError("--resume_from works with --train_type lora; full fine-tuning saves no checkpoints yet")
+        state = load_checkpoint(
+            resume, model=model, keys=keys, optimizer=optimizer, scheduler=scheduler, scaler=scaler, env=env
+        )
     if env.is_main:
         output_dir.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     logger = MetricsLogger(
-        cfg.output, output_dir=output_dir, is_main=env.is_main, total_steps=total_steps, run_config=cfg.to_dict()
+        cfg.output,
+        output_dir=output_dir,
+        is_main=env.is_main,
+        total_steps=total_steps,
+        run_config=cfg.to_dict(),
+        resume_step=state.step if resume is not None else None,
     )
-    try:
-        losses = train_loop(
-            model,
-            _micro_batches(loader),
-            optimizer,
-            scheduler,
+    if resume is not None:
+        logger.message(f"resumed from {resume} at step {state.step}")
+
+    def checkpoint(at: TrainState) -> Path:
+        return save_checkpoint(
+            model=model,
+            peft_model=trainable,
+            keys=keys,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            scaler=scaler,
+            state=at,
+            output_dir=output_dir,
+            total_limit=cfg.output.save_total_limit,
             env=env,
-            precision=precision,
-            accumulation=cfg.optim.gradient_accumulation_steps,
-            grad_norm=cfg.optim.grad_norm,
-            total_steps=total_steps,
-            logger=logger,
         )
-        if cfg.output.save_model:
+
+    try:
+        with _preemption_flag() as preempted:
+            result = train_loop(
+                model,
+                loader,
+                optimizer,
+                scheduler,
+                scaler=scaler,
+                state=state,
+                env=env,
+                precision=precision,
+                optim=cfg.optim,
+                total_steps=total_steps,
+                logger=logger,
+                save_steps=cfg.output.save_steps if lora else 0,
+                checkpoint=checkpoint if lora else None,
+                preempted=preempted,
+            )
+        result.output_dir = output_dir
+        if result.preempted_checkpoint is not None:
+            logger.message(
+                f"preempted: saved checkpoint {result.preempted_checkpoint.resolve()} at step {result.state.step}; "
+                "rerun with --resume_from auto to continue"
+            )
+        elif cfg.output.save_model:
             if lora:
-                save_adapter(model, trainable, leaves, output_dir, env=env)
+                save_adapter(model, trainable, keys, output_dir, env=env)
                 logger.message(f"adapter saved to {output_dir.resolve()}")
             else:
                 save_full_model(model, trainable, output_dir, env=env)
                 logger.message(f"model saved to {output_dir.resolve()}")
     finally:
         logger.close()
-    return TrainResult(output_dir=output_dir, steps=len(losses), losses=losses)
+    return result
 
 
 def _total_steps(cfg: OptimConfig, micro_batches_per_epoch: int) -> int:
@@ -134,14 +219,39 @@ def _total_steps(cfg: OptimConfig, micro_batches_per_epoch: int) -> int:
     return steps
 
 
-def _micro_batches(loader: torch.utils.data.DataLoader) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
-    """(epoch, batch) forever; each epoch reshuffles through the DistributedSampler."""
-    epoch = 0
+def _micro_batches(
+    loader: torch.utils.data.DataLoader, *, epoch: int, skip: int
+) -> Iterator[tuple[int, int, dict[str, torch.Tensor]]]:
+    """(epoch, index in epoch, batch) forever from a data position; each epoch reshuffles via the sampler."""
     while True:
         loader.sampler.set_epoch(epoch)
-        for batch in loader:
-            yield epoch, batch
-        epoch += 1
+        for index, batch in enumerate(loader):
+            if index >= skip:
+                yield epoch, index, batch
+        epoch, skip = epoch + 1, 0
+
+
+class _Flag:
+    """Set by a signal handler, read at step boundaries."""
+
+    def __init__(self) -> None:
+        self.raised = False
+
+
+@contextlib.contextmanager
+def _preemption_flag() -> Iterator[_Flag]:
+    """SIGTERM/SIGINT (what SLURM and Ctrl-C send) ask for a checkpoint at the next step boundary."""
+    flag = _Flag()
+
+    def handler(signum: int, frame: object) -> None:
+        flag.raised = True
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield flag
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 def _autocast(precision: Precision, device: torch.device) -> contextlib.AbstractContextManager:
@@ -152,35 +262,38 @@ def _autocast(precision: Precision, device: torch.device) -> contextlib.Abstract
 
 def train_loop(
     model: FSDP,
-    batches: Iterator[tuple[int, dict[str, torch.Tensor]]],
+    loader: torch.utils.data.DataLoader,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     *,
+    scaler: ShardedGradScaler | None,
+    state: TrainState,
     env: DistEnv,
     precision: Precision,
-    accumulation: int,
-    grad_norm: float,
+    optim: OptimConfig,
     total_steps: int,
     logger: MetricsLogger,
-) -> list[float]:
-    """Optimizer steps of `accumulation` micro-batches each; returns the loss of every step.
+    save_steps: int = 0,
+    checkpoint: Callable[[TrainState], Path] | None = None,
+    preempted: _Flag | None = None,
+) -> TrainResult:
+    """Optimizer steps of `gradient_accumulation_steps` micro-batches each, from `state` to `total_steps`.
 
     The loss is a sum over label tokens divided by the label-token count of the whole step across all ranks, so
     N ranks x batch b and 1 rank x batch N*b compute the same gradient.
     """
     model.train()
-    scaler = ShardedGradScaler() if precision.grad_scaler else None
-    max_norm = grad_norm if grad_norm > 0 else float("inf")
-    losses: list[float] = []
+    max_norm = optim.grad_norm if optim.grad_norm > 0 else float("inf")
+    batches = _micro_batches(loader, epoch=state.epoch, skip=state.batch_in_epoch)
+    result = TrainResult(output_dir=Path("."), state=state)
     start = time.perf_counter()
-    for step in range(1, total_steps + 1):
+    while state.step < total_steps:
         step_start = time.perf_counter()
-        micro = [next(batches) for _ in range(accumulation)]
-        epoch = micro[-1][0]
+        micro = [next(batches) for _ in range(optim.gradient_accumulation_steps)]
         counts = torch.tensor(
             [
-                sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for _, b in micro),
-                sum(int(b["attention_mask"].sum()) for _, b in micro),
+                sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for _, _, b in micro),
+                sum(int(b["attention_mask"].sum()) for _, _, b in micro),
             ],
             dtype=torch.float64,
             device=env.device,
@@ -188,7 +301,7 @@ def train_loop(
         dist.all_reduce(counts)
         label_tokens, input_tokens = counts.tolist()
         loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
-        for _, batch in micro:
+        for _, _, batch in micro:
             part = _forward_loss_sum(model, batch, env=env, precision=precision)
             # FSDP averages gradients over ranks: scale by world size so the result is sum / global count.
             scaled = part * env.world_size / max(label_tokens, 1.0)
@@ -196,35 +309,69 @@ def train_loop(
             loss_sum += part.detach().double()
         if scaler:
             scaler.unscale_(optimizer)
-        norm = model.clip_grad_norm_(max_norm)
+        norm = float(model.clip_grad_norm_(max_norm))
+        # One collective gives every rank the same loss and the same preemption decision.
+        stop_requested = float(preempted.raised) if preempted is not None else 0.0
+        totals = torch.stack([loss_sum, torch.tensor(stop_requested, dtype=torch.float64, device=env.device)])
+        dist.all_reduce(totals)
+        loss = totals[0].item() / max(label_tokens, 1.0)
+        # fp16's scaler skips overflowing steps itself; a non-finite norm is then routine, not an error.
+        bad = not math.isfinite(loss) or (scaler is None and not math.isfinite(norm))
         lr = scheduler.get_last_lr()[0]
-        if scaler:
-            scaler.step(optimizer)
-            scaler.update()
+        skipped = bad and _handle_non_finite(optim.nan_policy, state.step + 1, loss, norm)
+        if skipped:
+            optimizer.zero_grad(set_to_none=True)
         else:
-            optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+            if scaler:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
 
-        dist.all_reduce(loss_sum)
-        loss = loss_sum.item() / max(label_tokens, 1.0)
-        losses.append(loss)
+        last_epoch, last_index, _ = micro[-1]
+        state.step += 1
+        state.epoch, state.batch_in_epoch = last_epoch, last_index + 1
+        result.losses.append(loss)
         elapsed = time.perf_counter() - step_start
+        peak = peak_memory_bytes(env.device)
         logger.log(
             {
-                "step": step,
-                "epoch": epoch,
+                "step": state.step,
+                "epoch": last_epoch,
                 "loss": loss,
                 "lr": lr,
-                "grad_norm": float(norm),
+                "grad_norm": norm,
                 "tokens": int(input_tokens),
                 "tokens_per_s": input_tokens / elapsed,
-                "peak_memory_bytes": peak_memory_bytes(env.device),
-                "peak_memory_bytes_per_rank": _gather_ints(peak_memory_bytes(env.device), env),
+                "peak_memory_bytes": peak,
+                "peak_memory_bytes_per_rank": _gather_ints(peak, env),
                 "elapsed_s": time.perf_counter() - start,
+                "skipped": skipped,
             }
         )
-    return losses
+        if checkpoint is not None and totals[1].item() > 0:
+            result.preempted_checkpoint = checkpoint(state)
+            break
+        if checkpoint is not None and save_steps and state.step % save_steps == 0:
+            path = checkpoint(state)
+            logger.message(f"checkpoint saved to {path}")
+    result.state = state
+    return result
+
+
+def _handle_non_finite(policy: str, step: int, loss: float, norm: float) -> bool:
+    """True to skip the step (weights untouched); raises for --nan_policy stop."""
+    if policy == "skip":
+        log.warning(
+            "step %d: non-finite loss %s or gradient norm %s; step skipped, weights untouched", step, loss, norm
+        )
+        return True
+    raise TrainingStopped(
+        f"step {step}: non-finite loss ({loss}) or gradient norm ({norm}); lower --lr, check the data, "
+        "use --precision bf16/fp32, or pass --nan_policy skip to skip such steps"
+    )
 
 
 def _forward_loss_sum(

@@ -67,3 +67,67 @@ def test_help_lists_options(flag: str) -> None:
     assert result.returncode == 0
     for name in ("--model", "--quant", "--hqq_bits", "--lora_rank", "--sharding_strategy", "--log_to"):
         assert name in result.stdout
+
+
+def _quick_args(model: Path, out: Path) -> list[str]:
+    return [
+        "--model", str(model), "--dataset", str(DATASET), "--output_dir", str(out), "--device", "cpu",
+        "--max_steps", "1", "--context_length", "64", "--precision", "fp32", "--log_to", "stdout",
+    ]  # fmt: skip
+
+
+def test_output_dir_with_finished_run_is_refused_unless_overwrite(tiny_model: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    code, errors, output = run_cli(_quick_args(tiny_model, out))
+    assert_one_line_error(code, errors, output, "--output_dir", "--overwrite", "--resume_from")
+    assert (out / "metrics.jsonl").read_text() == '{"step": 1, "loss": 1.0}\n', "the previous run was touched"
+    code, errors, output = run_cli([*_quick_args(tiny_model, out), "--overwrite", "true"])
+    assert code == 0, output[-3000:]
+    assert (out / "adapter_model.safetensors").exists()
+
+
+def test_world_size_disagreeing_with_launcher(tiny_model: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    code, errors, output = run_cli([*_quick_args(tiny_model, out), "--world_size", "4"])
+    assert_one_line_error(code, errors, output, "--world_size 4", "1 processes")
+    assert not out.exists()
+
+
+def test_context_shorter_than_prompt_template(tiny_model: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    code, errors, output = run_cli([*_quick_args(tiny_model, out), "--context_length", "8"])
+    assert_one_line_error(code, errors, output, "--context_length")
+    assert not out.exists()
+
+
+def test_pickle_checkpoint_refused_unless_allowed(tiny_model: Path, tmp_path: Path) -> None:
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+
+    model = tmp_path / "pickled"
+    shutil.copytree(tiny_model, model)
+    state = {}
+    for shard in sorted(model.glob("*.safetensors")):
+        state.update(load_file(shard))
+        shard.unlink()
+    (model / "model.safetensors.index.json").unlink()
+    torch.save(state, model / "pytorch_model.bin")
+
+    out = tmp_path / "out"
+    code, errors, output = run_cli(_quick_args(model, out))
+    assert_one_line_error(code, errors, output, "--model", "pytorch_model.bin", "--allow_pickle")
+    assert not out.exists()
+    code, errors, output = run_cli([*_quick_args(model, out), "--allow_pickle", "true"])
+    assert code == 0, output[-3000:]
+    assert (out / "adapter_model.safetensors").exists()
+
+
+def test_hub_id_offline_names_the_problem(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    code, errors, output = run_cli(["--model", "some-org/some-model", "--output_dir", str(tmp_path / "out")])
+    assert_one_line_error(code, errors, output, "--model some-org/some-model", "hub", "local directory")

@@ -27,3 +27,10 @@ def test_quick_start_has_exactly_two_commands() -> None:
     section = readme.split("## Quick start", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
     commands = [line for line in section.splitlines() if line.strip()]
     assert [c.split("#")[0].strip() for c in commands] == ["bash scripts/quickstart_cpu.sh", "bash scripts/test.sh"]
+
+
+def test_readme_option_reference_is_generated_from_config() -> None:
+    from scripts.update_readme_options import README, rendered
+
+    current = README.read_text()
+    assert rendered(current) == current, "run: python scripts/update_readme_options.py"

@@ -1,0 +1,292 @@
+"""Overlay the loss curves of several training runs and tabulate them (bnb vs HQQ, one setting against another).
+
+Usage:
+    python scripts/compare_runs.py RUN_DIR [RUN_DIR ...] [--output compare.png] [--labels a,b] [--smooth N] [--json]
+
+Each RUN_DIR is one of:
+  * a train.py --output_dir: its metrics.jsonl is read;
+  * a Weights & Biases offline run directory (OUTPUT_DIR/wandb/offline-run-*, written with --log_to wandb and
+    WANDB_MODE=offline): its files/wandb-history.jsonl if there is one (older wandb versions), else its
+    run-*.wandb file, the log that `wandb sync` uploads (read here directly; wandb >= 0.19 has no Python reader).
+
+The plot (x: optimizer step, y: loss) goes to --output; stdout gets a Markdown table, or JSON with --json, with one
+row per run: name, steps, final loss, min loss, mean tokens/s (of the per-step values) and peak memory (the largest
+per-rank peak of any step, GiB). A step logged twice (a resumed run's W&B log) counts once, with its last record.
+Bad input prints one line, `error: ...`, and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import struct
+import sys
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn
+
+METRICS_FILE = "metrics.jsonl"
+WANDB_HISTORY_FILE = Path("files") / "wandb-history.jsonl"
+GIB = 2**30
+
+# The .wandb run log is a LevelDB-style log: a 7-byte file header (":W&B", magic 0xBEE1, version 0), then 32 KiB
+# blocks of chunks, each a 7-byte header (CRC-32 of type byte + data, data length, type) and its data. A record
+# (a serialized wandb.proto Record) is one FULL chunk or FIRST, MIDDLE..., LAST chunks across blocks.
+_WANDB_IDENT, _WANDB_MAGIC = b":W&B", 0xBEE1
+_BLOCK, _CHUNK_HEADER = 32768, 7
+_FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
+
+
+class CompareError(Exception):
+    """Bad input; main() prints it as one `error:` line and exits 2."""
+
+
+@dataclass
+class Run:
+    name: str
+    source: Path
+    records: list[dict[str, Any]]  # one per optimizer step, sorted by step
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        """One line, like every other error of this tool (argparse would print the usage block too)."""
+        print(f"error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = _Parser(
+        prog="compare_runs.py",
+        description="Overlay the loss curves of several runs and print a summary table.",
+    )
+    parser.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR", help="train.py output dir or W&B offline run")
+    parser.add_argument("--output", type=Path, default=Path("compare.png"), help="plot file (default compare.png)")
+    parser.add_argument("--labels", default="", help="comma-separated names, one per RUN_DIR, in order")
+    parser.add_argument("--smooth", type=int, default=1, help="trailing moving average over N steps (1: raw)")
+    parser.add_argument("--json", action="store_true", help="print the table as JSON instead of Markdown")
+    args = parser.parse_args(argv)
+    if args.smooth < 1:
+        parser.error(f"--smooth must be >= 1, got {args.smooth}")
+    return args
+
+
+def _by_step(records: list[dict[str, Any]], source: Path) -> list[dict[str, Any]]:
+    """One record per step (the last one logged), sorted; every record must carry a step and a loss."""
+    steps: dict[int, dict[str, Any]] = {}
+    for record in records:
+        if "step" not in record or "loss" not in record:
+            raise CompareError(f"{source}: a record without 'step' or 'loss': {json.dumps(record)[:200]}")
+        steps[int(record["step"])] = record
+    if not steps:
+        raise CompareError(f"{source}: no steps logged")
+    return [steps[s] for s in sorted(steps)]
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    records = []
+    with open(path) as fh:
+        for number, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise CompareError(f"{path}:{number}: not JSON ({exc.msg})") from None
+            if not isinstance(record, dict):
+                raise CompareError(f"{path}:{number}: expected a JSON object")
+            records.append(record)
+    return records
+
+
+def _wandb_chunks(data: bytes, path: Path) -> Iterator[bytes]:
+    """The records of a .wandb log; stops quietly at a torn tail (a run still writing, or killed)."""
+    if len(data) < _CHUNK_HEADER or data[:4] != _WANDB_IDENT:
+        raise CompareError(f"{path}: not a W&B run log (no ':W&B' header)")
+    _, magic, version = struct.unpack("<4sHB", data[:_CHUNK_HEADER])
+    if magic != _WANDB_MAGIC or version != 0:
+        raise CompareError(f"{path}: unsupported W&B run log (magic {magic:#x}, version {version})")
+    pos, pending = _CHUNK_HEADER, b""
+    while pos + _CHUNK_HEADER <= len(data):
+        room = _BLOCK - pos % _BLOCK
+        if room < _CHUNK_HEADER:  # block trailer: zero padding
+            pos += room
+            continue
+        checksum, length, kind = struct.unpack("<IHB", data[pos : pos + _CHUNK_HEADER])
+        body = data[pos + _CHUNK_HEADER : pos + _CHUNK_HEADER + length]
+        if kind == 0 or len(body) < length or zlib.crc32(bytes([kind]) + body) != checksum:
+            if pos + _CHUNK_HEADER + length < len(data) and any(data[pos:]):
+                print(f"warning: {path}: unreadable record at byte {pos}; using the steps before it", file=sys.stderr)
+            return
+        pos += _CHUNK_HEADER + length
+        if kind == _FULL:
+            yield body
+        elif kind == _FIRST:
+            pending = body
+        elif kind == _MIDDLE:
+            pending += body
+        elif kind == _LAST:
+            yield pending + body
+            pending = b""
+
+
+def _read_wandb_log(path: Path) -> tuple[str, list[dict[str, Any]]]:
+    """(run display name, history rows) from a run-*.wandb file."""
+    try:
+        from wandb.proto import wandb_internal_pb2
+    except ImportError:
+        raise CompareError(f"{path}: reading .wandb files needs the wandb package (pip install wandb)") from None
+    name, rows = "", []
+    for chunk in _wandb_chunks(path.read_bytes(), path):
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(chunk)
+        kind = record.WhichOneof("record_type")
+        if kind == "run" and record.run.display_name:
+            name = record.run.display_name
+        elif kind == "history":
+            row: dict[str, Any] = {}
+            for item in record.history.item:
+                key = ".".join(item.nested_key) if item.nested_key else item.key
+                row[key] = json.loads(item.value_json)
+            row["step"] = row.pop("_step", record.history.step.num)
+            rows.append(row)
+    return name, rows
+
+
+def load_run(path: Path, label: str = "") -> Run:
+    """Read one run directory (see the module docstring for the kinds accepted)."""
+    if not path.is_dir():
+        raise CompareError(f"{path}: no such directory")
+    if (path / METRICS_FILE).is_file():
+        return Run(label or str(path), path, _by_step(_read_jsonl(path / METRICS_FILE), path / METRICS_FILE))
+    if (path / WANDB_HISTORY_FILE).is_file():
+        history = path / WANDB_HISTORY_FILE
+        rows = _read_jsonl(history)
+        for i, row in enumerate(rows, 1):
+            row["step"] = row.pop("_step", i)
+        return Run(label or path.name, path, _by_step(rows, history))
+    logs = sorted(path.glob("run-*.wandb"))
+    if len(logs) > 1:
+        raise CompareError(f"{path}: several run-*.wandb files; pass one run directory per run")
+    if logs:
+        name, rows = _read_wandb_log(logs[0])
+        return Run(label or name or path.name, path, _by_step(rows, logs[0]))
+    raise CompareError(
+        f"{path}: no {METRICS_FILE}, {WANDB_HISTORY_FILE} or run-*.wandb (give a train.py --output_dir or a "
+        "wandb/offline-run-* directory)"
+    )
+
+
+def _finite(values: list[float]) -> list[float]:
+    return [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+
+
+def summarize(run: Run) -> dict[str, Any]:
+    """The table row of one run; None where the metric was not logged (or never finite)."""
+    losses = [float(r["loss"]) for r in run.records]
+    speeds = _finite([r.get("tokens_per_s", math.nan) for r in run.records])
+    peaks = []
+    for r in run.records:
+        per_rank = r.get("peak_memory_bytes_per_rank") or [r.get("peak_memory_bytes")]
+        peaks += _finite([p for p in per_rank if p is not None])
+    finite_losses = _finite(losses)
+    return {
+        "name": run.name,
+        "source": str(run.source),
+        "steps": len(run.records),
+        "final_loss": losses[-1] if math.isfinite(losses[-1]) else None,
+        "min_loss": min(finite_losses) if finite_losses else None,
+        "mean_tokens_per_s": sum(speeds) / len(speeds) if speeds else None,
+        "peak_memory_gib": max(peaks) / GIB if peaks else None,
+    }
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    def fmt(value: Any, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    lines = [
+        "| run | steps | final loss | min loss | mean tokens/s | peak memory (GiB) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        cells = [
+            r["name"].replace("|", "\\|"),
+            str(r["steps"]),
+            fmt(r["final_loss"], ".4f"),
+            fmt(r["min_loss"], ".4f"),
+            fmt(r["mean_tokens_per_s"], ".1f"),
+            fmt(r["peak_memory_gib"], ".2f"),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def smooth(values: list[float], window: int) -> list[float]:
+    """Trailing moving average over up to `window` points (the first points average what exists so far)."""
+    out, total, kept = [], 0.0, []
+    for v in values:
+        kept.append(v)
+        total += v
+        if len(kept) > window:
+            total -= kept.pop(0)
+        out.append(total / len(kept))
+    return out
+
+
+def plot(runs: list[Run], output: Path, window: int) -> None:
+    """Loss against step for every run on one axis, written to `output` (format from its suffix)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
+    except ImportError:
+        raise CompareError("the plot needs matplotlib (pip install matplotlib)") from None
+    fig, ax = plt.subplots(figsize=(8, 4.5), layout="constrained")
+    for run in runs:
+        steps = [r["step"] for r in run.records]
+        losses = [float(r["loss"]) for r in run.records]
+        if window > 1:
+            (line,) = ax.plot(steps, losses, alpha=0.25, linewidth=1)
+            ax.plot(steps, smooth(losses, window), color=line.get_color(), label=run.name)
+        else:
+            ax.plot(steps, losses, label=run.name, marker="." if len(steps) < 50 else None)
+    ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylabel("loss" + (f" ({window}-step moving average)" if window > 1 else ""))
+    ax.set_title("Training loss")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    output.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fig.savefig(output, dpi=120)
+    except (OSError, ValueError) as exc:
+        raise CompareError(f"--output {output}: {exc}") from None
+    finally:
+        plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    labels = [s.strip() for s in args.labels.split(",")] if args.labels else [""] * len(args.runs)
+    try:
+        if len(labels) != len(args.runs):
+            raise CompareError(f"--labels has {len(labels)} names for {len(args.runs)} runs")
+        runs = [load_run(path, label) for path, label in zip(args.runs, labels, strict=True)]
+        plot(runs, args.output, args.smooth)
+    except CompareError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    rows = [summarize(run) for run in runs]
+    print(json.dumps(rows, indent=2) if args.json else markdown_table(rows))
+    print(f"plot written to {args.output}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""Regenerate README.md's option reference from the config dataclasses (the single source of truth).
+
+python scripts/update_readme_options.py          # rewrite the section between the markers
+python scripts/update_readme_options.py --check  # exit 1 if README.md is out of date
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from qlora_fsdp.config import option_docs
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+START, END = "<!-- options:start -->", "<!-- options:end -->"
+
+
+def options_markdown() -> str:
+    lines: list[str] = []
+    section = None
+    for sec, flag, default, doc in option_docs():
+        if sec != section:
+            lines += ["", f"**{sec}**", "", "| flag | default | meaning |", "|---|---|---|"]
+            section = sec
+        lines.append(f"| `--{flag}` | `{default!r}` | {doc} |")
+    return "\n".join(lines).strip() + "\n"
+
+
+def rendered(readme: str) -> str:
+    head, rest = readme.split(START, 1)
+    _, tail = rest.split(END, 1)
+    return f"{head}{START}\n{options_markdown()}{END}{tail}"
+
+
+def main() -> int:
+    current = README.read_text()
+    fresh = rendered(current)
+    if "--check" in sys.argv[1:]:
+        return 0 if fresh == current else 1
+    README.write_text(fresh)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

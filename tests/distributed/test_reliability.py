@@ -1,0 +1,213 @@
+"""Long-run safety on real torchrun jobs: kill-and-resume, preemption, a dying rank, non-finite losses."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from qlora_fsdp.checkpoint import TRAINER_STATE, list_checkpoints
+from qlora_fsdp.metrics import read_metrics
+from tests.conftest import DATASET, REPO_ROOT, TORCHRUN, train, worker_env
+
+pytestmark = pytest.mark.distributed
+
+RESUME_ARGS = [
+    "--dataset", str(DATASET), "--precision", "fp32", "--context_length", "96", "--lr", "0.01",
+    "--batch_size", "1", "--gradient_accumulation_steps", "2", "--lr_scheduler", "cosine", "--warmup_ratio", "0.1",
+    "--lora_rank", "8", "--lora_dropout", "0.1", "--device", "cpu", "--log_to", "stdout", "--seed", "3",
+    "--max_steps", "12", "--save_steps", "3", "--save_total_limit", "2",
+]  # fmt: skip
+
+
+def start(args: list[str], *, nproc: int = 2) -> subprocess.Popen:
+    """torchrun in its own session, so the test can signal or kill the whole job."""
+    cmd = [str(TORCHRUN), "--standalone", f"--nproc_per_node={nproc}", str(REPO_ROOT / "train.py"), *args]
+    return subprocess.Popen(
+        cmd, cwd=REPO_ROOT, env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+
+
+def wait_for_step(out: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        metrics = out / "metrics.jsonl"
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= step:
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"job ended early ({proc.returncode}):\n{proc.stdout.read()[-4000:]}")
+        time.sleep(0.05)
+    raise AssertionError(f"no step {step} within {timeout}s")
+
+
+def workers_of(proc: subprocess.Popen) -> list[int]:
+    """PIDs of torchrun's worker processes (its children), read from /proc."""
+    children = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == proc.pid:
+                children.append(int(entry.name))
+    return children
+
+
+def kill_job(job: subprocess.Popen) -> None:
+    """SIGKILL torchrun and its workers (they run in process groups of their own)."""
+    workers = workers_of(job)
+    os.killpg(job.pid, signal.SIGKILL)
+    for pid in workers:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    job.wait(timeout=60)
+    deadline = time.monotonic() + 30
+    while any(Path(f"/proc/{pid}").exists() for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("quant", ["bnb", "hqq"])
+def test_sigkill_then_resume_matches_uninterrupted(quant: str, tiny_model: Path, tmp_path: Path) -> None:
+    args = ["--model", str(tiny_model), "--quant", quant, *RESUME_ARGS]
+    reference = tmp_path / "reference"
+    train([*args, "--output_dir", str(reference), "--save_model", "false"], nproc=2)
+    expected = [r["loss"] for r in read_metrics(reference)]
+
+    out = tmp_path / "killed"
+    job = start([*args, "--output_dir", str(out)])
+    wait_for_step(out, 5, job)
+    kill_job(job)
+    killed_at = len(read_metrics(out))
+    assert killed_at < 12, "the job finished before it could be killed"
+    assert list_checkpoints(out), "no complete checkpoint survived the kill"
+
+    result = train([*args, "--output_dir", str(out), "--resume_from", "auto"], nproc=2)
+    resumed_from = int(result.stdout.split("at step ")[1].split()[0])
+    assert 3 <= resumed_from <= killed_at
+    got = [r["loss"] for r in read_metrics(out)]
+    assert [r["step"] for r in read_metrics(out)] == list(range(1, 13))
+    deviation = max(abs(a - b) / abs(b) for a, b in zip(got, expected, strict=True))
+    assert deviation <= 1e-4, f"resumed trajectory deviates by {deviation:.2e}: {got} vs {expected}"
+    # save_total_limit 2: only the two newest complete checkpoints remain, and no temporary directory.
+    assert [p.name for p in list_checkpoints(out)] == ["checkpoint-9", "checkpoint-12"]
+    assert not list(out.glob(".checkpoint-*"))
+
+
+def test_checkpoint_is_self_contained_peft_adapter(tiny_model: Path, tmp_path: Path) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "run"
+    args = ["--model", str(tiny_model), "--quant", "bnb", *RESUME_ARGS]
+    train([*args, "--output_dir", str(out), "--max_steps", "3", "--save_model", "false"], nproc=2)
+    ckpt = out / "checkpoint-3"
+    state = json.loads((ckpt / TRAINER_STATE).read_text())
+    assert state["step"] == 3 and state["world_size"] == 2
+    assert {p.name for p in ckpt.iterdir()} >= {"adapter_model.safetensors", "rank-0.pt", "rank-1.pt"}
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), ckpt)
+    assert any("lora_B" in n for n, _ in model.named_parameters())
+
+
+def test_resume_with_other_world_size_refuses(tiny_model: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    args = ["--model", str(tiny_model), "--quant", "bnb", *RESUME_ARGS]
+    train([*args, "--output_dir", str(out), "--max_steps", "3", "--save_model", "false"], nproc=2)
+    result = subprocess.run(
+        [str(TORCHRUN), "--standalone", "--nproc_per_node=1", str(REPO_ROOT / "train.py"), *args,
+         "--output_dir", str(out), "--resume_from", "auto"],
+        cwd=REPO_ROOT, env=worker_env(), capture_output=True, text=True, timeout=180, check=False,
+    )  # fmt: skip
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors and "saved by 2 processes but this job has 1" in errors[0]
+
+
+def test_sigterm_saves_checkpoint_and_exits_zero(tiny_model: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    args = ["--model", str(tiny_model), "--quant", "bnb", *RESUME_ARGS, "--max_steps", "500", "--save_steps", "0"]
+    job = start([*args, "--output_dir", str(out)])
+    wait_for_step(out, 2, job)
+    workers = workers_of(job)
+    assert len(workers) == 2
+    for pid in workers:  # as SLURM does: every process of the step gets the signal
+        os.kill(pid, signal.SIGTERM)
+    output, _ = job.communicate(timeout=120)
+    assert job.returncode == 0, output[-4000:]
+    checkpoints = list_checkpoints(out)
+    assert len(checkpoints) == 1
+    step = json.loads((checkpoints[0] / TRAINER_STATE).read_text())["step"]
+    assert step == len(read_metrics(out)) < 500
+    assert f"preempted: saved checkpoint {checkpoints[0].resolve()}" in output
+    assert not (out / "adapter_model.safetensors").exists(), "a preempted run is not a finished run"
+
+
+def test_dead_rank_ends_the_job(tiny_model: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    args = ["--model", str(tiny_model), "--quant", "bnb", *RESUME_ARGS, "--max_steps", "5000", "--save_steps", "0"]
+    job = start([*args, "--output_dir", str(out), "--dist_timeout_s", "60"])
+    wait_for_step(out, 2, job)
+    killed = time.monotonic()
+    os.kill(max(workers_of(job)), signal.SIGKILL)
+    try:
+        job.wait(timeout=120)
+    finally:
+        if job.poll() is None:
+            kill_job(job)
+    assert job.returncode != 0
+    assert time.monotonic() - killed < 120
+
+
+def test_non_finite_loss_stops_naming_the_step(tiny_model: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    args = ["--model", str(tiny_model), "--quant", "bnb", *RESUME_ARGS, "--lr", "1e30", "--warmup_ratio", "0"]
+    result = subprocess.run(
+        [str(TORCHRUN), "--standalone", "--nproc_per_node=2", str(REPO_ROOT / "train.py"), *args,
+         "--output_dir", str(out), "--save_steps", "0"],
+        cwd=REPO_ROOT, env=worker_env(), capture_output=True, text=True, timeout=180, check=False,
+    )  # fmt: skip
+    assert result.returncode != 0
+    errors = {line for line in result.stderr.splitlines() if line.startswith("error:")}
+    assert len(errors) == 1, result.stderr[-3000:]
+    (message,) = errors
+    step = len(read_metrics(out)) + 1
+    assert f"step {step}: non-finite loss" in message and "--nan_policy skip" in message
+    assert step > 1
+
+
+def test_nan_policy_skip_leaves_weights_untouched(tiny_model: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    args = ["--model", str(tiny_model), "--quant", "bnb", *RESUME_ARGS, "--lr", "1e30", "--warmup_ratio", "0"]
+    train(
+        [
+            *args,
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            "4",
+            "--save_steps",
+            "1",
+            "--save_total_limit",
+            "0",
+            "--nan_policy",
+            "skip",
+        ],
+        nproc=2,
+    )
+    records = read_metrics(out)
+    skipped = [r["step"] for r in records if r["skipped"]]
+    assert skipped and skipped == list(range(skipped[0], 5)), skipped
+    # The last good step's adapter is what the run ends with: skipped steps changed nothing.
+    last_good = load_file(out / f"checkpoint-{skipped[0] - 1}" / "adapter_model.safetensors")
+    final = load_file(out / "adapter_model.safetensors")
+    assert set(last_good) == set(final)
+    assert all(torch.equal(last_good[k], final[k]) for k in final)

@@ -1,0 +1,400 @@
+"""qlora_fsdp.config: validation messages, YAML/flag precedence, coercion, docs, and the --help listing."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+import qlora_fsdp.data
+import qlora_fsdp.quant
+from qlora_fsdp import config as config_module
+from qlora_fsdp.config import (
+    FLAGS,
+    SECTIONS,
+    ConfigError,
+    TrainConfig,
+    build_config,
+    option_docs,
+)
+from qlora_fsdp.errors import UserError
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def names_flag(message: str, flag: str) -> bool:
+    """True when `--flag` appears as a whole flag name (so --quant is not matched inside --bnb_quant_type)."""
+    return re.search(rf"(?<![\w-])--{re.escape(flag)}(?![\w])", message) is not None
+
+
+def problems_of(**flags: object) -> str:
+    """The ConfigError message for a config with `model` set plus `flags`; fails the test when nothing is wrong."""
+    cfg = build_config({"model": "some/model", **flags})
+    with pytest.raises(ConfigError) as info:
+        cfg.validate()
+    return str(info.value)
+
+
+def write(path: Path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
+# --- validation ------------------------------------------------------------------------------------------------
+
+
+def test_defaults_need_only_a_model() -> None:
+    with pytest.raises(ConfigError) as info:
+        TrainConfig().validate()
+    assert names_flag(str(info.value), "model")
+    cfg = build_config({"model": "some/model"})
+    assert cfg.validate() is cfg
+
+
+def test_config_error_is_a_user_error() -> None:
+    # The CLI turns UserError into a one-line message; ConfigError must be caught by that handler.
+    assert issubclass(ConfigError, UserError)
+
+
+BAD_CHOICES = [
+    ("quant", "gptq"),
+    ("bnb_quant_type", "int4"),
+    ("hqq_bits", 5),
+    ("compute_dtype", "fp8"),
+    ("train_type", "prefix"),
+    ("precision", "fp64"),
+    ("sharding_strategy", "shard_everything"),
+    ("optimizer", "sgd"),
+    ("lr_scheduler", "step"),
+    ("log_to", "tensorboard"),
+    ("device", "tpu"),
+    ("prompt_style", "chatml"),
+    ("nan_policy", "ignore"),
+]
+
+
+@pytest.mark.parametrize(("flag", "bad"), BAD_CHOICES, ids=[f for f, _ in BAD_CHOICES])
+def test_each_choice_flag_rejects_a_bad_value(flag: str, bad: object) -> None:
+    message = problems_of(**{flag: bad})
+    assert names_flag(message, flag), message
+    assert repr(bad) in message, message
+    # Only this one problem: the rest of the defaults are valid.
+    assert ";" not in message, message
+
+
+def test_every_rejected_string_value_names_its_own_flag() -> None:
+    """Whatever string flag refuses a nonsense value says which flag it was, and the listed choices are all found."""
+    rejecting = set()
+    for flag, (_, typ) in FLAGS.items():
+        if typ is not str or flag == "model":
+            continue
+        cfg = build_config({"model": "m", flag: "no-such-value!"})
+        try:
+            cfg.validate()
+        except ConfigError as exc:
+            assert names_flag(str(exc), flag), (flag, str(exc))
+            rejecting.add(flag)
+    assert {flag for flag, _ in BAD_CHOICES if FLAGS[flag][1] is str} <= rejecting
+
+
+def test_valid_choices_are_accepted() -> None:
+    cfg = build_config(
+        {
+            "model": "m",
+            "quant": "hqq",
+            "hqq_bits": 2,
+            "precision": "bf16_buffers_autocast",
+            "lr_scheduler": "cosine",
+            "log_to": "stdout",
+            "device": "cpu",
+            "prompt_style": "qna",
+            "sharding_strategy": "hybrid_shard",
+            "compute_dtype": "fp16",
+            "bnb_quant_type": "fp4",
+        }
+    )
+    assert cfg.validate() is cfg
+
+
+def test_all_problems_are_reported_at_once() -> None:
+    message = problems_of(quant="gptq", precision="fp64", batch_size=0, lora_dropout=1.5, lr=-1.0)
+    for flag in ("quant", "precision", "batch_size", "lora_dropout", "lr"):
+        assert names_flag(message, flag), (flag, message)
+    assert message.count(";") == 4
+
+
+def test_missing_model_is_reported_with_other_problems() -> None:
+    cfg = build_config({"batch_size": 0})
+    with pytest.raises(ConfigError) as info:
+        cfg.validate()
+    assert names_flag(str(info.value), "model")
+    assert names_flag(str(info.value), "batch_size")
+
+
+RANGE_ERRORS = [
+    ("batch_size", 0),
+    ("gradient_accumulation_steps", 0),
+    ("hqq_group_size", 12),
+    ("hqq_group_size", 0),
+    ("lora_dropout", 1.0),
+    ("lora_dropout", -0.1),
+    ("warmup_ratio", 1.0),
+    ("warmup_ratio", -0.5),
+    ("cosine_min_lr_ratio", 1.5),
+    ("lora_rank", 0),
+    ("lora_target_modules", "  "),
+    ("dataset_samples", -1),
+    ("context_length", 4),
+    ("lr", 0.0),
+    ("wd", -0.01),
+    ("grad_norm", -1.0),
+    ("num_epochs", 0),
+    ("max_steps", -1),
+    ("dist_timeout_s", 0),
+    ("output_dir", ""),
+]
+
+
+@pytest.mark.parametrize(("flag", "bad"), RANGE_ERRORS, ids=[f"{f}={v!r}" for f, v in RANGE_ERRORS])
+def test_range_checks(flag: str, bad: object) -> None:
+    message = problems_of(**{flag: bad})
+    assert names_flag(message, flag), message
+    assert ";" not in message, message
+
+
+@pytest.mark.parametrize(
+    ("flag", "edge"),
+    [
+        ("batch_size", 1),
+        ("gradient_accumulation_steps", 1),
+        ("hqq_group_size", 8),
+        ("lora_dropout", 0.0),
+        ("warmup_ratio", 0.0),
+        ("warmup_ratio", 0.99),
+        ("cosine_min_lr_ratio", 0.0),
+        ("cosine_min_lr_ratio", 1.0),
+        ("context_length", 8),
+        ("grad_norm", 0.0),
+        ("max_steps", 0),
+    ],
+)
+def test_range_edges_are_accepted(flag: str, edge: object) -> None:
+    cfg = build_config({"model": "m", flag: edge})
+    assert cfg.validate() is cfg
+
+
+def test_full_finetune_needs_quant_none() -> None:
+    message = problems_of(train_type="full", quant="bnb")
+    assert names_flag(message, "train_type") and names_flag(message, "quant"), message
+    cfg = build_config({"model": "m", "train_type": "full", "quant": "none"})
+    assert cfg.validate() is cfg
+
+
+# --- build_config: precedence, YAML layouts, unknown keys, coercion ---------------------------------------------
+
+
+def test_precedence_flat_yaml(tmp_path: Path) -> None:
+    path = write(tmp_path / "run.yaml", "model: from/yaml\nlora_rank: 8\nlr: 0.002\nquant: hqq\n")
+    cfg = build_config({"lr": 0.5, "quant": "none"}, path)
+    assert cfg.model.model == "from/yaml"  # YAML over default
+    assert cfg.lora.lora_rank == 8  # YAML over default (64)
+    assert cfg.optim.lr == 0.5  # flag over YAML
+    assert cfg.quant.quant == "none"  # flag over YAML
+    assert cfg.data.batch_size == 1  # untouched default
+    assert cfg.lora.lora_alpha == 16.0
+
+
+def test_precedence_sectioned_yaml(tmp_path: Path) -> None:
+    # "model" and "quant" are both section names and flag names: a mapping is a section, a scalar is the flag.
+    text = (
+        "model:\n  model: sectioned/model\n  low_memory: false\n"
+        "quant:\n  quant: hqq\n  hqq_bits: 2\n"
+        "lora:\n  lora_rank: 4\n  lora_alpha: 8\n"
+        "optim:\n  lr: 0.001\n  lr_scheduler: cosine\n"
+    )
+    path = write(tmp_path / "run.yaml", text)
+    cfg = build_config({"hqq_bits": "8"}, path)
+    assert cfg.model.model == "sectioned/model"
+    assert cfg.model.low_memory is False
+    assert cfg.quant.quant == "hqq"
+    assert cfg.quant.hqq_bits == 8  # flag wins, coerced from a string
+    assert cfg.lora.lora_rank == 4
+    assert cfg.lora.lora_alpha == 8.0 and isinstance(cfg.lora.lora_alpha, float)
+    assert cfg.optim.lr == 0.001
+    assert cfg.optim.lr_scheduler == "cosine"
+    cfg.validate()
+
+
+def test_mixed_flat_and_sectioned_yaml(tmp_path: Path) -> None:
+    path = write(tmp_path / "run.yaml", "model: flat/model\nquant: bnb\ndata:\n  batch_size: 3\n")
+    cfg = build_config({}, path)
+    assert (cfg.model.model, cfg.quant.quant, cfg.data.batch_size) == ("flat/model", "bnb", 3)
+
+
+def test_flags_alone_override_defaults() -> None:
+    cfg = build_config({"model": "m", "num_epochs": 3})
+    assert cfg.optim.num_epochs == 3
+    assert cfg.optim.seed == 42
+
+
+def test_unknown_flag_keys_are_named() -> None:
+    with pytest.raises(ConfigError) as info:
+        build_config({"model": "m", "lora_rnk": 8, "learning_rate": 1.0})
+    message = str(info.value)
+    assert names_flag(message, "lora_rnk") and names_flag(message, "learning_rate"), message
+    assert not names_flag(message, "model")
+
+
+def test_unknown_yaml_keys_are_named(tmp_path: Path) -> None:
+    path = write(tmp_path / "run.yaml", "lora:\n  lora_rnk: 8\nbatchsize: 2\n")
+    with pytest.raises(ConfigError) as info:
+        build_config({"model": "m"}, path)
+    message = str(info.value)
+    assert names_flag(message, "lora_rnk") and names_flag(message, "batchsize"), message
+
+
+@pytest.mark.parametrize(
+    ("flag", "raw", "expected"),
+    [
+        ("low_memory", "false", False),
+        ("low_memory", "False", False),
+        ("low_memory", "no", False),
+        ("low_memory", "0", False),
+        ("save_model", "true", True),
+        ("save_model", "YES", True),
+        ("lora_rank", "8", 8),
+        ("lora_rank", 8.0, 8),
+        ("lr", "3e-4", 3e-4),
+        ("lora_alpha", 32, 32.0),
+        ("lora_target_modules", ("q_proj", "v_proj"), "q_proj,v_proj"),
+        ("lora_target_modules", ["k_proj"], "k_proj"),
+        ("model", 123, "123"),
+    ],
+)
+def test_type_coercion(flag: str, raw: object, expected: object) -> None:
+    cfg = build_config({flag: raw})
+    section, typ = FLAGS[flag]
+    value = getattr(getattr(cfg, section), flag)
+    assert value == expected
+    assert type(value) is typ
+
+
+@pytest.mark.parametrize(
+    ("flag", "raw"),
+    [("low_memory", "maybe"), ("save_model", 2), ("lora_rank", "eight"), ("lora_rank", 2.5), ("lr", "fast")],
+)
+def test_uncoercible_values_name_the_flag(flag: str, raw: object) -> None:
+    with pytest.raises(ConfigError) as info:
+        build_config({flag: raw})
+    assert names_flag(str(info.value), flag)
+    assert repr(raw) in str(info.value)
+
+
+@pytest.mark.parametrize("flag", ["lora_rank", "batch_size", "lr", "lora_alpha"])
+def test_a_bare_flag_is_not_a_number(flag: str) -> None:
+    """fire turns `--lora_rank --lr 1e-4` (value forgotten) into lora_rank=True; that must not become rank 1."""
+    with pytest.raises(ConfigError) as info:
+        build_config({"model": "m", flag: True})
+    assert names_flag(str(info.value), flag)
+
+
+def test_yaml_strings_are_coerced(tmp_path: Path) -> None:
+    path = write(tmp_path / "run.yaml", "low_memory: 'false'\nlora_rank: '16'\nlr: '1e-4'\n")
+    cfg = build_config({}, path)
+    assert cfg.model.low_memory is False
+    assert cfg.lora.lora_rank == 16
+    assert cfg.optim.lr == 1e-4
+
+
+def test_missing_yaml_file(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError) as info:
+        build_config({}, str(missing))
+    assert str(missing) in str(info.value)
+    assert names_flag(str(info.value), "config")
+
+
+def test_invalid_yaml_file(tmp_path: Path) -> None:
+    path = write(tmp_path / "bad.yaml", "lora_rank: [8\nlr: {\n")
+    with pytest.raises(ConfigError) as info:
+        build_config({}, path)
+    assert "YAML" in str(info.value)
+    assert path in str(info.value)
+
+
+def test_yaml_that_is_not_a_mapping(tmp_path: Path) -> None:
+    path = write(tmp_path / "list.yaml", "- lora_rank\n- 8\n")
+    with pytest.raises(ConfigError) as info:
+        build_config({}, path)
+    assert path in str(info.value)
+
+
+def test_empty_yaml_gives_defaults(tmp_path: Path) -> None:
+    path = write(tmp_path / "empty.yaml", "")
+    assert build_config({"model": "m"}, path) == build_config({"model": "m"})
+
+
+def test_replace_copies_and_coerces() -> None:
+    base = build_config({"model": "m"})
+    changed = config_module.replace(base, lora_rank="4", low_memory="false")
+    assert changed.lora.lora_rank == 4 and changed.model.low_memory is False
+    assert base.lora.lora_rank == 64 and base.model.low_memory is True  # the original is untouched
+    assert changed.lora is not base.lora
+
+
+def test_to_dict_is_flat_over_every_flag() -> None:
+    cfg = build_config({"model": "m", "lora_rank": 4})
+    flat = cfg.to_dict()
+    assert set(flat) == set(FLAGS)
+    assert flat["lora_rank"] == 4 and flat["model"] == "m"
+
+
+# --- docs and consistency with the rest of the package -------------------------------------------------------
+
+
+def test_option_docs_cover_every_field() -> None:
+    rows = option_docs()
+    by_flag = {flag: (section, default, doc) for section, flag, default, doc in rows}
+    assert len(rows) == len(by_flag) == len(FLAGS)
+    for section_name, cls in SECTIONS.items():
+        defaults = cls()
+        for f in fields(cls):
+            section, default, doc = by_flag[f.name]
+            assert section == section_name
+            assert default == getattr(defaults, f.name)
+            assert doc.strip(), f"--{f.name} has no doc"
+
+
+def test_flag_names_are_unique_across_sections() -> None:
+    names = [f.name for cls in SECTIONS.values() for f in fields(cls)]
+    assert len(names) == len(set(names)) == len(FLAGS)
+
+
+def test_quant_choices_match_backend_modules() -> None:
+    assert set(config_module.QUANT_BACKENDS) - {"none"} == set(qlora_fsdp.quant.backend_names())
+    assert "none" in config_module.QUANT_BACKENDS
+
+
+def test_prompt_styles_match_data_module() -> None:
+    assert tuple(config_module.PROMPT_STYLES) == tuple(qlora_fsdp.data.PROMPT_STYLES)
+
+
+def test_train_py_help_lists_every_flag() -> None:
+    result = subprocess.run(
+        [sys.executable, "train.py", "--help"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        stdin=subprocess.DEVNULL,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    listed = set(re.findall(r"--(\w+)", result.stdout))
+    missing = sorted(set(FLAGS) - listed)
+    assert not missing, f"--help does not list {missing}"
+    assert "--config" in result.stdout
