@@ -33,6 +33,7 @@ from qlora_fsdp.errors import UserError
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 FULL_WEIGHTS = "model.safetensors"
+TRAINED_BLOCKS = "llama_pro_blocks.safetensors"
 TRAINER_STATE = "trainer_state.json"
 CHECKPOINT_PREFIX = "checkpoint-"
 
@@ -104,6 +105,29 @@ def save_full_model(model: FSDP, hf_model: nn.Module, out: Path, *, env: DistEnv
         out.mkdir(parents=True, exist_ok=True)
         hf_model.save_pretrained(str(out), state_dict=state, safe_serialization=True)
     dist.barrier()
+
+
+def save_trained_blocks(model: FSDP, blocks: dict[nn.Module, str], out: Path, *, env: DistEnv) -> Path:
+    """--train_type llama_pro: the trained blocks' tensors, under their checkpoint names, gathered block by block.
+
+    Copying these tensors over the expanded checkpoint's gives the fine-tuned model.
+    """
+    state: dict[str, torch.Tensor] = {}
+    for unit in FSDP.fsdp_modules(model):
+        block = getattr(unit.module, "_checkpoint_wrapped_module", unit.module)
+        prefix = blocks.get(block)
+        if prefix is None:
+            continue
+        with FSDP.summon_full_params(unit, recurse=False, writeback=False, rank0_only=True):
+            if env.is_main:
+                for name, param in block.named_parameters():
+                    state[f"{prefix}{name}"] = param.detach().clone().cpu()
+    path = out / TRAINED_BLOCKS
+    if env.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(state, str(path))
+    dist.barrier()
+    return path
 
 
 def _rng_state(device: torch.device) -> dict[str, Any]:

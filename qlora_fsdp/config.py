@@ -23,11 +23,11 @@ class ConfigError(UserError):
 
 
 QUANT_BACKENDS = ("bnb", "hqq", "none")  # kept in step with qlora_fsdp/quant/ by a unit test
-TRAIN_TYPES = ("lora", "full")
+TRAIN_TYPES = ("lora", "full", "llama_pro")
 PRECISIONS = ("bf16", "fp32", "fp16_autocast", "bf16_autocast", "bf16_buffers_autocast")
-SHARDING_STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard")
+SHARDING_STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2")
 SCHEDULERS = ("constant", "linear", "cosine")
-OPTIMIZERS = ("adamw",)
+OPTIMIZERS = ("adamw", "adam", "sgd", "adadelta")
 HQQ_BITS = (1, 2, 3, 4, 8)
 LOG_TARGETS = ("tqdm", "stdout", "wandb")
 DEVICES = ("auto", "cpu", "cuda")
@@ -66,7 +66,8 @@ class QuantConfig:
 @dataclass
 class LoraConfig:
     train_type: str = "lora"
-    """lora: train LoRA adapters on the frozen (quantized) base; full: train every weight (needs --quant none)."""
+    """lora: adapters on the frozen (quantized) base; full: every weight (needs --quant none); llama_pro: only the
+    blocks added by scripts/block_expansion.py, unquantized, on the quantized rest."""
     lora_rank: int = 64
     """LoRA rank r."""
     lora_alpha: float = 16.0
@@ -82,13 +83,17 @@ class FSDPConfig:
     precision: str = "bf16"
     """bf16 / fp32: parameters in that dtype; *_autocast: fp32 (or bf16) parameters under autocast."""
     sharding_strategy: str = "full_shard"
-    """FSDP sharding: full_shard, shard_grad_op, no_shard or hybrid_shard."""
+    """FSDP sharding: full_shard, shard_grad_op, no_shard, hybrid_shard or hybrid_shard_zero2."""
+    shard_group_size: int = 0
+    """hybrid_*: ranks per shard group, replicated across groups (0: the ranks of one node)."""
     cpu_offload: bool = False
     """Keep sharded parameters on CPU between uses (FSDP CPUOffload)."""
     gradient_checkpointing: bool = True
     """Recompute decoder-layer activations in backward to save memory."""
     reentrant_checkpointing: bool = False
     """Use the reentrant checkpoint implementation (some older stacks need it)."""
+    activation_offload: bool = False
+    """Keep activations saved for backward in host memory (GPU memory for PCIe traffic)."""
 
 
 @dataclass
@@ -110,7 +115,7 @@ class DataConfig:
 @dataclass
 class OptimConfig:
     optimizer: str = "adamw"
-    """Optimizer: adamw."""
+    """Optimizer: adamw, adam, sgd or adadelta (fused kernels on CUDA where torch has them)."""
     lr: float = 1e-5
     """Peak learning rate."""
     wd: float = 0.0
@@ -157,6 +162,12 @@ class OutputConfig:
     """Weights & Biases run name (default: W&B picks one)."""
     wandb_entity: str = ""
     """Weights & Biases entity (team or user)."""
+    group: str = ""
+    """Weights & Biases run group, to show related runs (say bnb vs HQQ) together."""
+    profile: bool = False
+    """Write a torch.profiler Chrome trace (and a CUDA memory snapshot on GPU) to OUTPUT_DIR/profile."""
+    profile_steps: str = "2,3"
+    """With --profile: the steps to record, as FIRST,LAST (1-based, inclusive)."""
 
 
 @dataclass
@@ -353,9 +364,22 @@ def _check_ranges(cfg: TrainConfig) -> list[str]:
         (cfg.dist.world_size < 0, "--world_size must be >= 0 (0: whatever torchrun launched)"),
         (cfg.output.save_steps < 0, "--save_steps must be >= 0 (0: no checkpoints)"),
         (cfg.output.save_total_limit < 0, "--save_total_limit must be >= 0 (0: keep all)"),
+        (cfg.fsdp.shard_group_size < 0, "--shard_group_size must be >= 0 (0: ranks per node)"),
+        (not _is_step_window(cfg.output.profile_steps), "--profile_steps must be FIRST,LAST with 1 <= FIRST <= LAST"),
         (not cfg.output.output_dir, "--output_dir must not be empty"),
     ]
     return [message for bad, message in checks if bad]
+
+
+def _is_step_window(spec: str) -> bool:
+    parts = spec.split(",")
+    return len(parts) == 2 and all(p.strip().isdigit() for p in parts) and 1 <= int(parts[0]) <= int(parts[1])
+
+
+def profile_window(spec: str) -> tuple[int, int]:
+    """--profile_steps as (first, last), 1-based inclusive."""
+    first, last = (int(p) for p in spec.split(","))
+    return first, last
 
 
 def _check_combinations(cfg: TrainConfig) -> list[str]:

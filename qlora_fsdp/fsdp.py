@@ -14,7 +14,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     apply_activation_checkpointing,
     checkpoint_wrapper,
 )
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
@@ -31,6 +31,8 @@ STRATEGIES = {
     "shard_grad_op": ShardingStrategy.SHARD_GRAD_OP,
     "no_shard": ShardingStrategy.NO_SHARD,
     "hybrid_shard": ShardingStrategy.HYBRID_SHARD,
+    # FSDP1 names it privately; it is HYBRID_SHARD with SHARD_GRAD_OP inside each group.
+    "hybrid_shard_zero2": ShardingStrategy._HYBRID_SHARD_ZERO2,
 }
 
 
@@ -81,12 +83,16 @@ def _is_trainable_leaf(module: nn.Module) -> bool:
     return not list(module.children()) and bool(params) and all(p.requires_grad for p in params)
 
 
-def _device_mesh(cfg: FSDPConfig, env: DistEnv):
-    if cfg.sharding_strategy != "hybrid_shard":
+def _device_mesh(cfg: FSDPConfig, env: DistEnv) -> DeviceMesh | None:
+    """hybrid_*: shard within groups of --shard_group_size ranks (default: a node), replicate across groups."""
+    if not cfg.sharding_strategy.startswith("hybrid"):
         return None
-    shard = env.local_world_size
+    shard = cfg.shard_group_size or env.local_world_size
     if env.world_size % shard:
-        raise UserError(f"--sharding_strategy hybrid_shard needs equal ranks per node; got world {env.world_size}")
+        raise UserError(
+            f"--sharding_strategy {cfg.sharding_strategy}: {env.world_size} ranks do not split into shard groups of "
+            f"{shard}; set --shard_group_size to a divisor of the world size"
+        )
     return init_device_mesh(env.device.type, (env.world_size // shard, shard), mesh_dim_names=("replicate", "shard"))
 
 
@@ -251,3 +257,8 @@ def _owned_modules(unit: FSDP) -> Iterator[nn.Module]:
         module = stack.pop()
         yield module
         stack.extend(c for c in module.children() if not isinstance(c, FSDP))
+
+
+def resident_parameter_bytes(model: nn.Module) -> int:
+    """Bytes of parameters this rank holds after sharding (its FSDP shards plus anything unsharded)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())

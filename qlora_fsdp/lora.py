@@ -55,10 +55,10 @@ def inject_lora(
     return peft_model
 
 
-def prepare_full_finetune(model: nn.Module) -> nn.Module:
-    """--train_type full: every (unquantized) weight trains."""
-    for param in model.parameters():
-        param.requires_grad_(True)
+def prepare_full_finetune(model: nn.Module, *, only_prefixes: tuple[str, ...] = ()) -> nn.Module:
+    """--train_type full: every weight trains; llama_pro: only the parameters under `only_prefixes`."""
+    for name, param in model.named_parameters():
+        param.requires_grad_(not only_prefixes or name.startswith(only_prefixes))
     return model
 
 

@@ -68,6 +68,7 @@ class MetricsLogger:
                 name=cfg.run_name or None,
                 entity=cfg.wandb_entity or None,
                 config=run_config,
+                group=cfg.group or None,
                 dir=str(output_dir),
             )
 

@@ -159,8 +159,26 @@ def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
         module._buffers[attr] = value
 
 
+def expanded_layer_prefixes(path: Path) -> tuple[str, ...]:
+    """Module-name prefixes of the blocks scripts/block_expansion.py added (config.json `llama_pro_new_layers`)."""
+    config = json.loads((path / "config.json").read_text())
+    indices = config.get("llama_pro_new_layers")
+    if not indices:
+        raise UserError(
+            f"--train_type llama_pro: {path} has no expanded blocks; run scripts/block_expansion.py --model {path} "
+            "--output DIR and train DIR"
+        )
+    return tuple(f"model.layers.{i}." for i in indices)
+
+
 def load_model(
-    cfg: ModelConfig, *, backend: QuantBackend | None, env: DistEnv, param_dtype: torch.dtype, path: Path | None = None
+    cfg: ModelConfig,
+    *,
+    backend: QuantBackend | None,
+    env: DistEnv,
+    param_dtype: torch.dtype,
+    path: Path | None = None,
+    full_precision_prefixes: tuple[str, ...] = (),
 ) -> LoadedModel:
     """Build the skeleton, quantize target linears, and stream the checkpoint in.
 
@@ -177,7 +195,11 @@ def load_model(
     quantized = []
     if backend is not None:
         quantized = backend.replace_linears(
-            model, should_quantize=lambda n: n.rpartition(".")[2] not in KEEP_FULL_PRECISION, device=env.device
+            model,
+            should_quantize=lambda n: (
+                n.rpartition(".")[2] not in KEEP_FULL_PRECISION and not n.startswith(full_precision_prefixes)
+            ),
+            device=env.device,
         )
     keep = env.is_main or not cfg.low_memory
     modules = dict(model.named_modules())

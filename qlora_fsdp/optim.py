@@ -11,11 +11,24 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from qlora_fsdp.config import OptimConfig
 
+# name -> (class, whether torch has a fused CUDA kernel for it)
+OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], bool]] = {
+    "adamw": (torch.optim.AdamW, True),
+    "adam": (torch.optim.Adam, True),
+    "sgd": (torch.optim.SGD, True),
+    "adadelta": (torch.optim.Adadelta, False),
+}
+
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters only (frozen quantized storage has no optimizer state)."""
+    """The chosen optimizer over the trainable parameters only (frozen quantized storage has no state).
+
+    Fused kernels are used where torch has one and the parameters are on CUDA.
+    """
     trainable = [p for p in params if p.requires_grad]
-    return torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.wd)
+    cls, has_fused = OPTIMIZERS[cfg.optimizer]
+    extra = {"fused": True} if has_fused and trainable and all(p.is_cuda for p in trainable) else {}
+    return cls(trainable, lr=cfg.lr, weight_decay=cfg.wd, **extra)
 
 
 # Decay after warmup: progress in [0, 1] and the cosine floor -> multiplier of --lr.

@@ -26,15 +26,24 @@ from qlora_fsdp.checkpoint import (
     save_adapter,
     save_checkpoint,
     save_full_model,
+    save_trained_blocks,
 )
-from qlora_fsdp.config import OptimConfig, OutputConfig, TrainConfig
+from qlora_fsdp.config import OptimConfig, OutputConfig, TrainConfig, profile_window
 from qlora_fsdp.data import build_dataloader
 from qlora_fsdp.distributed import DistEnv, broadcast_object, init_distributed, teardown
 from qlora_fsdp.errors import UserError
-from qlora_fsdp.fsdp import DTYPES, PRECISIONS, Precision, packed_fingerprints, verify_packed, wrap_model
+from qlora_fsdp.fsdp import (
+    DTYPES,
+    PRECISIONS,
+    Precision,
+    packed_fingerprints,
+    resident_parameter_bytes,
+    verify_packed,
+    wrap_model,
+)
 from qlora_fsdp.lora import adapter_keys, inject_lora, prepare_full_finetune
 from qlora_fsdp.metrics import METRICS_FILE, MetricsLogger, peak_memory_bytes
-from qlora_fsdp.model import load_model, load_tokenizer, resolve_model_path
+from qlora_fsdp.model import expanded_layer_prefixes, load_model, load_tokenizer, resolve_model_path
 from qlora_fsdp.optim import build_optimizer, build_scheduler
 from qlora_fsdp.quant import make_backend
 
@@ -72,6 +81,8 @@ def run(cfg: TrainConfig) -> TrainResult:
     """Train as configured on this process's rank of the job; returns where the outputs went."""
     check_output_dir(cfg.output)
     model_path = resolve_model_path(cfg.model.model)
+    # A caller that already joined a process group (a test or benchmark running several trainings) keeps it.
+    owns_group = not dist.is_initialized()
     env = init_distributed(device=cfg.dist.device, timeout_s=cfg.dist.dist_timeout_s)
     try:
         if cfg.dist.world_size and cfg.dist.world_size != env.world_size:
@@ -81,7 +92,8 @@ def run(cfg: TrainConfig) -> TrainResult:
             )
         return _run(cfg, env, model_path)
     finally:
-        teardown()
+        if owns_group:
+            teardown()
 
 
 def _run(cfg: TrainConfig, env: DistEnv, model_path: Path) -> TrainResult:
@@ -94,7 +106,15 @@ def _run(cfg: TrainConfig, env: DistEnv, model_path: Path) -> TrainResult:
     total_steps = _total_steps(cfg.optim, len(loader))
 
     backend = make_backend(cfg.quant, storage_dtype=precision.param_dtype, compute_dtype=compute_dtype)
-    loaded = load_model(cfg.model, backend=backend, env=env, param_dtype=precision.param_dtype, path=model_path)
+    new_blocks = expanded_layer_prefixes(model_path) if cfg.lora.train_type == "llama_pro" else ()
+    loaded = load_model(
+        cfg.model,
+        backend=backend,
+        env=env,
+        param_dtype=precision.param_dtype,
+        path=model_path,
+        full_precision_prefixes=new_blocks,
+    )
     quantized = [m for m in loaded.model.modules() if backend and backend.is_quantized(m)]
     fingerprints = packed_fingerprints(quantized, backend) if backend and env.is_main else None
     # Adapter init must not depend on how much randomness loading used.
@@ -113,7 +133,8 @@ def _run(cfg: TrainConfig, env: DistEnv, model_path: Path) -> TrainResult:
         leaves = list(keys)
         keys = dict(zip(leaves, broadcast_object([keys[m] for m in leaves], env), strict=True))
     else:
-        trainable = prepare_full_finetune(loaded.model)
+        trainable = prepare_full_finetune(loaded.model, only_prefixes=new_blocks)
+    blocks = {m: f"{n}." for n, m in trainable.named_modules() if new_blocks and f"{n}." in new_blocks}
     if cfg.fsdp.gradient_checkpointing and cfg.fsdp.reentrant_checkpointing:
         # Reentrant checkpoints only backpropagate into a segment whose inputs require grad.
         trainable.enable_input_require_grads()
@@ -132,7 +153,7 @@ def _run(cfg: TrainConfig, env: DistEnv, model_path: Path) -> TrainResult:
         verify_packed(model, quantized, backend, fingerprints, env=env)
     optimizer = build_optimizer(model.parameters(), cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
-    scaler = ShardedGradScaler() if precision.grad_scaler else None
+    scaler = ShardedGradScaler(device=env.device.type) if precision.grad_scaler else None
 
     output_dir = Path(cfg.output.output_dir)
     state = TrainState(world_size=env.world_size, seed=cfg.optim.seed)
@@ -156,6 +177,8 @@ def _run(cfg: TrainConfig, env: DistEnv, model_path: Path) -> TrainResult:
     )
     if resume is not None:
         logger.message(f"resumed from {resume} at step {state.step}")
+    param_bytes = _gather_ints(resident_parameter_bytes(model), env)
+    logger.message(f"resident parameter bytes per rank after sharding: {param_bytes}")
 
     def checkpoint(at: TrainState) -> Path:
         return save_checkpoint(
@@ -188,6 +211,9 @@ def _run(cfg: TrainConfig, env: DistEnv, model_path: Path) -> TrainResult:
                 save_steps=cfg.output.save_steps if lora else 0,
                 checkpoint=checkpoint if lora else None,
                 preempted=preempted,
+                activation_offload=cfg.fsdp.activation_offload,
+                profiler=_profiler(cfg.output, output_dir, env) if cfg.output.profile else None,
+                static_fields={"param_bytes_per_rank": param_bytes},
             )
         result.output_dir = output_dir
         if result.preempted_checkpoint is not None:
@@ -199,6 +225,9 @@ def _run(cfg: TrainConfig, env: DistEnv, model_path: Path) -> TrainResult:
             if lora:
                 save_adapter(model, trainable, keys, output_dir, env=env)
                 logger.message(f"adapter saved to {output_dir.resolve()}")
+            elif blocks:
+                path = save_trained_blocks(model, blocks, output_dir, env=env)
+                logger.message(f"trained blocks saved to {path.resolve()}")
             else:
                 save_full_model(model, trainable, output_dir, env=env)
                 logger.message(f"model saved to {output_dir.resolve()}")
@@ -276,6 +305,9 @@ def train_loop(
     save_steps: int = 0,
     checkpoint: Callable[[TrainState], Path] | None = None,
     preempted: _Flag | None = None,
+    activation_offload: bool = False,
+    profiler: _StepProfiler | None = None,
+    static_fields: dict[str, object] | None = None,
 ) -> TrainResult:
     """Optimizer steps of `gradient_accumulation_steps` micro-batches each, from `state` to `total_steps`.
 
@@ -301,11 +333,17 @@ def train_loop(
         dist.all_reduce(counts)
         label_tokens, input_tokens = counts.tolist()
         loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
-        for _, _, batch in micro:
-            part = _forward_loss_sum(model, batch, env=env, precision=precision)
-            # FSDP averages gradients over ranks: scale by world size so the result is sum / global count.
-            scaled = part * env.world_size / max(label_tokens, 1.0)
-            (scaler.scale(scaled) if scaler else scaled).backward()
+        if profiler is not None:
+            profiler.before_step(state.step + 1)
+        for i, (_, _, batch) in enumerate(micro):
+            # Accumulate locally and reduce gradients once per optimizer step, not once per micro-batch.
+            last = i == len(micro) - 1
+            with contextlib.nullcontext() if last or env.world_size == 1 else model.no_sync():
+                with _activation_offload(activation_offload, env.device):
+                    part = _forward_loss_sum(model, batch, env=env, precision=precision)
+                # FSDP averages gradients over ranks: scale by world size so the result is sum / global count.
+                scaled = part * env.world_size / max(label_tokens, 1.0)
+                (scaler.scale(scaled) if scaler else scaled).backward()
             loss_sum += part.detach().double()
         if scaler:
             scaler.unscale_(optimizer)
@@ -349,8 +387,11 @@ def train_loop(
                 "peak_memory_bytes_per_rank": _gather_ints(peak, env),
                 "elapsed_s": time.perf_counter() - start,
                 "skipped": skipped,
+                **(static_fields or {}),
             }
         )
+        if profiler is not None:
+            profiler.after_step(state.step)
         if checkpoint is not None and totals[1].item() > 0:
             result.preempted_checkpoint = checkpoint(state)
             break
@@ -359,6 +400,47 @@ def train_loop(
             logger.message(f"checkpoint saved to {path}")
     result.state = state
     return result
+
+
+def _activation_offload(enabled: bool, device: torch.device) -> contextlib.AbstractContextManager:
+    """Tensors saved for backward go to (pinned) host memory and come back for the backward pass."""
+    if not enabled:
+        return contextlib.nullcontext()
+    return torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda")
+
+
+class _StepProfiler:
+    """torch.profiler over a window of optimizer steps; a Chrome trace (and a CUDA memory snapshot) at its end."""
+
+    def __init__(self, first: int, last: int, out: Path, device: torch.device, rank: int) -> None:
+        self.first, self.last, self.out, self.device, self.rank = first, last, out, device, rank
+        self._prof: torch.profiler.profile | None = None
+
+    def before_step(self, step: int) -> None:
+        if step != self.first:
+            return
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+            torch.cuda.memory._record_memory_history(max_entries=100_000)
+        self._prof = torch.profiler.profile(activities=activities, record_shapes=True, profile_memory=True)
+        self._prof.__enter__()
+
+    def after_step(self, step: int) -> None:
+        if self._prof is None or step != self.last:
+            return
+        self._prof.__exit__(None, None, None)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self._prof.export_chrome_trace(str(self.out / f"trace-rank{self.rank}.json"))
+        if self.device.type == "cuda":
+            torch.cuda.memory._dump_snapshot(str(self.out / f"memory-rank{self.rank}.pickle"))
+            torch.cuda.memory._record_memory_history(enabled=None)
+        self._prof = None
+
+
+def _profiler(cfg: OutputConfig, output_dir: Path, env: DistEnv) -> _StepProfiler:
+    first, last = profile_window(cfg.profile_steps)
+    return _StepProfiler(first, last, output_dir / "profile", env.device, env.rank)
 
 
 def _handle_non_finite(policy: str, step: int, loss: float, norm: float) -> bool:

@@ -68,7 +68,7 @@ BAD_CHOICES = [
     ("train_type", "prefix"),
     ("precision", "fp64"),
     ("sharding_strategy", "shard_everything"),
-    ("optimizer", "sgd"),
+    ("optimizer", "lion"),
     ("lr_scheduler", "step"),
     ("log_to", "tensorboard"),
     ("device", "tpu"),

@@ -1,0 +1,124 @@
+"""Every training option on real 2- and 4-rank CPU jobs (one torchrun job each, many short trainings inside)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import REPO_ROOT, launch
+
+pytestmark = pytest.mark.distributed
+WORKER = Path(__file__).with_name("options_worker.py")
+PRECISIONS = ("fp32", "bf16", "fp16_autocast", "bf16_autocast", "bf16_buffers_autocast")
+
+
+@pytest.fixture(scope="module")
+def pro_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tiny-pro")
+    result = launch(REPO_ROOT / "scripts" / "block_expansion.py",
+                    ["--model", str(tiny_model), "--output", str(out), "--expansion_rate", "0.5"], nproc=0)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    return out
+
+
+def _suite(name: str, nproc: int, tiny_model: Path, pro_model: Path, out: Path) -> dict[str, dict]:
+    result = launch(WORKER, [str(tiny_model), str(pro_model), str(out), name], nproc=nproc, timeout=600)
+    assert result.returncode == 0, result.stderr[-6000:]
+    results = json.loads((out / "results.json").read_text())
+    failed = {k: v["error"] for k, v in results.items() if v["error"]}
+    assert not failed, failed
+    return results
+
+
+@pytest.fixture(scope="module")
+def two(tiny_model: Path, pro_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    return _suite("two", 2, tiny_model, pro_model, tmp_path_factory.mktemp("options-two"))
+
+
+@pytest.fixture(scope="module")
+def four(tiny_model: Path, pro_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    return _suite("four", 4, tiny_model, pro_model, tmp_path_factory.mktemp("options-four"))
+
+
+def falls(losses: list[float]) -> bool:
+    return len(losses) == 5 and losses[-1] < losses[0] and min(losses[1:]) < losses[0]
+
+
+@pytest.mark.parametrize("quant", ["bnb", "hqq"])
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_precision_mode_trains(two: dict, precision: str, quant: str) -> None:
+    """Each mode trains (the packed-storage check after wrapping runs inside every run and would have failed it)."""
+    r = two[f"precision-{precision}-{quant}"]
+    assert falls(r["losses"]), r["losses"]
+
+
+def test_bf16_parameters_halve_resident_bytes(two: dict) -> None:
+    fp32, bf16 = two["precision-fp32-bnb"]["param_bytes"][0], two["precision-bf16-bnb"]["param_bytes"][0]
+    # Packed storage follows the parameter dtype in bytes per element but holds the same bits: only the
+    # unquantized parameters shrink, so the total shrinks but not by half.
+    assert bf16 < fp32
+
+
+def test_sharding_strategies_agree_and_full_shard_shrinks_with_world_size(two: dict, four: dict) -> None:
+    reference = two["sharding-full_shard"]["losses"]
+    for strategy in ("shard_grad_op", "no_shard"):
+        assert two[f"sharding-{strategy}"]["losses"] == pytest.approx(reference, rel=1e-3), strategy
+    whole = two["sharding-no_shard"]["param_bytes"][0]  # a full replica: what one rank holds alone
+    at2 = two["sharding-full_shard"]["param_bytes"][0]
+    at4 = four["four-full_shard"]["param_bytes"][0]
+    assert at2 < whole and at4 < at2
+    assert at2 <= whole / 2 * 1.05 and at4 <= whole / 4 * 1.1
+
+
+def test_hybrid_sharding_on_four_ranks(four: dict) -> None:
+    reference = four["four-full_shard"]["losses"]
+    for name in ("four-hybrid_shard", "four-hybrid_shard_zero2"):
+        assert four[name]["losses"] == pytest.approx(reference, rel=1e-3), name
+        # 2 groups of 2: each rank holds half the model, twice what full sharding over 4 leaves it.
+        assert four[name]["param_bytes"][0] == pytest.approx(2 * four["four-full_shard"]["param_bytes"][0], rel=0.05)
+
+
+def test_memory_savers_keep_losses(two: dict) -> None:
+    reference = two["ckpt-off"]["losses"]
+    for name in ("ckpt-nonreentrant", "ckpt-reentrant", "activation-offload"):
+        assert two[name]["losses"] == pytest.approx(reference, rel=1e-3), name
+
+
+def test_accumulation_matches_larger_batch(two: dict) -> None:
+    assert two["accum-2x1"]["losses"] == pytest.approx(two["accum-1x2"]["losses"], rel=1e-3)
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd", "adadelta"])
+def test_optimizers_train(two: dict, optimizer: str) -> None:
+    assert falls(two[f"optimizer-{optimizer}"]["losses"]), two[f"optimizer-{optimizer}"]["losses"]
+
+
+def test_llama_pro_trains_only_new_blocks(two: dict, tmp_path_factory: pytest.TempPathFactory) -> None:
+    r = two["llama-pro-hqq"]
+    assert falls(r["losses"]), r["losses"]
+    assert "llama_pro_blocks.safetensors" in r["files"] and "adapter_model.safetensors" not in r["files"]
+
+
+def test_profile_writes_chrome_traces(two: dict) -> None:
+    assert {"trace-rank0.json", "trace-rank1.json"} <= set(two["profile"]["files"])
+
+
+def test_block_expansion_keeps_outputs(tiny_model: Path, pro_model: Path) -> None:
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    original = AutoModelForCausalLM.from_pretrained(tiny_model)
+    expanded = AutoModelForCausalLM.from_pretrained(pro_model)
+    assert expanded.config.num_hidden_layers == original.config.num_hidden_layers + 1
+    assert expanded.config.llama_pro_new_layers == [2]
+    ids = torch.arange(3, 40).view(1, -1)
+    with torch.no_grad():
+        assert torch.equal(original(ids).logits, expanded(ids).logits)
+    state = {}
+    for shard in pro_model.glob("*.safetensors"):
+        state.update(load_file(shard))
+    assert torch.count_nonzero(state["model.layers.2.self_attn.o_proj.weight"]) == 0
+    assert torch.equal(state["model.layers.2.self_attn.q_proj.weight"], state["model.layers.1.self_attn.q_proj.weight"])
