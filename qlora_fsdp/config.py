@@ -23,7 +23,7 @@ class ConfigError(UserError):
 
 
 QUANT_BACKENDS = ("bnb", "hqq", "none")  # kept in step with qlora_fsdp/quant/ by a unit test
-TRAIN_TYPES = ("lora", "full", "llama_pro")
+TRAIN_TYPES = ("lora", "dora", "full", "llama_pro")
 PRECISIONS = ("bf16", "fp32", "fp16_autocast", "bf16_autocast", "bf16_buffers_autocast")
 SHARDING_STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2")
 SCHEDULERS = ("constant", "linear", "cosine")
@@ -66,8 +66,8 @@ class QuantConfig:
 @dataclass
 class LoraConfig:
     train_type: str = "lora"
-    """lora: adapters on the frozen (quantized) base; full: every weight (needs --quant none); llama_pro: only the
-    blocks added by scripts/block_expansion.py, unquantized, on the quantized rest."""
+    """lora: adapters on the frozen (quantized) base; dora: weight-decomposed LoRA (every rank loads the weights);
+    full: every weight (needs --quant none); llama_pro: only blocks added by scripts/block_expansion.py."""
     lora_rank: int = 64
     """LoRA rank r."""
     lora_alpha: float = 16.0

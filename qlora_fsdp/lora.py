@@ -44,6 +44,7 @@ def inject_lora(
         target_modules=target_modules(cfg.lora_target_modules, model, (nn.Linear, *quantized_classes)),
         bias="none",
         task_type="CAUSAL_LM",
+        use_dora=cfg.train_type == "dora",
     )
     try:
         peft_model = get_peft_model(model, peft_config, autocast_adapter_dtype=False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import signal
@@ -107,8 +108,12 @@ def _run(cfg: TrainConfig, env: DistEnv, model_path: Path) -> TrainResult:
 
     backend = make_backend(cfg.quant, storage_dtype=precision.param_dtype, compute_dtype=compute_dtype)
     new_blocks = expanded_layer_prefixes(model_path) if cfg.lora.train_type == "llama_pro" else ()
+    dora = cfg.lora.train_type == "dora"
+    # DoRA's magnitude starts as the column norms of the base weight, so every rank needs the weights at
+    # injection; and its forward dequantizes the base layer, which must then share its layer's FSDP unit.
+    model_cfg = dataclasses.replace(cfg.model, low_memory=cfg.model.low_memory and not dora)
     loaded = load_model(
-        cfg.model,
+        model_cfg,
         backend=backend,
         env=env,
         param_dtype=precision.param_dtype,
@@ -119,7 +124,7 @@ def _run(cfg: TrainConfig, env: DistEnv, model_path: Path) -> TrainResult:
     fingerprints = packed_fingerprints(quantized, backend) if backend and env.is_main else None
     # Adapter init must not depend on how much randomness loading used.
     torch.manual_seed(cfg.optim.seed)
-    lora = cfg.lora.train_type == "lora"
+    lora = cfg.lora.train_type in ("lora", "dora")
     keys: dict[nn.Module, dict[str, str]] = {}
     if lora:
         trainable = inject_lora(
@@ -145,9 +150,9 @@ def _run(cfg: TrainConfig, env: DistEnv, model_path: Path) -> TrainResult:
         env=env,
         precision=precision,
         layer_classes=loaded.layer_classes,
-        ignore=backend.module_classes if backend else (),
+        ignore=backend.module_classes if backend and not dora else (),
         adapters_own_units=lora,
-        sync_from_rank0=cfg.model.low_memory,
+        sync_from_rank0=model_cfg.low_memory,
     )
     if backend:
         verify_packed(model, quantized, backend, fingerprints, env=env)

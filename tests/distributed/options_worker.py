@@ -42,6 +42,8 @@ def two_rank_scenarios(model: str, pro_model: str) -> dict[str, dict]:
     s["optimizer-adam"] = {"optimizer": "adam"}
     s["optimizer-sgd"] = {"optimizer": "sgd", "lr": 1.0}
     s["optimizer-adadelta"] = {"optimizer": "adadelta", "lr": 10.0}
+    for quant in ("bnb", "hqq"):
+        s[f"dora-{quant}"] = {"train_type": "dora", "quant": quant}
     s["llama-pro-hqq"] = {"model": pro_model, "train_type": "llama_pro", "quant": "hqq", "lr": 0.001}
     s["profile"] = {"profile": True, "profile_steps": "2,3"}
     for name in s:
@@ -73,6 +75,7 @@ def main() -> None:
                 "losses": [r["loss"] for r in records],
                 "param_bytes": records[0]["param_bytes_per_rank"] if records else [],
                 "files": sorted(p.name for p in run_dir.rglob("*") if p.is_file()) if env.rank == 0 else [],
+                "output_dir": str(run_dir),
                 "error": None,
             }
         except Exception as exc:  # report every scenario, not just the first failure

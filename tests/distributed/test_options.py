@@ -96,6 +96,30 @@ def test_optimizers_train(two: dict, optimizer: str) -> None:
     assert falls(two[f"optimizer-{optimizer}"]["losses"]), two[f"optimizer-{optimizer}"]["losses"]
 
 
+@pytest.mark.parametrize("quant", ["bnb", "hqq"])
+def test_dora_trains_on_quantized_base(two: dict, quant: str) -> None:
+    dora, lora = two[f"dora-{quant}"]["losses"], two[f"precision-fp32-{quant}"]["losses"]
+    assert falls(dora), dora
+    # At step 1 DoRA's magnitude equals the column norms of the dequantized base weight and B is zero, so the
+    # model is the base model: equal to LoRA's first loss only if the weight DoRA dequantizes under FSDP is right.
+    assert dora[0] == pytest.approx(lora[0], rel=1e-5)
+    assert dora[1:] != pytest.approx(lora[1:], rel=1e-3), "DoRA trained exactly like LoRA: magnitude ignored?"
+
+
+@pytest.mark.parametrize("quant", ["bnb", "hqq"])
+def test_dora_adapter_loads_in_peft(two: dict, quant: str, tiny_model: Path) -> None:
+    from peft import PeftModel, get_peft_model_state_dict
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    out = Path(two[f"dora-{quant}"]["output_dir"])
+    saved = load_file(out / "adapter_model.safetensors")
+    assert sum("lora_magnitude_vector" in k for k in saved) == 14  # one per adapted linear
+    loaded = get_peft_model_state_dict(PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), out))
+    assert set(loaded) == set(saved)
+    assert all(torch.equal(loaded[k].to(v.dtype), v) for k, v in saved.items())
+
+
 def test_llama_pro_trains_only_new_blocks(two: dict, tmp_path_factory: pytest.TempPathFactory) -> None:
     r = two["llama-pro-hqq"]
     assert falls(r["losses"]), r["losses"]
