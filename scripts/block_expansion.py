@@ -20,7 +20,9 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from scripts.make_tiny_model import write_shards  # after the sys.path set-up above
 
 LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # The projections writing into the residual stream: zero them and the block adds nothing.
@@ -81,25 +83,8 @@ def expand(model: Path, output: Path, expansion_rate: float) -> list[int]:
     if "layer_types" in config:
         config["layer_types"] = [config["layer_types"][0]] * index
     (output / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    _write_shards(expanded, output, shards=max(2, math.ceil(len(expanded) / 64)))
+    write_shards(expanded, output, num_shards=max(2, math.ceil(len(expanded) / 64)))
     return new_indices
-
-
-def _write_shards(state: dict[str, torch.Tensor], output: Path, *, shards: int) -> None:
-    keys = list(state)
-    per = math.ceil(len(keys) / shards)
-    weight_map = {}
-    total = 0
-    for i in range(shards):
-        part = keys[i * per : (i + 1) * per]
-        if not part:
-            continue
-        name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-        save_file({k: state[k].contiguous() for k in part}, str(output / name), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(part, name))
-        total += sum(state[k].numel() * state[k].element_size() for k in part)
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (output / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:

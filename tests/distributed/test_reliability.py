@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from qlora_fsdp.checkpoint import TRAINER_STATE, list_checkpoints
 from qlora_fsdp.metrics import read_metrics
-from tests.conftest import DATASET, REPO_ROOT, TORCHRUN, train, worker_env
+from tests.conftest import DATASET, REPO_ROOT, TORCHRUN, launch, train, worker_env
 
 pytestmark = pytest.mark.distributed
 
@@ -122,11 +122,7 @@ def test_resume_with_other_world_size_refuses(tiny_model: Path, tmp_path: Path) 
     out = tmp_path / "run"
     args = ["--model", str(tiny_model), "--quant", "bnb", *RESUME_ARGS]
     train([*args, "--output_dir", str(out), "--max_steps", "3", "--save_model", "false"], nproc=2)
-    result = subprocess.run(
-        [str(TORCHRUN), "--standalone", "--nproc_per_node=1", str(REPO_ROOT / "train.py"), *args,
-         "--output_dir", str(out), "--resume_from", "auto"],
-        cwd=REPO_ROOT, env=worker_env(), capture_output=True, text=True, timeout=180, check=False,
-    )  # fmt: skip
+    result = launch(REPO_ROOT / "train.py", [*args, "--output_dir", str(out), "--resume_from", "auto"], nproc=1)
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert errors and "saved by 2 processes but this job has 1" in errors[0]
@@ -170,11 +166,7 @@ def test_dead_rank_ends_the_job(tiny_model: Path, tmp_path: Path) -> None:
 def test_non_finite_loss_stops_naming_the_step(tiny_model: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
     args = ["--model", str(tiny_model), "--quant", "bnb", *RESUME_ARGS, "--lr", "1e30", "--warmup_ratio", "0"]
-    result = subprocess.run(
-        [str(TORCHRUN), "--standalone", "--nproc_per_node=2", str(REPO_ROOT / "train.py"), *args,
-         "--output_dir", str(out), "--save_steps", "0"],
-        cwd=REPO_ROOT, env=worker_env(), capture_output=True, text=True, timeout=180, check=False,
-    )  # fmt: skip
+    result = launch(REPO_ROOT / "train.py", [*args, "--output_dir", str(out), "--save_steps", "0"], nproc=2)
     assert result.returncode != 0
     errors = {line for line in result.stderr.splitlines() if line.startswith("error:")}
     assert len(errors) == 1, result.stderr[-3000:]
