@@ -16,7 +16,7 @@ import json
 import os
 import random
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,8 @@ class TrainState:
     world_size: int = 1
     seed: int = 0
     """Seed of the data sampler and of the run."""
+    settings: dict[str, Any] = field(default_factory=dict)
+    """The flags a resume must share with the run that saved the checkpoint (data order, tensor shapes)."""
 
 
 def gather_adapter(model: FSDP, keys: dict[nn.Module, dict[str, str]], *, env: DistEnv) -> dict[str, torch.Tensor]:
@@ -99,7 +101,9 @@ def save_adapter(
 
 def save_full_model(model: FSDP, hf_model: nn.Module, out: Path, *, env: DistEnv) -> None:
     """--train_type full: the whole model is what was trained, gathered to rank 0 on CPU."""
-    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(True, True)):
+    with FSDP.state_dict_type(
+        model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
+    ):
         state = model.state_dict()
     if env.is_main:
         out.mkdir(parents=True, exist_ok=True)
@@ -221,6 +225,19 @@ def resolve_resume(resume_from: str, output_dir: Path) -> Path | None:
     return path
 
 
+def check_resume_compatible(path: Path, settings: dict[str, Any], *, world_size: int) -> None:
+    """Refuse, before any heavy work, a resume whose data order or tensors could not match the checkpoint's."""
+    state = read_train_state(path)
+    if state.world_size != world_size:
+        raise UserError(
+            f"--resume_from {path}: saved by {state.world_size} processes but this job has {world_size}; "
+            f"optimizer state is sharded per rank, so resume with --nproc_per_node/--nnodes giving {state.world_size}"
+        )
+    changed = [f"--{k} {state.settings[k]!r} -> {v!r}" for k, v in settings.items() if state.settings.get(k, v) != v]
+    if changed:
+        raise UserError(f"--resume_from {path}: the checkpoint was made with other settings ({'; '.join(changed)})")
+
+
 def read_train_state(path: Path) -> TrainState:
     return TrainState(**json.loads((path / TRAINER_STATE).read_text()))
 
@@ -235,13 +252,8 @@ def load_checkpoint(
     scaler: Any,
     env: DistEnv,
 ) -> TrainState:
-    """Restore everything `save_checkpoint` wrote; the world size must match (optimizer state is sharded)."""
+    """Restore everything `save_checkpoint` wrote (check_resume_compatible has vetted it)."""
     state = read_train_state(path)
-    if state.world_size != env.world_size:
-        raise UserError(
-            f"--resume_from {path}: saved by {state.world_size} processes but this job has {env.world_size}; "
-            f"optimizer state is sharded per rank, so resume with --nproc_per_node/--nnodes giving {state.world_size}"
-        )
     load_adapter_into(model, keys, path)
     # map_location cpu: RNG states must stay CPU tensors; the optimizer moves its state to the parameters.
     per_rank = torch.load(path / f"rank-{env.rank}.pt", map_location="cpu", weights_only=True)

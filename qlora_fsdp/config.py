@@ -287,6 +287,8 @@ def build_config(overrides: dict[str, Any], config_file: str | None = None) -> T
     if config_file:
         values.update(_read_yaml(config_file))
     values.update(overrides)
+    # An empty YAML value (`run_name:`) means "not set", not the string "None".
+    values = {k: v for k, v in values.items() if v is not None}
     unknown = sorted(k for k in values if k not in FLAGS)
     if unknown:
         raise ConfigError(
@@ -347,6 +349,7 @@ def _check_ranges(cfg: TrainConfig) -> list[str]:
         (not cfg.model.model, "--model is required (a local model directory or a hub id)"),
         (cfg.quant.hqq_group_size < 8 or cfg.quant.hqq_group_size % 8, "--hqq_group_size must be a multiple of 8"),
         (cfg.lora.lora_rank < 1, "--lora_rank must be >= 1"),
+        (cfg.lora.lora_alpha <= 0, "--lora_alpha must be > 0"),
         (not 0 <= cfg.lora.lora_dropout < 1, "--lora_dropout must be in [0, 1)"),
         (not cfg.lora.lora_target_modules.strip(), "--lora_target_modules must be 'all' or layer names"),
         (cfg.data.dataset_samples < 0, "--dataset_samples must be >= 0"),
@@ -373,7 +376,8 @@ def _check_ranges(cfg: TrainConfig) -> list[str]:
 
 def _is_step_window(spec: str) -> bool:
     parts = spec.split(",")
-    return len(parts) == 2 and all(p.strip().isdigit() for p in parts) and 1 <= int(parts[0]) <= int(parts[1])
+    digits = len(parts) == 2 and all(p.strip().isascii() and p.strip().isdigit() for p in parts)
+    return digits and 1 <= int(parts[0]) <= int(parts[1])
 
 
 def profile_window(spec: str) -> tuple[int, int]:
@@ -386,6 +390,14 @@ def _check_combinations(cfg: TrainConfig) -> list[str]:
     problems = []
     if cfg.lora.train_type == "full" and cfg.quant.quant != "none":
         problems.append("--train_type full trains every weight and needs --quant none")
+    adapters = cfg.lora.train_type in ("lora", "dora")
+    if not adapters and (cfg.output.save_steps or cfg.output.resume_from):
+        problems.append(f"--save_steps/--resume_from need --train_type lora or dora (not {cfg.lora.train_type})")
+    if cfg.fsdp.cpu_offload and cfg.dist.device == "cpu":
+        problems.append("--cpu_offload moves GPU parameters to host memory; with --device cpu drop it")
+    if cfg.quant.quant == "hqq" and cfg.quant.compute_dtype != "auto" and not cfg.fsdp.precision.endswith("autocast"):
+        # HQQ's matmul does not cast its input: activations and dequantized weights must share a dtype.
+        problems.append("--compute_dtype with --quant hqq needs an *_autocast --precision; or leave it auto")
     return problems
 
 

@@ -85,10 +85,8 @@ def broadcast_object(obj: object, env: DistEnv) -> object:
     return box[0]
 
 
-def all_reduce_mean(value: torch.Tensor, env: DistEnv) -> torch.Tensor:
-    """Mean over ranks, for logging the loss every rank agrees on."""
-    if env.world_size > 1:
-        value = value.detach().clone()
-        dist.all_reduce(value, op=dist.ReduceOp.SUM)
-        value /= env.world_size
-    return value
+def gather_ints(value: int, env: DistEnv) -> list[int]:
+    """Every rank's `value`, in rank order (for per-rank memory figures)."""
+    out = [torch.zeros((), dtype=torch.int64, device=env.device) for _ in range(env.world_size)]
+    dist.all_gather(out, torch.tensor(value, dtype=torch.int64, device=env.device))
+    return [int(t) for t in out]

@@ -20,8 +20,9 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
 
 from qlora_fsdp.config import FSDPConfig
-from qlora_fsdp.distributed import DistEnv
+from qlora_fsdp.distributed import DistEnv, broadcast_object
 from qlora_fsdp.errors import UserError
+from qlora_fsdp.lora import is_trainable_leaf
 from qlora_fsdp.quant.base import QuantBackend
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -77,12 +78,6 @@ def mixed_precision(precision: Precision, *, ignore: tuple[type[nn.Module], ...]
     )
 
 
-def _is_trainable_leaf(module: nn.Module) -> bool:
-    """Adapter layers (and, in full fine-tuning, nothing else) get units of their own."""
-    params = list(module.parameters(recurse=False))
-    return not list(module.children()) and bool(params) and all(p.requires_grad for p in params)
-
-
 def _device_mesh(cfg: FSDPConfig, env: DistEnv) -> DeviceMesh | None:
     """hybrid_*: shard within groups of --shard_group_size ranks (default: a node), replicate across groups."""
     if not cfg.sharding_strategy.startswith("hybrid"):
@@ -114,10 +109,8 @@ def wrap_model(
     This is FSDP's `sync_module_states` done per unit by hand: FSDP's own refuses CPU tensors, and this way the
     same code runs on GPUs and in the CPU tests. Quantization state is not sent: every rank computed it itself.
     """
-    if cfg.cpu_offload and env.device.type == "cpu":
-        raise UserError("--cpu_offload moves GPU parameters to host memory; on --device cpu they are there already")
     # FSDP puts each MixedPrecision-ignored (quantized) module in its own unit, but only under an auto-wrap policy.
-    leaves = functools.partial(lambda_auto_wrap_policy, lambda_fn=_is_trainable_leaf if adapters_own_units else _never)
+    leaves = functools.partial(lambda_auto_wrap_policy, lambda_fn=is_trainable_leaf if adapters_own_units else _never)
     options = dict(
         auto_wrap_policy=leaves,
         sharding_strategy=STRATEGIES[cfg.sharding_strategy],
@@ -164,7 +157,7 @@ def _units(
     for name, module in model.named_modules():
         if inside and name.startswith(inside):
             continue
-        own_unit = isinstance(module, ignore) or (adapters_own_units and _is_trainable_leaf(module))
+        own_unit = isinstance(module, ignore) or (adapters_own_units and is_trainable_leaf(module))
         if isinstance(module, layer_classes) or own_unit:
             units.append((name, module))
             inside += (name + ".",)
@@ -183,30 +176,44 @@ def _unwrapped_tensors(module: nn.Module) -> list[tuple[nn.Module, str, bool]]:
 
 
 def _sync_from_rank0(module: nn.Module, *, env: DistEnv) -> None:
-    """Move `module`'s unsharded tensors to the device (allocating meta ones) and broadcast rank 0's values."""
-    replaced: dict[int, nn.Parameter] = {}
+    """Move `module`'s unsharded tensors to the device (allocating meta ones) and broadcast rank 0's values.
+
+    A tensor with several owners (tied embeddings) is sent once, on every rank, so the broadcasts pair up.
+    """
+    done: dict[int, torch.Tensor] = {}
     for owner, name, is_param in _unwrapped_tensors(module):
         tensor = owner._parameters[name] if is_param else owner._buffers[name]
-        if id(tensor) in replaced:  # a tied weight seen under its other owner
-            owner._parameters[name] = replaced[id(tensor)]
+        if id(tensor) in done:
+            if is_param:
+                owner._parameters[name] = done[id(tensor)]
             continue
         value = torch.empty_like(tensor, device=env.device) if tensor.is_meta else tensor.data.to(env.device)
         if env.world_size > 1:
             dist.broadcast(value, src=0)
         if not is_param:
             owner._buffers[name] = value
+            result = value
         elif tensor.is_meta:
             # A meta Parameter cannot take real data in place; a new one keeps requires_grad.
-            replaced[id(tensor)] = owner._parameters[name] = nn.Parameter(value, requires_grad=tensor.requires_grad)
+            result = owner._parameters[name] = nn.Parameter(value, requires_grad=tensor.requires_grad)
         else:
             tensor.data = value
+            result = tensor
+        done[id(tensor)] = result
 
 
-def _fingerprint(packed: torch.Tensor) -> tuple[str, int]:
-    """dtype and a position-weighted byte checksum: any cast or reordering of packed bytes changes it."""
-    data = packed.detach().contiguous().view(torch.uint8).flatten().to(torch.int64)
-    weights = torch.arange(data.numel(), device=data.device, dtype=torch.int64) % 65521 + 1
-    return str(packed.dtype), int((data * weights).sum())
+def _fingerprint(packed: torch.Tensor, chunk: int = 1 << 24) -> tuple[str, int]:
+    """dtype and a position-weighted byte checksum: any cast or reordering of packed bytes changes it.
+
+    Computed in chunks so the int64 temporaries stay small next to a layer's packed bytes.
+    """
+    data = packed.detach().contiguous().view(torch.uint8).flatten()
+    total = 0
+    for start in range(0, data.numel(), chunk):
+        part = data[start : start + chunk].to(torch.int64)
+        weights = torch.arange(start, start + part.numel(), device=data.device, dtype=torch.int64) % 65521 + 1
+        total += int((part * weights).sum())
+    return str(packed.dtype), total
 
 
 def packed_fingerprints(quantized: list[nn.Module], backend: QuantBackend) -> list[tuple[str, int]]:
@@ -226,10 +233,7 @@ def verify_packed(
 
     Each FSDP unit is unsharded alone, so this costs one all-gather pass and one layer of memory.
     """
-    box = [before]
-    if env.world_size > 1:
-        dist.broadcast_object_list(box, src=0)
-    reference = box[0]
+    reference = broadcast_object(before, env)
     index = {id(m): i for i, m in enumerate(quantized)}
     bad = []
     for unit in FSDP.fsdp_modules(model):

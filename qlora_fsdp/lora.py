@@ -74,10 +74,14 @@ def adapter_keys(peft_model: nn.Module) -> dict[nn.Module, dict[str, str]]:
 
     saved = get_peft_model_state_dict(peft_model)
     by_storage = {t.data_ptr(): key for key, t in saved.items() if not t.is_meta}
-    leaves = {}
-    for module in peft_model.modules():
-        params = dict(module.named_parameters(recurse=False))
-        if list(module.children()) or not params or not all(p.requires_grad for p in params.values()):
-            continue
-        leaves[module] = {name: by_storage.get(p.data_ptr(), "") for name, p in params.items()}
-    return leaves
+    return {
+        module: {name: by_storage.get(p.data_ptr(), "") for name, p in module.named_parameters(recurse=False)}
+        for module in peft_model.modules()
+        if is_trainable_leaf(module)
+    }
+
+
+def is_trainable_leaf(module: nn.Module) -> bool:
+    """A module without children whose own parameters all train: an adapter layer (or DoRA magnitude)."""
+    params = list(module.parameters(recurse=False))
+    return not list(module.children()) and bool(params) and all(p.requires_grad for p in params)

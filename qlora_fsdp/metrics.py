@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import secrets
 import sys
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ import torch
 from qlora_fsdp.config import OutputConfig
 
 METRICS_FILE = "metrics.jsonl"
+WANDB_ID_FILE = "wandb_run_id.txt"
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -63,6 +65,13 @@ class MetricsLogger:
         if cfg.log_to == "wandb":
             import wandb
 
+            # A resumed run continues the same W&B run rather than starting a second one.
+            id_file = output_dir / WANDB_ID_FILE
+            if resume_step is not None and id_file.exists():
+                run_id = id_file.read_text().strip()
+            else:
+                run_id = secrets.token_hex(8)
+                id_file.write_text(run_id + "\n")
             self._wandb = wandb.init(
                 project=cfg.project_name,
                 name=cfg.run_name or None,
@@ -70,6 +79,8 @@ class MetricsLogger:
                 config=run_config,
                 group=cfg.group or None,
                 dir=str(output_dir),
+                id=run_id,
+                resume="allow",
             )
 
     def log(self, record: dict[str, Any]) -> None:

@@ -29,8 +29,6 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 PICKLE_INDEX = "pytorch_model.bin.index.json"
 PICKLE_FILE = "pytorch_model.bin"
-# Never quantized: the output projection is small relative to the body and sensitive to quantization error.
-KEEP_FULL_PRECISION = ("lm_head",)
 
 
 @dataclass
@@ -183,7 +181,7 @@ def load_model(
     """Build the skeleton, quantize target linears, and stream the checkpoint in.
 
     With `cfg.low_memory`, only rank 0 keeps real tensors (on CPU); other ranks keep meta tensors and receive the
-    values from FSDP's `sync_module_states` broadcast. Every rank quantizes each weight itself, so quantization
+    values from the per-unit broadcast in fsdp.wrap_model. Every rank quantizes each weight itself, so quantization
     state (which FSDP does not broadcast) exists, identical, everywhere.
     """
     path = path or resolve_model_path(cfg.model)
@@ -194,11 +192,12 @@ def load_model(
     expected = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     quantized = []
     if backend is not None:
+        # The output head stays in full precision: small next to the body and sensitive to quantization error.
+        head = model.get_output_embeddings()
+        head_name = next((n for n, m in model.named_modules() if m is head), None)
         quantized = backend.replace_linears(
             model,
-            should_quantize=lambda n: (
-                n.rpartition(".")[2] not in KEEP_FULL_PRECISION and not n.startswith(full_precision_prefixes)
-            ),
+            should_quantize=lambda n: n != head_name and not n.startswith(full_precision_prefixes),
             device=env.device,
         )
     keep = env.is_main or not cfg.low_memory

@@ -20,7 +20,9 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from qlora_fsdp.checkpoint import (
+    TRAINED_BLOCKS,
     TrainState,
+    check_resume_compatible,
     list_checkpoints,
     load_checkpoint,
     resolve_resume,
@@ -30,8 +32,8 @@ from qlora_fsdp.checkpoint import (
     save_trained_blocks,
 )
 from qlora_fsdp.config import OptimConfig, OutputConfig, TrainConfig, profile_window
-from qlora_fsdp.data import build_dataloader
-from qlora_fsdp.distributed import DistEnv, broadcast_object, init_distributed, teardown
+from qlora_fsdp.data import IGNORE_INDEX, build_dataloader
+from qlora_fsdp.distributed import DistEnv, broadcast_object, gather_ints, init_distributed, teardown
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.fsdp import (
     DTYPES,
@@ -49,8 +51,7 @@ from qlora_fsdp.optim import build_optimizer, build_scheduler
 from qlora_fsdp.quant import make_backend
 
 log = logging.getLogger(__name__)
-IGNORE_INDEX = -100
-FINISHED_MARKERS = ("adapter_model.safetensors", "model.safetensors", METRICS_FILE)
+FINISHED_MARKERS = ("adapter_model.safetensors", "model.safetensors", TRAINED_BLOCKS, METRICS_FILE)
 
 
 class TrainingStopped(UserError):
@@ -68,14 +69,37 @@ class TrainResult:
 def check_output_dir(cfg: OutputConfig) -> None:
     """Refuse to mix a new run into the results of a previous one, before anything is written."""
     out = Path(cfg.output_dir)
-    if cfg.overwrite or cfg.resume_from or not out.is_dir():
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--output_dir {out} is a file; choose a directory")
+    resuming = cfg.resume_from and (cfg.resume_from != "auto" or list_checkpoints(out))
+    if cfg.overwrite or resuming or not out.is_dir():
         return
-    found = [m for m in FINISHED_MARKERS if (out / m).exists()] + [p.name for p in list_checkpoints(out)][:1]
+    found = [m for m in FINISHED_MARKERS if (out / m).exists()] + [p.name for p in out.glob("model-*.safetensors")]
+    found += [p.name for p in list_checkpoints(out)]
     if found:
         raise UserError(
             f"--output_dir {out} already holds a run ({found[0]}); pass --overwrite true to replace it, "
             "--resume_from auto to continue it, or choose another --output_dir"
         )
+
+
+def _preflight(cfg: TrainConfig, env: DistEnv) -> None:
+    """Checks that need the job's shape, made before any heavy work."""
+    if cfg.dist.world_size and cfg.dist.world_size != env.world_size:
+        raise UserError(
+            f"--world_size {cfg.dist.world_size} but torchrun started {env.world_size} processes; "
+            "make --nproc_per_node x --nnodes match or drop --world_size"
+        )
+    if cfg.fsdp.cpu_offload and env.device.type == "cpu":
+        raise UserError("--cpu_offload moves GPU parameters to host memory; on CPU they are there already: drop it")
+    group = cfg.fsdp.shard_group_size or env.local_world_size
+    if cfg.fsdp.sharding_strategy.startswith("hybrid") and env.world_size % group:
+        raise UserError(
+            f"--sharding_strategy {cfg.fsdp.sharding_strategy}: {env.world_size} ranks do not split into shard groups "
+            f"of {group}; set --shard_group_size to a divisor of the world size"
+        )
+    if cfg.output.log_to == "wandb":
+        import wandb  # noqa: F401 - fail here, on every rank, if it is missing
 
 
 def run(cfg: TrainConfig) -> TrainResult:
@@ -86,18 +110,27 @@ def run(cfg: TrainConfig) -> TrainResult:
     owns_group = not dist.is_initialized()
     env = init_distributed(device=cfg.dist.device, timeout_s=cfg.dist.dist_timeout_s)
     try:
-        if cfg.dist.world_size and cfg.dist.world_size != env.world_size:
-            raise UserError(
-                f"--world_size {cfg.dist.world_size} but torchrun started {env.world_size} processes; "
-                "make --nproc_per_node x --nnodes match or drop --world_size"
-            )
-        return _run(cfg, env, model_path)
+        _preflight(cfg, env)
+        resume = resolve_resume(cfg.output.resume_from, Path(cfg.output.output_dir))
+        if resume is not None:
+            check_resume_compatible(resume, _resume_fingerprint(cfg), world_size=env.world_size)
+        return _run(cfg, env, model_path, resume)
     finally:
         if owns_group:
             teardown()
 
 
-def _run(cfg: TrainConfig, env: DistEnv, model_path: Path) -> TrainResult:
+def _resume_fingerprint(cfg: TrainConfig) -> dict[str, object]:
+    """The settings a resumed run must share with the checkpoint for its data order and tensors to match."""
+    flags = cfg.to_dict()
+    keys = (
+        "dataset", "dataset_samples", "context_length", "batch_size", "gradient_accumulation_steps", "seed",
+        "prompt_style", "train_on_inputs", "train_type", "quant", "lora_rank", "lora_target_modules", "precision",
+    )  # fmt: skip
+    return {k: flags[k] for k in keys}
+
+
+def _run(cfg: TrainConfig, env: DistEnv, model_path: Path, resume: Path | None) -> TrainResult:
     precision = PRECISIONS[cfg.fsdp.precision]
     compute_dtype = precision.compute_dtype if cfg.quant.compute_dtype == "auto" else DTYPES[cfg.quant.compute_dtype]
     torch.manual_seed(cfg.optim.seed)
@@ -137,6 +170,8 @@ def _run(cfg: TrainConfig, env: DistEnv, model_path: Path) -> TrainResult:
         # Only ranks holding real tensors can name the keys; every rank needs them to load a checkpoint.
         leaves = list(keys)
         keys = dict(zip(leaves, broadcast_object([keys[m] for m in leaves], env), strict=True))
+        if any("" in names.values() for names in keys.values()):
+            raise RuntimeError("an adapter parameter has no PEFT key: PEFT's state dict and the model disagree")
     else:
         trainable = prepare_full_finetune(loaded.model, only_prefixes=new_blocks)
     blocks = {m: f"{n}." for n, m in trainable.named_modules() if new_blocks and f"{n}." in new_blocks}
@@ -161,11 +196,8 @@ def _run(cfg: TrainConfig, env: DistEnv, model_path: Path) -> TrainResult:
     scaler = ShardedGradScaler(device=env.device.type) if precision.grad_scaler else None
 
     output_dir = Path(cfg.output.output_dir)
-    state = TrainState(world_size=env.world_size, seed=cfg.optim.seed)
-    resume = resolve_resume(cfg.output.resume_from, output_dir)
+    state = TrainState(world_size=env.world_size, seed=cfg.optim.seed, settings=_resume_fingerprint(cfg))
     if resume is not None:
-        if not lora:
-            raise UserError("--resume_from works with --train_type lora; full fine-tuning saves no checkpoints yet")
         state = load_checkpoint(
             resume, model=model, keys=keys, optimizer=optimizer, scheduler=scheduler, scaler=scaler, env=env
         )
@@ -180,9 +212,10 @@ def _run(cfg: TrainConfig, env: DistEnv, model_path: Path) -> TrainResult:
         run_config=cfg.to_dict(),
         resume_step=state.step if resume is not None else None,
     )
+    profiler = _profiler(cfg.output, output_dir, env) if cfg.output.profile else None
     if resume is not None:
         logger.message(f"resumed from {resume} at step {state.step}")
-    param_bytes = _gather_ints(resident_parameter_bytes(model), env)
+    param_bytes = gather_ints(resident_parameter_bytes(model), env)
     logger.message(f"resident parameter bytes per rank after sharding: {param_bytes}")
 
     def checkpoint(at: TrainState) -> Path:
@@ -217,7 +250,7 @@ def _run(cfg: TrainConfig, env: DistEnv, model_path: Path) -> TrainResult:
                 checkpoint=checkpoint if lora else None,
                 preempted=preempted,
                 activation_offload=cfg.fsdp.activation_offload,
-                profiler=_profiler(cfg.output, output_dir, env) if cfg.output.profile else None,
+                profiler=profiler,
                 static_fields={"param_bytes_per_rank": param_bytes},
             )
         result.output_dir = output_dir
@@ -237,6 +270,8 @@ def _run(cfg: TrainConfig, env: DistEnv, model_path: Path) -> TrainResult:
                 save_full_model(model, trainable, output_dir, env=env)
                 logger.message(f"model saved to {output_dir.resolve()}")
     finally:
+        if profiler is not None:
+            profiler.close()
         logger.close()
     return result
 
@@ -343,7 +378,7 @@ def train_loop(
         for i, (_, _, batch) in enumerate(micro):
             # Accumulate locally and reduce gradients once per optimizer step, not once per micro-batch.
             last = i == len(micro) - 1
-            with contextlib.nullcontext() if last or env.world_size == 1 else model.no_sync():
+            with contextlib.nullcontext() if last else model.no_sync():
                 with _activation_offload(activation_offload, env.device):
                     part = _forward_loss_sum(model, batch, env=env, precision=precision)
                 # FSDP averages gradients over ranks: scale by world size so the result is sum / global count.
@@ -361,8 +396,10 @@ def train_loop(
         # fp16's scaler skips overflowing steps itself; a non-finite norm is then routine, not an error.
         bad = not math.isfinite(loss) or (scaler is None and not math.isfinite(norm))
         lr = scheduler.get_last_lr()[0]
-        skipped = bad and _handle_non_finite(optim.nan_policy, state.step + 1, loss, norm)
+        skipped = bad and _handle_non_finite(optim.nan_policy, state.step + 1, loss, norm, is_main=env.is_main)
         if skipped:
+            if scaler:
+                scaler.update()  # closes the unscale_ of this step; the next step may unscale again
             optimizer.zero_grad(set_to_none=True)
         else:
             if scaler:
@@ -389,7 +426,7 @@ def train_loop(
                 "tokens": int(input_tokens),
                 "tokens_per_s": input_tokens / elapsed,
                 "peak_memory_bytes": peak,
-                "peak_memory_bytes_per_rank": _gather_ints(peak, env),
+                "peak_memory_bytes_per_rank": gather_ints(peak, env),
                 "elapsed_s": time.perf_counter() - start,
                 "skipped": skipped,
                 **(static_fields or {}),
@@ -397,12 +434,17 @@ def train_loop(
         )
         if profiler is not None:
             profiler.after_step(state.step)
-        if checkpoint is not None and totals[1].item() > 0:
+        if totals[1].item() > 0:
+            if checkpoint is None:
+                raise TrainingStopped(
+                    f"stopped by a signal after step {state.step}; this --train_type keeps no resumable checkpoints"
+                )
             result.preempted_checkpoint = checkpoint(state)
             break
         if checkpoint is not None and save_steps and state.step % save_steps == 0:
+            started = time.perf_counter()
             path = checkpoint(state)
-            logger.message(f"checkpoint saved to {path}")
+            logger.message(f"checkpoint saved to {path} in {time.perf_counter() - started:.2f}s")
     result.state = state
     return result
 
@@ -442,18 +484,24 @@ class _StepProfiler:
             torch.cuda.memory._record_memory_history(enabled=None)
         self._prof = None
 
+    def close(self) -> None:
+        """Stop a window the run did not reach the end of (preemption, an error, too few steps)."""
+        if self._prof is not None:
+            self.after_step(self.last)
+
 
 def _profiler(cfg: OutputConfig, output_dir: Path, env: DistEnv) -> _StepProfiler:
     first, last = profile_window(cfg.profile_steps)
     return _StepProfiler(first, last, output_dir / "profile", env.device, env.rank)
 
 
-def _handle_non_finite(policy: str, step: int, loss: float, norm: float) -> bool:
+def _handle_non_finite(policy: str, step: int, loss: float, norm: float, *, is_main: bool) -> bool:
     """True to skip the step (weights untouched); raises for --nan_policy stop."""
     if policy == "skip":
-        log.warning(
-            "step %d: non-finite loss %s or gradient norm %s; step skipped, weights untouched", step, loss, norm
-        )
+        if is_main:
+            log.warning(
+                "step %d: non-finite loss %s or gradient norm %s; step skipped, weights untouched", step, loss, norm
+            )
         return True
     raise TrainingStopped(
         f"step {step}: non-finite loss ({loss}) or gradient norm ({norm}); lower --lr, check the data, "
@@ -471,9 +519,3 @@ def _forward_loss_sum(
     return F.cross_entropy(
         logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
     )
-
-
-def _gather_ints(value: int, env: DistEnv) -> list[int]:
-    out = [torch.zeros((), dtype=torch.int64, device=env.device) for _ in range(env.world_size)]
-    dist.all_gather(out, torch.tensor(value, dtype=torch.int64, device=env.device))
-    return [int(t) for t in out]

@@ -1,6 +1,6 @@
 """Worker for test_options: many short trainings in one torchrun job (imports and process group paid once).
 
-python options_worker.py MODEL_DIR PRO_MODEL_DIR OUT_DIR SUITE   (SUITE: two | four)
+python options_worker.py MODEL_DIR PRO_MODEL_DIR TIED_MODEL_DIR OUT_DIR SUITE   (SUITE: two | four)
 Rank 0 writes OUT_DIR/results.json: {scenario: {"losses", "param_bytes", "error"}}.
 """
 
@@ -26,7 +26,7 @@ OVERFIT = {
 PRECISIONS = ("fp32", "bf16", "fp16_autocast", "bf16_autocast", "bf16_buffers_autocast")
 
 
-def two_rank_scenarios(model: str, pro_model: str) -> dict[str, dict]:
+def two_rank_scenarios(model: str, pro_model: str, tied_model: str) -> dict[str, dict]:
     s: dict[str, dict] = {}
     for quant in ("bnb", "hqq"):
         for precision in PRECISIONS:
@@ -46,6 +46,8 @@ def two_rank_scenarios(model: str, pro_model: str) -> dict[str, dict]:
         s[f"dora-{quant}"] = {"train_type": "dora", "quant": quant}
     s["llama-pro-hqq"] = {"model": pro_model, "train_type": "llama_pro", "quant": "hqq", "lr": 0.001}
     s["profile"] = {"profile": True, "profile_steps": "2,3"}
+    s["tied-embeddings"] = {"model": tied_model}
+    s["fp16-nan-skip"] = {"precision": "fp16_autocast", "lr": 1e30, "nan_policy": "skip"}
     for name in s:
         s[name].setdefault("model", model)
     return s
@@ -61,9 +63,9 @@ def four_rank_scenarios(model: str) -> dict[str, dict]:
 
 
 def main() -> None:
-    model, pro_model, out, suite = sys.argv[1], sys.argv[2], Path(sys.argv[3]), sys.argv[4]
+    model, pro_model, tied_model, out, suite = sys.argv[1], sys.argv[2], sys.argv[3], Path(sys.argv[4]), sys.argv[5]
     env = init_distributed(device="cpu")
-    scenarios = two_rank_scenarios(model, pro_model) if suite == "two" else four_rank_scenarios(model)
+    scenarios = two_rank_scenarios(model, pro_model, tied_model) if suite == "two" else four_rank_scenarios(model)
     results = {}
     for name, flags in scenarios.items():
         run_dir = out / name

@@ -24,8 +24,15 @@ def pro_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
     return out
 
 
-def _suite(name: str, nproc: int, tiny_model: Path, pro_model: Path, out: Path) -> dict[str, dict]:
-    result = launch(WORKER, [str(tiny_model), str(pro_model), str(out), name], nproc=nproc, timeout=600)
+@pytest.fixture(scope="module")
+def tied_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from scripts.make_tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-tied"), tie_word_embeddings=True)
+
+
+def _suite(name: str, nproc: int, models: list[Path], out: Path) -> dict[str, dict]:
+    result = launch(WORKER, [*map(str, models), str(out), name], nproc=nproc, timeout=600)
     assert result.returncode == 0, result.stderr[-6000:]
     results = json.loads((out / "results.json").read_text())
     failed = {k: v["error"] for k, v in results.items() if v["error"]}
@@ -34,13 +41,17 @@ def _suite(name: str, nproc: int, tiny_model: Path, pro_model: Path, out: Path) 
 
 
 @pytest.fixture(scope="module")
-def two(tiny_model: Path, pro_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
-    return _suite("two", 2, tiny_model, pro_model, tmp_path_factory.mktemp("options-two"))
+def two(
+    tiny_model: Path, pro_model: Path, tied_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, dict]:
+    return _suite("two", 2, [tiny_model, pro_model, tied_model], tmp_path_factory.mktemp("options-two"))
 
 
 @pytest.fixture(scope="module")
-def four(tiny_model: Path, pro_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
-    return _suite("four", 4, tiny_model, pro_model, tmp_path_factory.mktemp("options-four"))
+def four(
+    tiny_model: Path, pro_model: Path, tied_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, dict]:
+    return _suite("four", 4, [tiny_model, pro_model, tied_model], tmp_path_factory.mktemp("options-four"))
 
 
 def falls(losses: list[float]) -> bool:
@@ -146,3 +157,15 @@ def test_block_expansion_keeps_outputs(tiny_model: Path, pro_model: Path) -> Non
         state.update(load_file(shard))
     assert torch.count_nonzero(state["model.layers.2.self_attn.o_proj.weight"]) == 0
     assert torch.equal(state["model.layers.2.self_attn.q_proj.weight"], state["model.layers.1.self_attn.q_proj.weight"])
+
+
+def test_tied_embeddings_train_on_two_ranks(two: dict) -> None:
+    """A tied input/output embedding is one tensor with two owners: synced once, trained, saved."""
+    r = two["tied-embeddings"]
+    assert falls(r["losses"]), r["losses"]
+    assert "adapter_model.safetensors" in r["files"]
+
+
+def test_fp16_skip_policy_survives_non_finite_steps(two: dict) -> None:
+    r = two["fp16-nan-skip"]
+    assert len(r["losses"]) == 5 and any(loss != loss for loss in r["losses"])  # NaN != NaN

@@ -398,3 +398,30 @@ def test_train_py_help_lists_every_flag() -> None:
     missing = sorted(set(FLAGS) - listed)
     assert not missing, f"--help does not list {missing}"
     assert "--config" in result.stdout
+
+
+def test_empty_yaml_value_keeps_the_default(tmp_path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("model: m\nrun_name:\nresume_from:\n")
+    cfg = build_config({}, str(path)).validate()
+    assert cfg.output.run_name == "" and cfg.output.resume_from == ""
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        ({"train_type": "full", "quant": "none", "save_steps": 5}, "--save_steps/--resume_from need"),
+        ({"train_type": "llama_pro", "resume_from": "auto"}, "--save_steps/--resume_from need"),
+        ({"cpu_offload": True, "device": "cpu"}, "--cpu_offload"),
+        ({"quant": "hqq", "compute_dtype": "fp32", "precision": "bf16"}, "--compute_dtype with --quant hqq"),
+        ({"lora_alpha": 0}, "--lora_alpha must be > 0"),
+        ({"profile_steps": "²,3"}, "--profile_steps"),
+    ],
+)
+def test_combinations_rejected_up_front(flags: dict, needle: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        build_config({"model": "m", **flags}).validate()
+
+
+def test_hqq_compute_dtype_allowed_under_autocast() -> None:
+    build_config({"model": "m", "quant": "hqq", "compute_dtype": "bf16", "precision": "bf16_autocast"}).validate()
