@@ -424,6 +424,7 @@ def train_loop(
                 "lr": lr,
                 "grad_norm": norm,
                 "tokens": int(input_tokens),
+                "label_tokens": int(label_tokens),
                 "tokens_per_s": input_tokens / elapsed,
                 "peak_memory_bytes": peak,
                 "peak_memory_bytes_per_rank": gather_ints(peak, env),

@@ -47,6 +47,13 @@ def two_rank_scenarios(model: str, pro_model: str, tied_model: str) -> dict[str,
     s["llama-pro-hqq"] = {"model": pro_model, "train_type": "llama_pro", "quant": "hqq", "lr": 0.001}
     s["profile"] = {"profile": True, "profile_steps": "2,3"}
     s["tied-embeddings"] = {"model": tied_model}
+    s["optimizer-sgd-clipped"] = {"optimizer": "sgd", "lr": 1.0, "grad_norm": 0.01, "wd": 0.1}
+    s["schedule-cosine"] = {"lr_scheduler": "cosine", "warmup_ratio": 0.2, "cosine_min_lr_ratio": 0.1}
+    s["schedule-linear"] = {"lr_scheduler": "linear", "warmup_ratio": 0.2}
+    s["train-on-inputs"] = {"train_on_inputs": True}
+    for style in ("guanaco", "qna"):
+        s[f"prompt-{style}"] = {"prompt_style": style}
+    s["dummy-dataset"] = {"dataset": "dummy", "dataset_samples": 4}
     s["fp16-nan-skip"] = {"precision": "fp16_autocast", "lr": 1e30, "nan_policy": "skip"}
     for name in s:
         s[name].setdefault("model", model)
@@ -75,6 +82,9 @@ def main() -> None:
             records = read_metrics(run_dir) if env.rank == 0 else []
             results[name] = {
                 "losses": [r["loss"] for r in records],
+                "lrs": [r["lr"] for r in records],
+                "label_tokens": [r["label_tokens"] for r in records],
+                "tokens": [r["tokens"] for r in records],
                 "param_bytes": records[0]["param_bytes_per_rank"] if records else [],
                 "files": sorted(p.name for p in run_dir.rglob("*") if p.is_file()) if env.rank == 0 else [],
                 "output_dir": str(run_dir),

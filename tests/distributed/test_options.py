@@ -169,3 +169,49 @@ def test_tied_embeddings_train_on_two_ranks(two: dict) -> None:
 def test_fp16_skip_policy_survives_non_finite_steps(two: dict) -> None:
     r = two["fp16-nan-skip"]
     assert len(r["losses"]) == 5 and any(loss != loss for loss in r["losses"])  # NaN != NaN
+
+
+def test_gradient_clipping_limits_the_update(two: dict) -> None:
+    free, clipped = two["optimizer-sgd"]["losses"], two["optimizer-sgd-clipped"]["losses"]
+    assert clipped[0] == pytest.approx(free[0], rel=1e-6)
+    # SGD's step is proportional to the gradient, so clipping its norm to 0.01 must slow the descent.
+    assert free[0] - free[-1] > 2 * (clipped[0] - clipped[-1])
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear"])
+def test_logged_learning_rates_follow_the_schedule(two: dict, schedule: str) -> None:
+    import math
+
+    total, warmup, peak, floor = 5, 1, 0.01, 0.1  # warmup = ceil(0.2 * 5)
+    expected = []
+    for step in range(total):
+        if step < warmup:
+            factor = (step + 1) / warmup
+        else:
+            progress = (step - warmup) / (total - warmup)
+            factor = (
+                floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1 - progress
+            )
+        expected.append(peak * factor)
+    assert two[f"schedule-{schedule}"]["lrs"] == pytest.approx(expected, rel=1e-9)
+
+
+def test_train_on_inputs_puts_prompt_tokens_in_the_loss(two: dict) -> None:
+    base, full = two["precision-fp32-bnb"]["label_tokens"], two["train-on-inputs"]["label_tokens"]
+    assert all(f > 2 * b for f, b in zip(full, base, strict=True)), (full, base)
+    assert falls(two["train-on-inputs"]["losses"])
+
+
+@pytest.mark.parametrize("style", ["guanaco", "qna"])
+def test_prompt_styles_train(two: dict, style: str) -> None:
+    r = two[f"prompt-{style}"]
+    assert falls(r["losses"]), r["losses"]
+    # Same rows, other template: other prompt tokens, so another first loss than the alpaca template's.
+    assert r["losses"][0] != pytest.approx(two["precision-fp32-bnb"]["losses"][0], rel=1e-4)
+
+
+def test_dummy_dataset_fills_the_context(two: dict) -> None:
+    r = two["dummy-dataset"]
+    # 2 rows per step, each long enough to be truncated to the 64-token context: no padding at all.
+    assert r["tokens"] == [2 * 64] * 5, r["tokens"]
+    assert falls(r["losses"]), r["losses"]
