@@ -100,10 +100,10 @@ def save_adapter(
 
 
 def save_full_model(model: FSDP, hf_model: nn.Module, out: Path, *, env: DistEnv) -> None:
-    """--train_type full: the whole model is what was trained, gathered to rank 0 on CPU."""
-    with FSDP.state_dict_type(
-        model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
-    ):
+    """--train_type full: the whole model is what was trained, gathered to rank 0 (on CPU from a GPU)."""
+    # Offloading a CPU run's gathered tensors "to CPU" breaks FSDP1's unsharding on 2+ ranks (empty storage).
+    gather = FullStateDictConfig(offload_to_cpu=env.device.type != "cpu", rank0_only=True)
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, gather):
         state = model.state_dict()
     if env.is_main:
         out.mkdir(parents=True, exist_ok=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import socket
 from dataclasses import dataclass
@@ -72,7 +73,13 @@ def init_distributed(*, device: str = "auto", timeout_s: int = 600) -> DistEnv:
 
 
 def teardown() -> None:
+    """Leave the process group; collect first so no FSDP state outlives it.
+
+    Destroying a gloo group while FSDP objects still hold work on it intermittently aborted the process at exit
+    ("terminate called without an active exception").
+    """
     if dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -19,9 +19,17 @@ WANDB_ID_FILE = "wandb_run_id.txt"
 
 
 def peak_memory_bytes(device: torch.device) -> int:
-    """This process's peak: the CUDA allocator's on GPU, the resident set's high-water mark on CPU."""
+    """This process's peak: the CUDA allocator's on GPU, the resident set's high-water mark on CPU.
+
+    On Linux VmHWM is read: ru_maxrss can carry over the peak of the process that launched this one.
+    """
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
+    status = Path("/proc/self/status")
+    if status.exists():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
     # ru_maxrss is KiB on Linux, bytes on macOS.
     scale = 1 if sys.platform == "darwin" else 1024
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * scale

@@ -114,7 +114,9 @@ def run(cfg: TrainConfig) -> TrainResult:
         resume = resolve_resume(cfg.output.resume_from, Path(cfg.output.output_dir))
         if resume is not None:
             check_resume_compatible(resume, _resume_fingerprint(cfg), world_size=env.world_size)
-        return _run(cfg, env, model_path, resume)
+        result = _run(cfg, env, model_path, resume)
+        dist.barrier()  # every rank is done with the model before any leaves the group
+        return result
     finally:
         if owns_group:
             teardown()
@@ -130,15 +132,107 @@ def _resume_fingerprint(cfg: TrainConfig) -> dict[str, object]:
     return {k: flags[k] for k in keys}
 
 
+@dataclass
+class _Built:
+    """The sharded model and what saving needs to know about it."""
+
+    model: FSDP
+    unwrapped: nn.Module
+    """The PeftModel (adapters) or HF model that was wrapped: saving takes its config and names."""
+    keys: dict[nn.Module, dict[str, str]]
+    """Adapter leaf -> {parameter: PEFT key}; empty without adapters."""
+    blocks: dict[nn.Module, str]
+    """Llama-Pro block -> its name prefix; empty otherwise."""
+
+
 def _run(cfg: TrainConfig, env: DistEnv, model_path: Path, resume: Path | None) -> TrainResult:
     precision = PRECISIONS[cfg.fsdp.precision]
-    compute_dtype = precision.compute_dtype if cfg.quant.compute_dtype == "auto" else DTYPES[cfg.quant.compute_dtype]
     torch.manual_seed(cfg.optim.seed)
-
     tokenizer = load_tokenizer(model_path)
     loader = build_dataloader(cfg.data, tokenizer, env, seed=cfg.optim.seed)
     total_steps = _total_steps(cfg.optim, len(loader))
+    built = _build_model(cfg, env, model_path, precision)
+    adapters = bool(built.keys)
 
+    optimizer = build_optimizer(built.model.parameters(), cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
+    scaler = ShardedGradScaler(device=env.device.type) if precision.grad_scaler else None
+    output_dir = Path(cfg.output.output_dir)
+    state = TrainState(world_size=env.world_size, seed=cfg.optim.seed, settings=_resume_fingerprint(cfg))
+    if resume is not None:
+        state = load_checkpoint(
+            resume, model=built.model, keys=built.keys, optimizer=optimizer, scheduler=scheduler, scaler=scaler, env=env
+        )
+    if env.is_main:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    logger = MetricsLogger(
+        cfg.output,
+        output_dir=output_dir,
+        is_main=env.is_main,
+        total_steps=total_steps,
+        run_config=cfg.to_dict(),
+        resume_step=state.step if resume is not None else None,
+    )
+    profiler = _profiler(cfg.output, output_dir, env) if cfg.output.profile else None
+    if resume is not None:
+        logger.message(f"resumed from {resume} at step {state.step}")
+    param_bytes = gather_ints(resident_parameter_bytes(built.model), env)
+    logger.message(f"resident parameter bytes per rank after sharding: {param_bytes}")
+
+    def checkpoint(at: TrainState) -> Path:
+        return save_checkpoint(
+            model=built.model,
+            peft_model=built.unwrapped,
+            keys=built.keys,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            scaler=scaler,
+            state=at,
+            output_dir=output_dir,
+            total_limit=cfg.output.save_total_limit,
+            env=env,
+        )
+
+    try:
+        with _preemption_flag() as preempted:
+            result = train_loop(
+                built.model,
+                loader,
+                optimizer,
+                scheduler,
+                scaler=scaler,
+                state=state,
+                env=env,
+                precision=precision,
+                optim=cfg.optim,
+                total_steps=total_steps,
+                logger=logger,
+                save_steps=cfg.output.save_steps,
+                checkpoint=checkpoint if adapters else None,
+                preempted=preempted,
+                activation_offload=cfg.fsdp.activation_offload,
+                profiler=profiler,
+                static_fields={"param_bytes_per_rank": param_bytes},
+            )
+        result.output_dir = output_dir
+        if result.preempted_checkpoint is not None:
+            logger.message(
+                f"preempted: saved checkpoint {result.preempted_checkpoint.resolve()} at step {result.state.step}; "
+                "rerun with --resume_from auto to continue"
+            )
+        elif cfg.output.save_model:
+            logger.message(_save_final(built, output_dir, env=env))
+    finally:
+        if profiler is not None:
+            profiler.close()
+        logger.close()
+    return result
+
+
+def _build_model(cfg: TrainConfig, env: DistEnv, model_path: Path, precision: Precision) -> _Built:
+    """Load and quantize, add what trains (adapters or Llama-Pro blocks), shard, and check the packed bytes."""
+    compute_dtype = precision.compute_dtype if cfg.quant.compute_dtype == "auto" else DTYPES[cfg.quant.compute_dtype]
     backend = make_backend(cfg.quant, storage_dtype=precision.param_dtype, compute_dtype=compute_dtype)
     new_blocks = expanded_layer_prefixes(model_path) if cfg.lora.train_type == "llama_pro" else ()
     dora = cfg.lora.train_type == "dora"
@@ -157,123 +251,53 @@ def _run(cfg: TrainConfig, env: DistEnv, model_path: Path, resume: Path | None) 
     fingerprints = packed_fingerprints(quantized, backend) if backend and env.is_main else None
     # Adapter init must not depend on how much randomness loading used.
     torch.manual_seed(cfg.optim.seed)
-    lora = cfg.lora.train_type in ("lora", "dora")
+    adapters = cfg.lora.train_type in ("lora", "dora")
     keys: dict[nn.Module, dict[str, str]] = {}
-    if lora:
-        trainable = inject_lora(
+    if adapters:
+        unwrapped = inject_lora(
             loaded.model,
             cfg.lora,
             dtype=precision.param_dtype,
             quantized_classes=backend.module_classes if backend else (),
         )
-        keys = adapter_keys(trainable)
+        keys = adapter_keys(unwrapped)
         # Only ranks holding real tensors can name the keys; every rank needs them to load a checkpoint.
         leaves = list(keys)
         keys = dict(zip(leaves, broadcast_object([keys[m] for m in leaves], env), strict=True))
         if any("" in names.values() for names in keys.values()):
             raise RuntimeError("an adapter parameter has no PEFT key: PEFT's state dict and the model disagree")
     else:
-        trainable = prepare_full_finetune(loaded.model, only_prefixes=new_blocks)
-    blocks = {m: f"{n}." for n, m in trainable.named_modules() if new_blocks and f"{n}." in new_blocks}
+        unwrapped = prepare_full_finetune(loaded.model, only_prefixes=new_blocks)
+    blocks = {m: f"{n}." for n, m in unwrapped.named_modules() if new_blocks and f"{n}." in new_blocks}
     if cfg.fsdp.gradient_checkpointing and cfg.fsdp.reentrant_checkpointing:
         # Reentrant checkpoints only backpropagate into a segment whose inputs require grad.
-        trainable.enable_input_require_grads()
+        unwrapped.enable_input_require_grads()
 
     model = wrap_model(
-        trainable,
+        unwrapped,
         cfg.fsdp,
         env=env,
         precision=precision,
         layer_classes=loaded.layer_classes,
         ignore=backend.module_classes if backend and not dora else (),
-        adapters_own_units=lora,
+        adapters_own_units=adapters,
         sync_from_rank0=model_cfg.low_memory,
     )
     if backend:
         verify_packed(model, quantized, backend, fingerprints, env=env)
-    optimizer = build_optimizer(model.parameters(), cfg.optim)
-    scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
-    scaler = ShardedGradScaler(device=env.device.type) if precision.grad_scaler else None
+    return _Built(model=model, unwrapped=unwrapped, keys=keys, blocks=blocks)
 
-    output_dir = Path(cfg.output.output_dir)
-    state = TrainState(world_size=env.world_size, seed=cfg.optim.seed, settings=_resume_fingerprint(cfg))
-    if resume is not None:
-        state = load_checkpoint(
-            resume, model=model, keys=keys, optimizer=optimizer, scheduler=scheduler, scaler=scaler, env=env
-        )
-    if env.is_main:
-        output_dir.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
-    logger = MetricsLogger(
-        cfg.output,
-        output_dir=output_dir,
-        is_main=env.is_main,
-        total_steps=total_steps,
-        run_config=cfg.to_dict(),
-        resume_step=state.step if resume is not None else None,
-    )
-    profiler = _profiler(cfg.output, output_dir, env) if cfg.output.profile else None
-    if resume is not None:
-        logger.message(f"resumed from {resume} at step {state.step}")
-    param_bytes = gather_ints(resident_parameter_bytes(model), env)
-    logger.message(f"resident parameter bytes per rank after sharding: {param_bytes}")
 
-    def checkpoint(at: TrainState) -> Path:
-        return save_checkpoint(
-            model=model,
-            peft_model=trainable,
-            keys=keys,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            scaler=scaler,
-            state=at,
-            output_dir=output_dir,
-            total_limit=cfg.output.save_total_limit,
-            env=env,
-        )
-
-    try:
-        with _preemption_flag() as preempted:
-            result = train_loop(
-                model,
-                loader,
-                optimizer,
-                scheduler,
-                scaler=scaler,
-                state=state,
-                env=env,
-                precision=precision,
-                optim=cfg.optim,
-                total_steps=total_steps,
-                logger=logger,
-                save_steps=cfg.output.save_steps if lora else 0,
-                checkpoint=checkpoint if lora else None,
-                preempted=preempted,
-                activation_offload=cfg.fsdp.activation_offload,
-                profiler=profiler,
-                static_fields={"param_bytes_per_rank": param_bytes},
-            )
-        result.output_dir = output_dir
-        if result.preempted_checkpoint is not None:
-            logger.message(
-                f"preempted: saved checkpoint {result.preempted_checkpoint.resolve()} at step {result.state.step}; "
-                "rerun with --resume_from auto to continue"
-            )
-        elif cfg.output.save_model:
-            if lora:
-                save_adapter(model, trainable, keys, output_dir, env=env)
-                logger.message(f"adapter saved to {output_dir.resolve()}")
-            elif blocks:
-                path = save_trained_blocks(model, blocks, output_dir, env=env)
-                logger.message(f"trained blocks saved to {path.resolve()}")
-            else:
-                save_full_model(model, trainable, output_dir, env=env)
-                logger.message(f"model saved to {output_dir.resolve()}")
-    finally:
-        if profiler is not None:
-            profiler.close()
-        logger.close()
-    return result
+def _save_final(built: _Built, output_dir: Path, *, env: DistEnv) -> str:
+    """Write what was trained; returns the line telling the user where it went."""
+    if built.keys:
+        save_adapter(built.model, built.unwrapped, built.keys, output_dir, env=env)
+        return f"adapter saved to {output_dir.resolve()}"
+    if built.blocks:
+        path = save_trained_blocks(built.model, built.blocks, output_dir, env=env)
+        return f"trained blocks saved to {path.resolve()}"
+    save_full_model(built.model, built.unwrapped, output_dir, env=env)
+    return f"model saved to {output_dir.resolve()}"
 
 
 def _total_steps(cfg: OptimConfig, micro_batches_per_epoch: int) -> int:

@@ -44,6 +44,8 @@ def two_rank_scenarios(model: str, pro_model: str, tied_model: str) -> dict[str,
     s["optimizer-adadelta"] = {"optimizer": "adadelta", "lr": 10.0}
     for quant in ("bnb", "hqq"):
         s[f"dora-{quant}"] = {"train_type": "dora", "quant": quant}
+    s["full-finetune"] = {"train_type": "full", "quant": "none", "lr": 0.001}
+    s["plain-lora"] = {"quant": "none"}
     s["llama-pro-hqq"] = {"model": pro_model, "train_type": "llama_pro", "quant": "hqq", "lr": 0.001}
     s["profile"] = {"profile": True, "profile_steps": "2,3"}
     s["tied-embeddings"] = {"model": tied_model}
@@ -71,7 +73,7 @@ def four_rank_scenarios(model: str) -> dict[str, dict]:
 
 def main() -> None:
     model, pro_model, tied_model, out, suite = sys.argv[1], sys.argv[2], sys.argv[3], Path(sys.argv[4]), sys.argv[5]
-    env = init_distributed(device="cpu")
+    env = init_distributed(device="cpu", timeout_s=120)  # a scenario failing on one rank must not hang the rest
     scenarios = two_rank_scenarios(model, pro_model, tied_model) if suite == "two" else four_rank_scenarios(model)
     results = {}
     for name, flags in scenarios.items():

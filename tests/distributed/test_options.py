@@ -215,3 +215,19 @@ def test_dummy_dataset_fills_the_context(two: dict) -> None:
     # 2 rows per step, each long enough to be truncated to the 64-token context: no padding at all.
     assert r["tokens"] == [2 * 64] * 5, r["tokens"]
     assert falls(r["losses"]), r["losses"]
+
+
+def test_full_finetune_saves_a_loadable_model(two: dict, tiny_model: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    r = two["full-finetune"]
+    assert falls(r["losses"]), r["losses"]
+    trained = AutoModelForCausalLM.from_pretrained(r["output_dir"])
+    original = AutoModelForCausalLM.from_pretrained(tiny_model)
+    changed = [n for n, p in trained.named_parameters() if not torch.equal(p, original.get_parameter(n))]
+    assert len(changed) == len(list(original.parameters())), "full fine-tuning left weights untouched"
+
+
+def test_plain_lora_without_quantization(two: dict) -> None:
+    r = two["plain-lora"]
+    assert falls(r["losses"]) and "adapter_model.safetensors" in r["files"]
