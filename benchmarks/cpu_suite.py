@@ -1,0 +1,604 @@
+"""The CPU suite: loading, per-rank memory vs world size, training throughput, quantization quality and size.
+
+Every measurement is a fresh process (or a fresh job of processes); ours and the peer's runs alternate, so slow
+phases of a shared machine hit both sides alike, and every launch records the CPU other processes took meanwhile.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import (
+    REPO_ROOT,
+    Launch,
+    base_env,
+    launch,
+    median,
+    rank_envs,
+    read_json,
+    wait_for_idle,
+    worker_cmd,
+)
+from benchmarks.rows import row
+
+WORKERS = "benchmarks.cpu_workers"
+EXIT_ABORT = "terminate called without an active exception"
+PEER_LOAD = "HF from_pretrained 4-bit, 1 process"
+PEER_TRAIN = "HF 4-bit + PEFT + AdamW, 1 process"
+PEER_REPLICATED = "HF 4-bit model, replicated on every rank"
+PEER_LIBRARY = "library called directly"
+# The quantization formats of section 4: (key slug, name, QuantConfig fields).
+FORMATS = (
+    ("bnb_nf4_dq", "bnb nf4 + double quant", {"quant": "bnb", "bnb_quant_type": "nf4", "bnb_double_quant": True}),
+    ("bnb_nf4", "bnb nf4", {"quant": "bnb", "bnb_quant_type": "nf4", "bnb_double_quant": False}),
+    ("bnb_fp4_dq", "bnb fp4 + double quant", {"quant": "bnb", "bnb_quant_type": "fp4", "bnb_double_quant": True}),
+    ("hqq_4bit", "hqq 4-bit g64", {"quant": "hqq", "hqq_bits": 4, "hqq_group_size": 64}),
+    ("hqq_3bit", "hqq 3-bit g64", {"quant": "hqq", "hqq_bits": 3, "hqq_group_size": 64}),
+    ("hqq_2bit", "hqq 2-bit g64", {"quant": "hqq", "hqq_bits": 2, "hqq_group_size": 64}),
+)
+# Section 3's runs of ours: (key slug, --quant, ranks).
+TRAIN_RUNS = (("bnb_1proc", "bnb", 1), ("hqq_1proc", "hqq", 1), ("bnb_2ranks", "bnb", 2))
+
+
+@dataclass
+class CpuPlan:
+    """Sizes and repetitions of one CPU suite run."""
+
+    model: dict[str, int]
+    """scripts/make_tiny_model.py size flags."""
+    reps: int
+    batch_size: int
+    context_length: int
+    warmup_steps: int
+    measured_steps: int
+    lora_rank: int = 16
+    lora_alpha: float = 32.0
+    gradient_checkpointing: bool = False
+    world_sizes: tuple[int, ...] = (1, 2, 4)
+    threads: int = 2
+    """Threads of a one-process run; each rank of an N-rank job gets threads // N (at least 1)."""
+    idle_wait_s: float = 30.0
+    """Before each launch, wait up to this long for other processes on the machine to go quiet."""
+    idle_wait_budget_s: float = 150.0
+    """All waiting of a suite together, so a busy machine cannot stretch the suite past its time limit."""
+    retry_above_cores: float = 0.5
+    """Measure again (once) when other processes took more than this many cores during a launch."""
+    retries: int = 1
+    launch_timeout_s: float = 600.0
+    quick: bool = False
+
+
+# About 171M parameters in 3 shards: 12 Llama layers of 12.6M (mostly quantized linears) + 8192-token embeddings.
+FULL_MODEL = dict(
+    hidden_size=1024,
+    num_layers=12,
+    intermediate_size=2816,
+    num_heads=16,
+    num_kv_heads=16,
+    vocab_size=8192,
+    num_shards=3,
+)
+SIZE_KEYS = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads", "vocab_size")
+QUICK_MODEL = dict(
+    hidden_size=256, num_layers=2, intermediate_size=512, num_heads=4, num_kv_heads=4, vocab_size=512, num_shards=2
+)
+
+
+def plan(*, quick: bool, threads: int, reps: int | None, idle_wait_s: float | None) -> CpuPlan:
+    """The full suite (about 10 minutes on 2 cores) or the --quick one the test runs (small model, one rep)."""
+    if quick:
+        p = CpuPlan(QUICK_MODEL, reps=1, batch_size=2, context_length=64, warmup_steps=1, measured_steps=2, quick=True)
+        p.idle_wait_s, p.retries, p.launch_timeout_s = 0.0, 0, 180.0
+    else:
+        p = CpuPlan(FULL_MODEL, reps=3, batch_size=4, context_length=256, warmup_steps=2, measured_steps=3)
+    p.threads = threads
+    if reps is not None:
+        p.reps = reps
+    if idle_wait_s is not None:
+        p.idle_wait_s = idle_wait_s
+    return p
+
+
+def ensure_model(plan: CpuPlan, cache: Path) -> Path:
+    """Build the random Llama for these sizes once with scripts/make_tiny_model.py (deterministic, so cacheable).
+
+    The builder runs in its own process: the harness must stay small, because Linux hands a process's RSS
+    high-water mark down to every child it launches (ru_maxrss), and the builder holds the fp32 model twice.
+    """
+    name = "llama-" + "-".join(f"{v}" for v in plan.model.values())
+    path = cache / name
+    if not (path / "model.safetensors.index.json").is_file():
+        flags = [f"--{k}={v}" for k, v in plan.model.items()]
+        cmd = [sys.executable, str(REPO_ROOT / "scripts" / "make_tiny_model.py"), f"--output={path}", *flags]
+        launch([cmd], [base_env(plan.threads)], timeout_s=plan.launch_timeout_s).check("building the model")
+    return path
+
+
+class Runner:
+    """Launches measurements, waits for a quiet machine first, and keeps a log of every launch's conditions."""
+
+    def __init__(self, plan: CpuPlan, work: Path, log: Callable[[str], None]) -> None:
+        self.plan = plan
+        self.work = work
+        self.say = log
+        self.launches: list[dict[str, Any]] = []
+        self.waited = 0.0
+        self._n = 0
+
+    def _wait(self) -> float:
+        budget = min(self.plan.idle_wait_s, self.plan.idle_wait_budget_s - self.waited)
+        waited = wait_for_idle(budget) if budget > 0 else 0.0
+        self.waited += waited
+        return waited
+
+    def _go(
+        self,
+        what: str,
+        cmds: list[list[str]],
+        envs: list[dict[str, str]],
+        *,
+        reset: Callable[[], None] | None = None,
+        finished: Callable[[], bool] | None = None,
+    ) -> Launch:
+        """Launch; measure once more if other processes took much CPU meanwhile, or if the launch failed.
+
+        `finished` says whether a launch that exited non-zero had nevertheless written its whole measurement: a
+        job aborting at exit with "terminate called without an active exception" (an FSDP + gloo teardown race
+        in the package, see benchmarks/README.md) is recorded as such and kept, not hidden or re-measured.
+        """
+        contention_retries, failure_retries = self.plan.retries, 1
+        for attempt in range(1, 10):
+            if reset is not None:
+                reset()
+            waited = self._wait()
+            result = launch(cmds, envs, timeout_s=self.plan.launch_timeout_s)
+            entry = {
+                "what": what,
+                "attempt": attempt,
+                "wall_s": round(result.wall_s, 2),
+                "cpu_s": round(result.cpu_s, 2),
+                "foreign_cores": round(result.foreign_cores, 3),
+                "waited_for_idle_s": round(waited, 1),
+                "discarded": False,
+            }
+            self.launches.append(entry)
+            if result.returncode != 0:
+                if finished is not None and finished() and EXIT_ABORT in result.log:
+                    entry["aborted_at_exit_after_finishing"] = True
+                elif failure_retries > 0:
+                    failure_retries -= 1
+                    entry.update(discarded=True, failed=f"exit status {result.returncode}")
+                    self.say(f"  {what}: failed with exit status {result.returncode}; trying once more")
+                    continue
+                else:
+                    result.check(what)
+            if result.foreign_cores > self.plan.retry_above_cores and contention_retries > 0:
+                contention_retries -= 1
+                entry["discarded"] = True
+                self.say(f"  {what}: other processes used {result.foreign_cores:.2f} cores; measuring again")
+                continue
+            self.say(f"  {what}: {result.wall_s:.1f} s (other processes used {result.foreign_cores:.2f} cores)")
+            return result
+        raise RuntimeError(f"{what}: no usable measurement in 9 attempts")
+
+    def result_path(self, stem: str) -> str:
+        self._n += 1
+        return str(self.work / f"{self._n:03d}-{stem}")
+
+    def worker(self, what: str, name: str, args: dict[str, Any], *, nproc: int = 1) -> list[dict[str, Any]]:
+        """Run a worker in `nproc` ranks; returns each rank's JSON record."""
+        result = self.result_path(name)
+        cmd = worker_cmd(WORKERS, name, {**args, "result": result})
+        if nproc == 1 and name != "load_ours":
+            self._go(what, [cmd], [base_env(self.plan.threads)])
+            return [read_json(result)]
+        self._go(what, [cmd] * nproc, rank_envs(nproc, max(1, self.plan.threads // nproc)))
+        return [read_json(f"{result}.rank{r}.json") for r in range(nproc)]
+
+    def train_cli(self, what: str, model: Path, quant: str, *, nproc: int) -> tuple[list[dict[str, Any]], list[int]]:
+        """Our real CLI (train.py; torchrun for several ranks) with --max_steps.
+
+        Returns metrics.jsonl's records and each rank's peak RSS (VmHWM, written by benchmarks/cli_probe.py).
+        """
+        p = self.plan
+        out = Path(self.result_path(f"train-{quant}-{nproc}"))
+        if p.batch_size % nproc:
+            raise ValueError(f"batch {p.batch_size} does not split over {nproc} ranks")
+        flags = {
+            "model": model,
+            "quant": quant,
+            "precision": "bf16",
+            "dataset": "dummy",
+            "dataset_samples": p.batch_size * (p.warmup_steps + p.measured_steps),
+            "context_length": p.context_length,
+            # The same global batch at any world size, so tokens per optimizer step are equal.
+            "batch_size": p.batch_size // nproc,
+            "lora_rank": p.lora_rank,
+            "lora_alpha": p.lora_alpha,
+            "lora_dropout": 0.0,
+            "lora_target_modules": "all",
+            "gradient_checkpointing": str(p.gradient_checkpointing).lower(),
+            "max_steps": p.warmup_steps + p.measured_steps,
+            "lr": 1e-5,
+            "log_to": "stdout",
+            "save_model": "false",
+            "device": "cpu",
+            "output_dir": out,
+        }
+        args = ["-m", "benchmarks.cli_probe", str(REPO_ROOT / "train.py")] + [f"--{k}={v}" for k, v in flags.items()]
+        if nproc == 1:
+            cmd, env = [sys.executable, *args], base_env(p.threads)
+        else:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+            env = base_env(max(1, p.threads // nproc))
+        peaks = f"{out}.peak-rss"
+        env["BENCH_PEAK_RSS_FILE"] = peaks
+        steps = p.warmup_steps + p.measured_steps
+
+        def metrics() -> list[dict[str, Any]]:
+            path = out / "metrics.jsonl"
+            return (
+                [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+            )
+
+        self._go(
+            what,
+            [cmd],
+            [env],
+            reset=lambda: shutil.rmtree(out, ignore_errors=True),
+            finished=lambda: len(metrics()) == steps,
+        )
+        return metrics(), [int(Path(f"{peaks}.rank{r}").read_text()) for r in range(nproc)]
+
+
+def run_cpu_suite(
+    plan: CpuPlan, *, model: Path | None, cache: Path, log: Callable[[str], None] = print
+) -> dict[str, Any]:
+    """Run every CPU measurement and return results.json's content."""
+    suite_start = time.perf_counter()
+    build_start = time.perf_counter()
+    model_dir = model or ensure_model(plan, cache)
+    build_s = time.perf_counter() - build_start
+    config = json.loads((model_dir / "config.json").read_text())
+    rows: list[dict[str, Any]] = []
+    details: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-cpu-") as tmp:
+        runner = Runner(plan, Path(tmp), log)
+        log("1/4 loading (ours: 2 ranks, low-memory; peer: HF from_pretrained)")
+        loads = _loading(runner, model_dir, rows, details)
+        log("2/4 per-rank memory vs world size")
+        _world_sizes(runner, model_dir, loads, rows, details)
+        log("3/4 training throughput")
+        _training(runner, model_dir, rows, details)
+        log("4/4 quantization quality and size")
+        _quality(runner, model_dir, config, rows, details)
+        launches = runner.launches
+    foreign = [entry["foreign_cores"] for entry in launches if not entry["discarded"]]
+    return {
+        "suite": "cpu",
+        "quick": plan.quick,
+        "model": {
+            "path": str(model_dir),
+            "parameters": details["parameters"],
+            "shards": len(list(model_dir.glob("*.safetensors"))),
+            "sizes": {k: config.get(k) for k in SIZE_KEYS},
+        },
+        "settings": {
+            **asdict(plan),
+            "precision": "bf16 parameters, storage and compute (ours --precision bf16; peer dtype=bfloat16)",
+            "quantization": "bnb nf4 + double quant, blocksize 64 (both sides) unless a row says otherwise",
+            "threads": (
+                f"OMP_NUM_THREADS={plan.threads} for one-process runs (ours and peer); "
+                f"{max(1, plan.threads // 2)} per rank for 2-rank jobs, {max(1, plan.threads // 4)} per rank for 4"
+            ),
+            "our_training": "the real CLI: python train.py / torchrun train.py --max_steps, metrics.jsonl tokens_per_s",
+            "adapters": "ours: LoRA weights in bf16 (qlora-fsdp casts them to --precision); peer: PEFT default fp32",
+        },
+        "rows": rows,
+        "details": details,
+        "conditions": {
+            "build_model_s": round(build_s, 1),
+            "launches": launches,
+            "foreign_cores_median": median(foreign) if foreign else 0.0,
+            "foreign_cores_max": max(foreign, default=0.0),
+            "waited_for_idle_s": round(sum(entry["waited_for_idle_s"] for entry in launches), 1),
+            "discarded_launches": sum(entry["discarded"] for entry in launches),
+            "aborted_at_exit_after_finishing": sum("aborted_at_exit_after_finishing" in e for e in launches),
+        },
+        "wall_time_s": time.perf_counter() - suite_start,
+    }
+
+
+def _loading(runner: Runner, model: Path, rows: list, details: dict) -> list[list[dict[str, Any]]]:
+    """Section 1: our 2-rank low-memory load + quantize + FSDP wrap against HF's one-process 4-bit load."""
+    ours_runs, peer_runs = [], []
+    for rep in range(runner.plan.reps):
+        args = {"model": str(model)}
+        ours_runs.append(runner.worker(f"load ours 2 ranks (rep {rep + 1})", "load_ours", args, nproc=2))
+        peer_runs.append(runner.worker(f"load peer (rep {rep + 1})", "load_peer", args)[0])
+    ours_model = ours_runs[0][0]["quantized_model_bytes"]
+    peer_model = peer_runs[0]["quantized_model_bytes"]
+    details["parameters"] = _parameters(model)
+    details["quantized_model_bytes"] = {"ours": ours_model, "peer": peer_model}
+    sec, kw = "loading", {"ours_label": "qlora-fsdp, 2 ranks (gloo), low-memory", "peer_label": PEER_LOAD}
+    rows.append(
+        row(
+            sec,
+            "load_wall_s",
+            "wall time to load + quantize (ours: + FSDP wrap; slowest rank)",
+            "s",
+            "lower",
+            [max(r["total_s"] for r in ranks) for ranks in ours_runs],
+            [p["load_s"] for p in peer_runs],
+            **kw,
+        )
+    )
+    peer_peak = [p["peak_rss_bytes"] for p in peer_runs]
+    for rank in range(2):
+        rows.append(
+            row(
+                sec,
+                f"load_peak_rss_rank{rank}_bytes",
+                f"peak RSS, rank {rank} (peer: its one process)",
+                "bytes",
+                "lower",
+                [ranks[rank]["peak_rss_bytes"] for ranks in ours_runs],
+                peer_peak,
+                **kw,
+            )
+        )
+        rows.append(
+            row(
+                sec,
+                f"load_rss_growth_rank{rank}_bytes",
+                f"peak RSS minus RSS after imports, rank {rank}",
+                "bytes",
+                "lower",
+                [ranks[rank]["peak_rss_bytes"] - ranks[rank]["rss_after_imports_bytes"] for ranks in ours_runs],
+                [p["peak_rss_bytes"] - p["rss_after_imports_bytes"] for p in peer_runs],
+                **kw,
+            )
+        )
+    rows.append(
+        row(
+            sec,
+            "load_peak_rss_sum_bytes",
+            "sum of peak RSS over ranks",
+            "bytes",
+            "lower",
+            [sum(r["peak_rss_bytes"] for r in ranks) for ranks in ours_runs],
+            peer_peak,
+            **kw,
+        )
+    )
+    rows.append(
+        row(
+            sec,
+            "load_rss_sum_over_model",
+            "sum of peak RSS over ranks / quantized model bytes",
+            "x",
+            "lower",
+            [sum(r["peak_rss_bytes"] for r in ranks) / ours_model["total"] for ranks in ours_runs],
+            [p / peer_model["total"] for p in peer_peak],
+            **kw,
+        )
+    )
+    rows.append(
+        row(
+            sec,
+            "quantized_model_bytes",
+            "quantized model bytes (packed + quant state + unquantized weights)",
+            "bytes",
+            "lower",
+            [ranks[0]["quantized_model_bytes"]["total"] for ranks in ours_runs],
+            [p["quantized_model_bytes"]["total"] for p in peer_runs],
+            **kw,
+        )
+    )
+    return ours_runs
+
+
+def _world_sizes(runner: Runner, model: Path, loads: list, rows: list, details: dict) -> None:
+    """Section 2: what each rank holds after FSDP full_shard wrapping at 1, 2 and 4 ranks."""
+    by_world: dict[int, list[dict[str, Any]]] = {}
+    for n in runner.plan.world_sizes:
+        # The 2-rank figures come from the loading runs (same worker, same wrap); byte counts are deterministic.
+        if n == 2 and loads:
+            by_world[n] = loads[0]
+            flat = {r["flat_param_shard_bytes"] for ranks in loads for r in ranks}
+            details["flat_shard_bytes_identical_across_loading_runs"] = len(flat) == 1
+        else:
+            by_world[n] = runner.worker(f"wrap ours {n} rank(s)", "load_ours", {"model": str(model)}, nproc=n)
+    peer = details["quantized_model_bytes"]["peer"]
+    one = max(r["flat_param_shard_bytes"] for r in by_world[1]) if 1 in by_world else None
+    one_resident = max(_resident(r) for r in by_world[1]) if 1 in by_world else None
+    kw = {"ours_label": "qlora-fsdp full_shard, bnb nf4, bf16", "peer_label": PEER_REPLICATED}
+    per_world = {}
+    for n, ranks in by_world.items():
+        flat = max(r["flat_param_shard_bytes"] for r in ranks)
+        resident = max(_resident(r) for r in ranks)
+        per_world[n] = {
+            "flat_param_shard_bytes_per_rank": [r["flat_param_shard_bytes"] for r in ranks],
+            "quant_state_bytes_per_rank": [r["quant_state_bytes"] for r in ranks],
+            "resident_bytes_per_rank": [_resident(r) for r in ranks],
+        }
+        rows.append(
+            row(
+                "memory vs world size",
+                f"flat_shard_bytes_per_rank_n{n}",
+                f"{n} rank(s): FSDP flat-parameter shard bytes per rank (packed + unquantized)",
+                "bytes",
+                "lower",
+                [flat],
+                [peer["params"]],
+                **kw,
+            )
+        )
+        rows.append(
+            row(
+                "memory vs world size",
+                f"resident_bytes_per_rank_n{n}",
+                f"{n} rank(s): shard + quant state + buffers per rank (quant state is not sharded)",
+                "bytes",
+                "lower",
+                [resident],
+                [peer["total"]],
+                **kw,
+            )
+        )
+        if n > 1 and one is not None:
+            rows.append(
+                row(
+                    "memory vs world size",
+                    f"sharding_efficiency_n{n}",
+                    f"{n} ranks: efficiency (flat bytes at 1 rank / {n}) / (flat bytes per rank); peer 1/{n}",
+                    "x",
+                    "higher",
+                    [(one / n) / flat],
+                    [1.0 / n],
+                    **kw,
+                )
+            )
+            rows.append(
+                row(
+                    "memory vs world size",
+                    f"resident_efficiency_n{n}",
+                    f"{n} ranks: the same efficiency counting replicated quant state and buffers",
+                    "x",
+                    "higher",
+                    [(one_resident / n) / resident],
+                    [1.0 / n],
+                    **kw,
+                )
+            )
+    details["world_sizes"] = per_world
+
+
+def _resident(record: dict[str, Any]) -> int:
+    return record["flat_param_shard_bytes"] + record["quant_state_bytes"] + record["buffer_bytes"]
+
+
+def _training(runner: Runner, model: Path, rows: list, details: dict) -> None:
+    """Section 3: tokens/s of our CLI (bnb, hqq; 1 process and 2 ranks) against the HF + PEFT loop."""
+    p = runner.plan
+    skip = p.warmup_steps
+    peer_tps, peer_rss = [], []
+    ours: dict[str, list[float]] = {key: [] for key, _, _ in TRAIN_RUNS}
+    ours_rss: dict[str, list[float]] = {key: [] for key, _, _ in TRAIN_RUNS}
+    cli_maxrss: dict[str, list[float]] = {key: [] for key, _, _ in TRAIN_RUNS}
+    peer_args = {
+        "model": str(model),
+        "lora_rank": p.lora_rank,
+        "lora_alpha": p.lora_alpha,
+        "batch_size": p.batch_size,
+        "context_length": p.context_length,
+        "steps": p.warmup_steps + p.measured_steps,
+        "checkpointing": p.gradient_checkpointing,
+    }
+    for rep in range(p.reps):
+        record = runner.worker(f"train peer (rep {rep + 1})", "train_peer", peer_args)[0]
+        peer_tps.append(median([s["tokens_per_s"] for s in record["steps"][skip:]]))
+        peer_rss.append(record["peak_rss_bytes"])
+        for key, quant, nproc in TRAIN_RUNS:
+            metrics, peaks = runner.train_cli(f"train ours {quant} x{nproc} (rep {rep + 1})", model, quant, nproc=nproc)
+            ours[key].append(median([m["tokens_per_s"] for m in metrics[skip:]]))
+            ours_rss[key].append(max(peaks))
+            cli_maxrss[key].append(max(metrics[-1]["peak_memory_bytes_per_rank"]))
+    shape = f"batch {p.batch_size} x {p.context_length}, LoRA r{p.lora_rank} on all linears"
+    peer_label = f"{PEER_TRAIN} x {p.threads} threads"
+    note = f"tokens/s: median of steps {skip + 1}-{skip + p.measured_steps} of each run, then over {p.reps} run(s)"
+    for key, quant, nproc in TRAIN_RUNS:
+        kind = "bnb nf4" if quant == "bnb" else "hqq 4-bit"
+        per_rank = max(1, p.threads // nproc)
+        layout = f"1 process x {p.threads} threads" if nproc == 1 else f"{nproc} ranks x {per_rank} thread(s)"
+        label = f"qlora-fsdp CLI{' (torchrun)' if nproc > 1 else ''}, {kind}, {layout}"
+        kw = {"ours_label": f"{label}; {shape}", "peer_label": peer_label, "note": note}
+        rows.append(
+            row(
+                "training",
+                f"tokens_per_s_{key}",
+                f"tokens/s, {kind}, {layout}",
+                "tokens/s",
+                "higher",
+                ours[key],
+                peer_tps,
+                **kw,
+            )
+        )
+        rows.append(
+            row(
+                "training",
+                f"train_peak_rss_{key}_bytes",
+                f"peak RSS while training (largest rank), {kind}, {layout}",
+                "bytes",
+                "lower",
+                ours_rss[key],
+                peer_rss,
+                **kw,
+            )
+        )
+    details["training"] = {
+        "peer_tokens_per_s_runs": peer_tps,
+        "ours_tokens_per_s_runs": ours,
+        # What the CLI itself logs as peak_memory_bytes (ru_maxrss: includes the launcher's high-water mark).
+        "ours_metrics_peak_memory_bytes_runs": cli_maxrss,
+    }
+
+
+def _quality(runner: Runner, model: Path, config: dict[str, Any], rows: list, details: dict) -> None:
+    """Section 4: stored bits per parameter and dequantization error per format, on real weight matrices."""
+    n = config["num_hidden_layers"]
+    layers = sorted({0, n // 2, n - 1})
+    formats = [{"name": name, "config": cfg} for _, name, cfg in FORMATS]
+    record = runner.worker(
+        "quantization quality", "quant_quality", {"model": str(model), "layers": layers, "formats": formats}
+    )[0]
+    details["quality"] = {
+        "layers": [f"model.layers.{i}" for i in layers],
+        "matrices": record["matrices"],
+        "params": record["params"],
+    }
+    for slug, name, _ in FORMATS:
+        sides = record["formats"][name]
+        for metric, figure, unit in (
+            ("bits_per_param", "stored bits per parameter (packed + quant state)", "bits"),
+            ("mean_abs_error", "mean absolute error of the dequantized weights", "abs"),
+            ("max_abs_error", "max absolute error of the dequantized weights", "abs"),
+        ):
+            rows.append(
+                row(
+                    "quantization",
+                    f"{metric}_{slug}",
+                    f"{name}: {figure}",
+                    unit,
+                    "lower",
+                    [sides["ours"][metric]],
+                    [sides["reference"][metric]],
+                    ours_label="qlora_fsdp.quant backend, bf16 storage",
+                    peer_label=PEER_LIBRARY,
+                    note=f"{record['matrices']} matrices of layers {layers}, {record['params']:,} weights",
+                )
+            )
+
+
+def _parameters(model: Path) -> int:
+    """Parameter count from the safetensors headers (8-byte length + JSON), without reading any tensor."""
+    total = 0
+    for file in sorted(model.glob("*.safetensors")):
+        with open(file, "rb") as fh:
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        for name, info in header.items():
+            if name != "__metadata__":
+                count = 1
+                for dim in info["shape"]:
+                    count *= dim
+                total += count
+    return total

@@ -1,0 +1,252 @@
+"""CPU measurements, each run in a fresh process: `python -m benchmarks.cpu_workers NAME JSON_ARGS`.
+
+A worker imports only what it measures, times only the measured work (not interpreter start or imports), and
+writes one JSON file (per rank, for jobs) that the orchestrator reads. Multi-rank workers join the job through
+the torchrun variables the orchestrator sets (RANK, WORLD_SIZE, MASTER_ADDR, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import current_rss_bytes, maxrss_bytes, peak_rss_bytes, write_json
+
+BF16_STORAGE = "bf16"  # --precision bf16: bf16 parameters, packed storage and compute
+
+
+def _quiet() -> None:
+    """bitsandbytes logs an irrelevant optional-kernel miss at import; transformers warns about PEFT's attribute."""
+    import logging
+    import warnings
+
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+
+
+def load_ours(args: dict[str, Any]) -> None:
+    """One rank: low-memory streaming load + NF4 quantization, then FSDP full_shard wrapping (our loading path).
+
+    Reports load and wrap wall time, peak RSS, RSS after imports, this rank's flat-parameter shard bytes and its
+    quantization state bytes; rank 0 also the whole quantized model's bytes (it holds every real tensor).
+    """
+    _quiet()
+    import torch.distributed as dist
+
+    from benchmarks.measure import (
+        flat_param_shard_bytes,
+        model_bytes,
+        module_quant_state_bytes,
+        preimport,
+        tensor_bytes,
+    )
+    from qlora_fsdp.config import FSDPConfig, ModelConfig, QuantConfig
+    from qlora_fsdp.distributed import init_distributed
+    from qlora_fsdp.fsdp import PRECISIONS, wrap_model
+    from qlora_fsdp.model import load_model
+    from qlora_fsdp.quant import make_backend
+
+    env = init_distributed(device="cpu")
+    preimport(args["model"])
+    import qlora_fsdp.quant.bnb  # noqa: F401 - make_backend would import it inside the timed region
+
+    baseline = current_rss_bytes()
+    precision = PRECISIONS[BF16_STORAGE]
+    dist.barrier()
+    start = time.perf_counter()
+    backend = make_backend(
+        QuantConfig(quant="bnb", bnb_quant_type="nf4", bnb_double_quant=True),
+        storage_dtype=precision.param_dtype,
+        compute_dtype=precision.compute_dtype,
+    )
+    loaded = load_model(
+        ModelConfig(model=args["model"], low_memory=True), backend=backend, env=env, param_dtype=precision.param_dtype
+    )
+    load_s = time.perf_counter() - start
+    quantized = model_bytes(loaded.model) if env.is_main else None
+    wrap_start = time.perf_counter()
+    wrapped = wrap_model(
+        loaded.model,
+        FSDPConfig(sharding_strategy="full_shard", gradient_checkpointing=False),
+        env=env,
+        precision=precision,
+        layer_classes=loaded.layer_classes,
+        ignore=backend.module_classes,
+        adapters_own_units=False,
+        sync_from_rank0=True,
+    )
+    wrap_s = time.perf_counter() - wrap_start
+    buffers = sum(tensor_bytes(b) for b in wrapped.buffers())
+    record = {
+        "rank": env.rank,
+        "world_size": env.world_size,
+        "load_s": load_s,
+        "wrap_s": wrap_s,
+        "total_s": load_s + wrap_s,
+        "peak_rss_bytes": peak_rss_bytes(),
+        "ru_maxrss_bytes": maxrss_bytes(),
+        "rss_after_imports_bytes": baseline,
+        "flat_param_shard_bytes": flat_param_shard_bytes(wrapped),
+        "quant_state_bytes": module_quant_state_bytes(wrapped),
+        "buffer_bytes": buffers,
+        "quantized_model_bytes": quantized,
+    }
+    write_json(f"{args['result']}.rank{env.rank}.json", record)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def load_peer(args: dict[str, Any]) -> None:
+    """The peer's loading: HF from_pretrained 4-bit onto the CPU in this one process."""
+    _quiet()
+    from benchmarks.measure import model_bytes, preimport
+    from benchmarks.peer import load_peer as hf_load
+
+    preimport(args["model"])
+    baseline = current_rss_bytes()
+    start = time.perf_counter()
+    model = hf_load(args["model"], device="cpu")
+    load_s = time.perf_counter() - start
+    write_json(
+        args["result"],
+        {
+            "load_s": load_s,
+            "peak_rss_bytes": peak_rss_bytes(),
+            "ru_maxrss_bytes": maxrss_bytes(),
+            "rss_after_imports_bytes": baseline,
+            "quantized_model_bytes": model_bytes(model),
+        },
+    )
+
+
+def train_peer(args: dict[str, Any]) -> None:
+    """The peer's training throughput: HF 4-bit + PEFT LoRA + AdamW, one process, same rows as our CLI run."""
+    _quiet()
+    import torch
+
+    from benchmarks.peer import add_lora, dummy_batches, load_peer, train_steps
+
+    model = load_peer(args["model"], device="cpu")
+    model = add_lora(
+        model, rank=args["lora_rank"], alpha=args["lora_alpha"], dropout=0.0, checkpointing=args["checkpointing"]
+    )
+    batches = dummy_batches(
+        args["model"], batch_size=args["batch_size"], context_length=args["context_length"], count=args["steps"]
+    )
+    steps = list(train_steps(model, batches, device=torch.device("cpu")))
+    write_json(
+        args["result"],
+        {
+            "steps": [{"tokens": n, "seconds": s, "tokens_per_s": n / s} for n, s in steps],
+            "peak_rss_bytes": peak_rss_bytes(),
+        },
+    )
+
+
+def quant_quality(args: dict[str, Any]) -> None:
+    """Stored bits per parameter and dequantization error of each format, ours against the library called directly.
+
+    Ours: `make_backend` + `load_weight` into the module our loader builds, bf16 storage and compute (as in
+    training). Reference: bitsandbytes' `quantize_4bit` / HQQ's `HQQLinear` with their default integer storage.
+    Both quantize the same real weight matrices of the model; error is |dequantized - original fp32|.
+    """
+    _quiet()
+    import torch
+    from safetensors import safe_open
+    from torch import nn
+
+    from benchmarks.measure import tensor_bytes
+    from qlora_fsdp.config import QuantConfig
+    from qlora_fsdp.model import shard_files
+    from qlora_fsdp.quant import make_backend
+
+    layers = {f"model.layers.{i}." for i in args["layers"]}
+    weights: dict[str, torch.Tensor] = {}
+    for file in shard_files(Path(args["model"])):
+        with safe_open(file, framework="pt", device="cpu") as shard:
+            for name in shard.keys():  # noqa: SIM118 - safe_open is not a mapping
+                if name.endswith("proj.weight") and any(name.startswith(p) for p in layers):
+                    weights[name] = shard.get_tensor(name).float()
+    cpu = torch.device("cpu")
+    results = {}
+    for fmt in args["formats"]:
+        cfg = QuantConfig(**fmt["config"])
+        backend = make_backend(cfg, storage_dtype=torch.bfloat16, compute_dtype=torch.bfloat16)
+        sides: dict[str, dict[str, float]] = {}
+        for side in ("ours", "reference"):
+            stored = err_sum = 0.0
+            err_max = 0.0
+            count = 0
+            start = time.perf_counter()
+            for w in weights.values():
+                if side == "ours":
+                    linear = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
+                    module = backend.make_module(linear, device=cpu)
+                    backend.load_weight(module, w, device=cpu, keep=True)
+                    deq = backend.dequantize(module).float()
+                    stored += tensor_bytes(backend.packed(module))
+                    stored += sum(tensor_bytes(t) for t in backend.quant_state_tensors(module).values())
+                else:
+                    deq, nbytes = _reference_quantize(cfg, w)
+                    stored += nbytes
+                diff = (deq - w).abs()
+                err_sum += float(diff.double().sum())
+                err_max = max(err_max, float(diff.max()))
+                count += w.numel()
+            sides[side] = {
+                "bits_per_param": 8 * stored / count,
+                "mean_abs_error": err_sum / count,
+                "max_abs_error": err_max,
+                "seconds": time.perf_counter() - start,
+            }
+        results[fmt["name"]] = sides
+    write_json(
+        args["result"],
+        {"formats": results, "matrices": len(weights), "params": sum(w.numel() for w in weights.values())},
+    )
+
+
+def _reference_quantize(cfg: Any, w: Any) -> tuple[Any, int]:
+    """The library's own path with its default storage: returns (dequantized fp32 weight, stored bytes)."""
+    import torch
+    from torch import nn
+
+    from benchmarks.measure import quant_state_tensors, tensor_bytes
+
+    if cfg.quant == "bnb":
+        import bitsandbytes.functional as bnbf
+
+        # What HF's 4-bit loading does: cast to the compute dtype, quantize in 64-element blocks, uint8 storage.
+        packed, state = bnbf.quantize_4bit(
+            w.to(torch.bfloat16), blocksize=64, compress_statistics=cfg.bnb_double_quant, quant_type=cfg.bnb_quant_type
+        )
+        deq = bnbf.dequantize_4bit(packed, state).float()
+        states = [t for t in state.as_dict(packed=True).values() if isinstance(t, torch.Tensor)]
+        return deq, tensor_bytes(packed) + sum(tensor_bytes(t) for t in states)
+    from hqq.core.quantize import BaseQuantizeConfig, HQQLinear
+
+    linear = nn.Linear(w.shape[1], w.shape[0], bias=False)
+    linear.weight.data = w.clone()
+    module = HQQLinear(
+        linear,
+        BaseQuantizeConfig(nbits=cfg.hqq_bits, group_size=cfg.hqq_group_size),
+        compute_dtype=torch.bfloat16,
+        device="cpu",
+    )
+    deq = module.dequantize().float()
+    return deq, tensor_bytes(module.W_q) + sum(tensor_bytes(t) for t in quant_state_tensors(module))
+
+
+WORKERS: dict[str, Callable[[dict[str, Any]], None]] = {
+    "load_ours": load_ours,
+    "load_peer": load_peer,
+    "train_peer": train_peer,
+    "quant_quality": quant_quality,
+}
+
+if __name__ == "__main__":
+    WORKERS[sys.argv[1]](json.loads(sys.argv[2]))

@@ -1,0 +1,94 @@
+"""The peer every figure is compared with: Hugging Face 4-bit loading + PEFT LoRA + a plain torch AdamW loop.
+
+This is what most people write by hand (or get from TRL) instead of using qlora-fsdp: one process,
+`from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True, ...))`, `get_peft_model`, and a
+forward/backward/step loop. It is configured like our runs: NF4 with double quantization (our default), bf16
+storage and compute, bf16 unquantized weights, the same LoRA rank, alpha and targets (every linear but the head).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+# Every linear layer of a Llama decoder: what our `--lora_target_modules all` selects.
+LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def bnb_config(*, quant_type: str = "nf4", double_quant: bool = True):  # -> BitsAndBytesConfig
+    """The issue's peer configuration, plus double quantization so both sides store the same bytes."""
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_storage=torch.bfloat16,
+        bnb_4bit_quant_type=quant_type,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+        bnb_4bit_use_double_quant=double_quant,
+    )
+
+
+def load_peer(path: str | Path, *, device: str) -> nn.Module:
+    """HF's own 4-bit loading onto `device` ("cpu" or "cuda"), bf16 for the unquantized weights."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=bnb_config(), device_map=device, dtype=torch.bfloat16
+    )
+    model.config.use_cache = False
+    return model
+
+
+def add_lora(model: nn.Module, *, rank: int, alpha: float, dropout: float, checkpointing: bool) -> nn.Module:
+    """PEFT LoRA on every linear but the head, with PEFT's defaults otherwise (fp32 adapter weights)."""
+    from peft import LoraConfig, get_peft_model
+
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    config = LoraConfig(
+        r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(LLAMA_LINEARS), task_type="CAUSAL_LM"
+    )
+    return get_peft_model(model, config)
+
+
+def dummy_batches(path: str | Path, *, batch_size: int, context_length: int, count: int) -> list[dict]:
+    """The same rows our CLI trains on with `--dataset dummy` (no padding: every row fills the context)."""
+    from qlora_fsdp.data import load_examples, tokenize_examples
+    from qlora_fsdp.model import load_tokenizer
+
+    tokenizer = load_tokenizer(Path(path))
+    examples = load_examples("dummy", samples=batch_size * count)
+    items, _ = tokenize_examples(examples, tokenizer, context_length=context_length, train_on_inputs=False)
+    return [
+        {k: torch.stack([it[k] for it in items[i * batch_size : (i + 1) * batch_size]]) for k in items[0]}
+        for i in range(count)
+    ]
+
+
+def train_steps(
+    model: nn.Module, batches: list[dict], *, device: torch.device, lr: float = 1e-5, grad_norm: float = 0.3
+) -> Iterator[tuple[int, float]]:
+    """One optimizer step per batch, as a plain loop does it; yields (input tokens, seconds) per step.
+
+    Clipping matches ours (`--grad_norm 0.3`); the time covers the whole step, synchronised on GPU.
+    """
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=0.0)
+    model.train()
+    for batch in batches:
+        start = time.perf_counter()
+        ids = batch["input_ids"].to(device)
+        out = model(input_ids=ids, attention_mask=batch["attention_mask"].to(device), labels=batch["labels"].to(device))
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        else:
+            out.loss.item()
+        yield int(batch["attention_mask"].sum()), time.perf_counter() - start

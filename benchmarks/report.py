@@ -1,0 +1,100 @@
+"""results.json -> results.md: one table per section, ours beside the peer, and where we trail most."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from benchmarks.rows import behind
+
+
+def fmt(value: float, unit: str) -> str:
+    """A figure in the unit a reader expects: MiB for bytes, percent for MFU, 3 digits otherwise."""
+    if unit == "bytes":
+        for scale, name in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+            if value >= scale:
+                return f"{value / scale:.1f} {name}"
+        return f"{value:.0f} B"
+    if unit == "s":
+        return f"{value:.2f} s"
+    if unit == "tokens/s":
+        return f"{value:,.0f}" if value >= 100 else f"{value:.1f}"
+    if unit == "fraction":
+        return f"{100 * value:.1f}%" if value >= 1e-3 else f"{100 * value:.2g}%"
+    if unit == "abs":
+        return f"{value:.2e}"
+    if unit == "bits":
+        return f"{value:.3f}"
+    return f"{value:.3g}"
+
+
+def _table(rows: list[dict[str, Any]]) -> list[str]:
+    lines = ["| figure | ours | peer | ours/peer | better |", "|---|---:|---:|---:|:---:|"]
+    for r in rows:
+        figure = r["figure"].replace("|", "\\|")  # a pipe would end the cell
+        lines.append(
+            f"| {figure} | {fmt(r['ours'], r['unit'])} | {fmt(r['peer'], r['unit'])} | "
+            f"{r['ratio']:.2f}x | {r['better']} |"
+        )
+    return lines
+
+
+def render(results: dict[str, Any]) -> str:
+    """The Markdown report of a suite run (CPU or GPU)."""
+    rows = results["rows"]
+    machine = results.get("machine", {})
+    where = ", ".join(str(machine[k]) for k in ("cpu", "gpu") if machine.get(k)) or "unknown machine"
+    versions = ", ".join(f"{k} {machine.get(k, '?')}" for k in ("torch", "transformers", "peft", "bitsandbytes", "hqq"))
+    lines = [
+        f"## qlora-fsdp {results['suite'].upper()} benchmark{' (quick mode)' if results.get('quick') else ''}",
+        "",
+        f"Run {results.get('date', '?')} on {where} ({machine.get('cores', '?')} cores); {versions}. "
+        f"Suite wall time {results['wall_time_s']:.0f} s.",
+    ]
+    model = results.get("model")
+    if model:
+        sizes = ", ".join(f"{k} {v}" for k, v in model["sizes"].items())
+        lines += ["", f"Model: random Llama, {model['parameters']:,} parameters in {model['shards']} shards ({sizes})."]
+    settings = results.get("settings", {})
+    keys = ("precision", "quantization", "threads", "our_training", "adapters", "shapes", "mfu")
+    notes = [f"{k}: {settings[k]}" for k in keys if k in settings]
+    if notes:
+        lines += ["", *[f"- {n}" for n in notes]]
+    lines += ["", "Every figure is a median over runs (`runs` in results.json); ratio = ours / peer."]
+    sections: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        sections.setdefault(r["section"], []).append(r)
+    for section, section_rows in sections.items():
+        lines += ["", f"### {section}", ""]
+        labels = sorted({(r.get("ours_label", ""), r.get("peer_label", "")) for r in section_rows})
+        for ours, peer in labels:
+            if ours or peer:
+                lines.append(f"Ours: {ours or 'qlora-fsdp'}. Peer: {peer or '-'}.  ")
+        notes = sorted({r["note"] for r in section_rows if r.get("note")})
+        lines += [f"{n}.  " for n in notes]
+        lines += ["", *_table(section_rows)]
+    conditions = results.get("conditions", {})
+    if "foreign_cores_median" in conditions:
+        lines += [
+            "",
+            f"Contention: other processes on the machine used a median {conditions['foreign_cores_median']:.2f} "
+            f"(max {conditions['foreign_cores_max']:.2f}) cores during the kept launches; "
+            f"{conditions.get('discarded_launches', 0)} launch(es) were discarded and measured again because "
+            f"others took more than {results.get('settings', {}).get('retry_above_cores', 0)} cores; the harness "
+            f"waited {conditions.get('waited_for_idle_s', 0):.0f} s in total for quiet periods.",
+        ]
+    aborted = conditions.get("aborted_at_exit_after_finishing", 0)
+    if aborted:
+        lines += [
+            "",
+            f'{aborted} launch(es) wrote every figure, then aborted at exit with "terminate called without an '
+            'active exception" (the FSDP + gloo teardown race described in benchmarks/README.md); they were kept.',
+        ]
+    worst = behind(rows)
+    if worst:
+        lines += ["", "Furthest behind the peer:", ""]
+        lines += [f"1. {r['section']}: {r['figure']}: {r['ratio']:.2f}x ({r['better']} is better)" for r in worst]
+    errors = results.get("errors") or []
+    if errors:
+        lines += ["", "Errors (these measurements are missing):", ""]
+        lines += [f"- {e.splitlines()[0]}" for e in errors]
+    return "\n".join(lines) + "\n"

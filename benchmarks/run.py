@@ -1,0 +1,83 @@
+"""Run a benchmark suite and write OUT/results.json and OUT/results.md.
+
+    python benchmarks/run.py --suite cpu [--model DIR] [--out results/] [--quick]
+    python benchmarks/run.py --suite gpu [--out DIR] [--dry-run] [--peak_flops 989e12]   (benchmarks/gpu.sh wraps it)
+
+Without --model the CPU suite builds its own random Llama (scripts/make_tiny_model.py; about 171M parameters in 3
+shards, cached under --cache). Each measurement runs in fresh processes; see benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+from pathlib import Path
+
+# `python benchmarks/run.py` puts benchmarks/ first on sys.path; the harness imports itself as a package.
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--suite", required=True, choices=("cpu", "gpu"))
+    p.add_argument("--out", type=Path, default=Path("results"), help="directory for results.json and results.md")
+    p.add_argument("--model", type=Path, default=None, help="CPU suite: use this model directory instead of building")
+    p.add_argument("--quick", action="store_true", help="small model, one repetition (what the test runs)")
+    p.add_argument("--reps", type=int, default=None, help="repetitions per measurement (default 3; quick 1)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads of a one-process run")
+    p.add_argument(
+        "--idle_wait", type=float, default=None, help="seconds to wait for a quiet machine before each launch"
+    )
+    p.add_argument(
+        "--cache",
+        type=Path,
+        default=Path(os.environ.get("TMPDIR", "/tmp")) / "qlora-fsdp-bench",
+        help="where built models are kept between runs",
+    )
+    p.add_argument("--dry-run", dest="dry_run", action="store_true", help="GPU suite: tiny shapes on the CPU")
+    p.add_argument("--peak_flops", type=float, default=989e12, help="GPU suite: the device's dense bf16 peak FLOP/s")
+    p.add_argument("--budget_s", type=float, default=None, help="GPU suite: seconds for all GPU work (default 400)")
+    args = p.parse_args(argv)
+    if args.model is not None and not (args.model / "config.json").is_file():
+        p.error(f"--model {args.model}: no config.json there")
+    if args.reps is not None and args.reps < 1:
+        p.error("--reps must be >= 1")
+    if args.threads < 1:
+        p.error("--threads must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    from benchmarks.common import machine_info, write_json
+    from benchmarks.report import render
+
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    started = datetime.datetime.now(datetime.timezone.utc)
+    if args.suite == "cpu":
+        from benchmarks.cpu_suite import plan, run_cpu_suite
+
+        cpu_plan = plan(quick=args.quick, threads=args.threads, reps=args.reps, idle_wait_s=args.idle_wait)
+        results = run_cpu_suite(cpu_plan, model=args.model, cache=args.cache)
+        results["machine"] = machine_info()
+    else:
+        from benchmarks.gpu_suite import run_gpu_suite
+
+        results = run_gpu_suite(
+            args.out, dry_run=args.dry_run, peak_flops=args.peak_flops, budget_s=args.budget_s, quick=args.quick
+        )
+    results["date"] = started.strftime("%Y-%m-%d %H:%M UTC")
+    results["command"] = " ".join(["python", "benchmarks/run.py", *(sys.argv[1:] if argv is None else argv)])
+    write_json(args.out / "results.json", results)
+    report = render(results)
+    (args.out / "results.md").write_text(report)
+    print(report)
+    return 0 if not results.get("errors") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

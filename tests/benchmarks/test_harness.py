@@ -1,0 +1,156 @@
+"""The benchmark harness, run for real in its reduced modes: every figure present and positive, ratio = ours/peer.
+
+`python benchmarks/run.py --suite cpu --quick` (small model, one repetition) and `bash benchmarks/gpu.sh OUT
+--dry-run` (the GPU suite's code on the CPU with tiny shapes) are the commands users run; nothing is mocked.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks.report import fmt, render
+from benchmarks.rows import behind, row
+
+pytestmark = pytest.mark.distributed
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+ROW_FIELDS = ("section", "key", "figure", "unit", "better", "ours", "peer", "ratio", "runs")
+
+CPU_KEYS = {
+    # 1. loading
+    "load_wall_s",
+    "load_peak_rss_rank0_bytes",
+    "load_peak_rss_rank1_bytes",
+    "load_rss_growth_rank0_bytes",
+    "load_rss_growth_rank1_bytes",
+    "load_peak_rss_sum_bytes",
+    "load_rss_sum_over_model",
+    "quantized_model_bytes",
+    # 2. memory vs world size
+    *(f"{k}_n{n}" for k in ("flat_shard_bytes_per_rank", "resident_bytes_per_rank") for n in (1, 2, 4)),
+    *(f"{k}_n{n}" for k in ("sharding_efficiency", "resident_efficiency") for n in (2, 4)),
+    # 3. training
+    *(f"tokens_per_s_{r}" for r in ("bnb_1proc", "hqq_1proc", "bnb_2ranks")),
+    *(f"train_peak_rss_{r}_bytes" for r in ("bnb_1proc", "hqq_1proc", "bnb_2ranks")),
+    # 4. quantization
+    *(
+        f"{metric}_{fmt_}"
+        for metric in ("bits_per_param", "mean_abs_error", "max_abs_error")
+        for fmt_ in ("bnb_nf4_dq", "bnb_nf4", "bnb_fp4_dq", "hqq_4bit", "hqq_3bit", "hqq_2bit")
+    ),
+}
+GPU_DRY_KEYS = {
+    f"{metric}_{quant}_b{batch}_s{context}"
+    for metric in ("tokens_per_s", "mfu", "peak_reserved", "peak_allocated")
+    for quant in ("bnb", "hqq")
+    for batch, context in ((1, 64), (2, 96))
+}
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(PYTHONPATH=str(REPO_ROOT), TOKENIZERS_PARALLELISM="false", WANDB_MODE="offline")
+    return env
+
+
+def _run(cmd: list[str], *, timeout: float, env: dict[str, str] | None = None) -> None:
+    proc = subprocess.run(
+        cmd, cwd=REPO_ROOT, env=env or _env(), capture_output=True, text=True, timeout=timeout, check=False
+    )
+    output = f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}\n{output}"
+
+
+def _positive_numbers(obj: Any, where: str) -> None:
+    """Every number below `obj` is > 0 (booleans and strings are not figures)."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            _positive_numbers(v, f"{where}.{k}")
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            _positive_numbers(v, f"{where}[{i}]")
+    elif isinstance(obj, (int, float)) and not isinstance(obj, bool):
+        assert obj > 0 and math.isfinite(obj), f"{where} = {obj}"
+
+
+def _check_rows(results: dict[str, Any], expected: set[str]) -> None:
+    rows = results["rows"]
+    keys = [r["key"] for r in rows]
+    assert len(keys) == len(set(keys)), "duplicate row keys"
+    assert set(keys) == expected, f"missing {expected - set(keys)}, unexpected {set(keys) - expected}"
+    for r in rows:
+        for name in ROW_FIELDS:
+            assert name in r, f"{r.get('key')}: no {name}"
+        assert r["better"] in ("higher", "lower")
+        _positive_numbers({k: r[k] for k in ("ours", "peer", "ratio", "runs")}, r["key"])
+        assert r["runs"]["ours"] and r["runs"]["peer"], r["key"]
+        assert math.isclose(r["ratio"], r["ours"] / r["peer"], rel_tol=1e-9), r["key"]
+    assert results["wall_time_s"] > 0
+
+
+def test_cpu_suite_quick(tmp_path: Path) -> None:
+    out = tmp_path / "results"
+    cmd = [sys.executable, "benchmarks/run.py", "--suite", "cpu", "--quick", "--out", str(out)]
+    _run([*cmd, "--cache", str(tmp_path / "cache")], timeout=600)
+
+    results = json.loads((out / "results.json").read_text())
+    assert results["suite"] == "cpu" and results["quick"] is True
+    _check_rows(results, CPU_KEYS)
+    _positive_numbers(results["details"], "details")
+    _positive_numbers(results["model"], "model")
+    by_key = {r["key"]: r for r in results["rows"]}
+    # Sharding really divides the flat parameters; the peer holds the whole model at any world size.
+    flat = [by_key[f"flat_shard_bytes_per_rank_n{n}"]["ours"] for n in (1, 2, 4)]
+    assert flat[0] > flat[1] > flat[2]
+    assert by_key["sharding_efficiency_n4"]["peer"] == pytest.approx(0.25)
+    # Fewer bits really are stored, and cost accuracy.
+    bits = [by_key[f"bits_per_param_hqq_{b}bit"]["ours"] for b in (4, 3, 2)]
+    errors = [by_key[f"mean_abs_error_hqq_{b}bit"]["ours"] for b in (4, 3, 2)]
+    assert bits == sorted(bits, reverse=True) and errors == sorted(errors)
+    assert by_key["bits_per_param_bnb_nf4_dq"]["ours"] < by_key["bits_per_param_bnb_nf4"]["ours"]
+
+    report = (out / "results.md").read_text()
+    for r in results["rows"]:
+        assert r["figure"] in report, r["key"]
+
+
+def test_gpu_script_dry_run(tmp_path: Path) -> None:
+    out = tmp_path / "gpu"
+    _run(["bash", "benchmarks/gpu.sh", str(out), "--dry-run"], timeout=300, env={**_env(), "PYTHON": sys.executable})
+
+    results = json.loads((out / "results.json").read_text())
+    assert results["suite"] == "gpu" and results["dry_run"] is True and not results["errors"]
+    _check_rows(results, GPU_DRY_KEYS)
+    _positive_numbers(results["details"], "details")
+    assert results["model"]["parameters"] > 0
+    by_key = {r["key"]: r for r in results["rows"]}
+    # MFU is 8 x params x tokens/s / peak (activation checkpointing on), for both sides.
+    params, peak = results["model"]["parameters"], results["settings"]["peak_flops"]
+    for key in ("bnb_b2_s96", "hqq_b1_s64"):
+        tps, mfu = by_key[f"tokens_per_s_{key}"], by_key[f"mfu_{key}"]
+        for side in ("ours", "peer"):
+            assert mfu[side] == pytest.approx(8 * params * tps[side] / peak, rel=1e-9)
+    assert "| tokens/s |" in (out / "results.md").read_text()
+
+
+def test_rows_ratio_and_report() -> None:
+    """The row arithmetic and the Markdown renderer, without launching anything."""
+    faster = row("s", "tps", "tokens/s", "tokens/s", "higher", [90.0, 100.0, 200.0], [50.0, 60.0, 40.0])
+    smaller = row("s", "mem", "memory", "bytes", "lower", [3 * 2**20], [2**20])
+    assert faster["ours"] == 100.0 and faster["peer"] == 50.0 and faster["ratio"] == 2.0
+    assert smaller["ratio"] == 3.0
+    assert behind([faster, smaller]) == [smaller]
+    assert fmt(3 * 2**20, "bytes") == "3.0 MiB" and fmt(0.4321, "fraction") == "43.2%"
+    text = render({"suite": "cpu", "rows": [faster, smaller], "wall_time_s": 1.0})
+    assert "| tokens/s | 100 | 50.0 | 2.00x | higher |" in text
+    assert "s: memory: 3.00x (lower is better)" in text
+    with pytest.raises(ValueError):
+        row("s", "k", "f", "x", "sideways", [1.0], [1.0])
