@@ -6,6 +6,6 @@ bash scripts/install_cpu.sh
 VENV=${VENV:-.venv}
 OUT=${OUT:-output/quickstart}
 "$VENV/bin/python" scripts/make_tiny_model.py --output "$OUT/tiny-model"
-"$VENV/bin/torchrun" --nproc_per_node=2 train.py --config configs/tiny-cpu.yaml \
-    --model "$OUT/tiny-model" --output_dir "$OUT/adapter"
+"$VENV/bin/torchrun" --standalone --nproc_per_node=2 train.py --config configs/tiny-cpu.yaml \
+    --model "$OUT/tiny-model" --output_dir "$OUT/adapter" --overwrite true
 echo "adapter: $(cd "$OUT/adapter" && pwd)"
