@@ -60,7 +60,6 @@ class TrainingStopped(UserError):
 
 @dataclass
 class TrainResult:
-    output_dir: Path
     state: TrainState
     losses: list[float] = field(default_factory=list)
     preempted_checkpoint: Path | None = None
@@ -215,7 +214,6 @@ def _run(cfg: TrainConfig, env: DistEnv, model_path: Path, resume: Path | None) 
                 profiler=profiler,
                 static_fields={"param_bytes_per_rank": param_bytes},
             )
-        result.output_dir = output_dir
         if result.preempted_checkpoint is not None:
             logger.message(
                 f"preempted: saved checkpoint {result.preempted_checkpoint.resolve()} at step {result.state.step}; "
@@ -381,7 +379,7 @@ def train_loop(
     model.train()
     max_norm = optim.grad_norm if optim.grad_norm > 0 else float("inf")
     batches = _micro_batches(loader, epoch=state.epoch, skip=state.batch_in_epoch)
-    result = TrainResult(output_dir=Path("."), state=state)
+    result = TrainResult(state=state)
     start = time.perf_counter()
     while state.step < total_steps:
         step_start = time.perf_counter()
