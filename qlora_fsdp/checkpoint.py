@@ -24,11 +24,10 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch import nn
-from torch.distributed.fsdp import FullStateDictConfig, StateDictType
-from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from qlora_fsdp.distributed import DistEnv
 from qlora_fsdp.errors import UserError
+from qlora_fsdp.fsdp import ShardedModel
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -55,38 +54,26 @@ class TrainState:
     """The flags a resume must share with the run that saved the checkpoint (data order, tensor shapes)."""
 
 
-def gather_adapter(model: FSDP, keys: dict[nn.Module, dict[str, str]], *, env: DistEnv) -> dict[str, torch.Tensor]:
-    """Full adapter tensors on rank 0 (empty elsewhere), keyed as PEFT saves them (see lora.adapter_keys).
-
-    Each adapter leaf is its own FSDP unit, so summoning it alone gathers only its few parameters. All ranks
-    visit the units in the same order: each summon is a collective.
-    """
+def gather_adapter(
+    model: ShardedModel, keys: dict[nn.Module, dict[str, str]], *, env: DistEnv
+) -> dict[str, torch.Tensor]:
+    """Full adapter tensors on rank 0 (empty elsewhere), keyed as PEFT saves them (see lora.adapter_keys)."""
     state: dict[str, torch.Tensor] = {}
-    for unit in FSDP.fsdp_modules(model):
-        names = keys.get(unit.module)
-        if names is None:
-            continue
-        with FSDP.summon_full_params(unit, recurse=False, writeback=False, rank0_only=True):
-            if env.is_main:
-                for param_name, param in unit.module.named_parameters():
-                    state[names[param_name]] = param.detach().clone().cpu()
+    for module, tensors in model.gather(list(keys)):
+        for name, tensor in tensors.items():
+            state[keys[module][name]] = tensor
     return state
 
 
-def load_adapter_into(model: FSDP, keys: dict[nn.Module, dict[str, str]], path: Path) -> None:
-    """Copy a saved adapter into the sharded model, unit by unit, bit for bit (every rank reads the file)."""
+def load_adapter_into(model: ShardedModel, keys: dict[nn.Module, dict[str, str]], path: Path) -> None:
+    """Copy a saved adapter into the sharded model, module by module, bit for bit (every rank reads the file)."""
     saved = load_file(str(path / ADAPTER_WEIGHTS))
-    for unit in FSDP.fsdp_modules(model):
-        names = keys.get(unit.module)
-        if names is None:
-            continue
-        with FSDP.summon_full_params(unit, recurse=False, writeback=True), torch.no_grad():
-            for param_name, param in unit.module.named_parameters():
-                param.copy_(saved[names[param_name]])
+    for module, names in keys.items():
+        model.load(module, {name: saved[key] for name, key in names.items()})
 
 
 def save_adapter(
-    model: FSDP, peft_model: nn.Module, keys: dict[nn.Module, dict[str, str]], out: Path, *, env: DistEnv
+    model: ShardedModel, peft_model: nn.Module, keys: dict[nn.Module, dict[str, str]], out: Path, *, env: DistEnv
 ) -> None:
     """Write adapter_model.safetensors + adapter_config.json that `PeftModel.from_pretrained` loads."""
     state = gather_adapter(model, keys, env=env)
@@ -97,33 +84,23 @@ def save_adapter(
     dist.barrier()
 
 
-def save_full_model(model: FSDP, hf_model: nn.Module, out: Path, *, env: DistEnv) -> None:
+def save_full_model(model: ShardedModel, hf_model: nn.Module, out: Path, *, env: DistEnv) -> None:
     """--train_type full: the whole model is what was trained, gathered to rank 0 (on CPU from a GPU)."""
-    # Offloading a CPU run's gathered tensors "to CPU" breaks FSDP1's unsharding on 2+ ranks (empty storage).
-    gather = FullStateDictConfig(offload_to_cpu=env.device.type != "cpu", rank0_only=True)
-    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, gather):
-        state = model.state_dict()
+    state = model.full_state_dict()
     if env.is_main:
         out.mkdir(parents=True, exist_ok=True)
         hf_model.save_pretrained(str(out), state_dict=state, safe_serialization=True)
     dist.barrier()
 
 
-def save_trained_blocks(model: FSDP, blocks: dict[nn.Module, str], out: Path, *, env: DistEnv) -> Path:
+def save_trained_blocks(model: ShardedModel, blocks: dict[nn.Module, str], out: Path, *, env: DistEnv) -> Path:
     """--train_type llama_pro: the trained blocks' tensors, under their checkpoint names, gathered block by block.
 
     Copying these tensors over the expanded checkpoint's gives the fine-tuned model.
     """
     state: dict[str, torch.Tensor] = {}
-    for unit in FSDP.fsdp_modules(model):
-        block = getattr(unit.module, "_checkpoint_wrapped_module", unit.module)
-        prefix = blocks.get(block)
-        if prefix is None:
-            continue
-        with FSDP.summon_full_params(unit, recurse=False, writeback=False, rank0_only=True):
-            if env.is_main:
-                for name, param in block.named_parameters():
-                    state[f"{prefix}{name}"] = param.detach().clone().cpu()
+    for block, tensors in model.gather(list(blocks)):
+        state |= {f"{blocks[block]}{name}": tensor for name, tensor in tensors.items()}
     path = out / TRAINED_BLOCKS
     if env.is_main:
         out.mkdir(parents=True, exist_ok=True)
@@ -148,7 +125,7 @@ def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
 
 def save_checkpoint(
     *,
-    model: FSDP,
+    model: ShardedModel,
     peft_model: nn.Module,
     keys: dict[nn.Module, dict[str, str]],
     optimizer: torch.optim.Optimizer,
@@ -168,7 +145,7 @@ def save_checkpoint(
     dist.barrier()
     save_adapter(model, peft_model, keys, tmp, env=env)
     per_rank = {
-        "optimizer": optimizer.state_dict(),
+        "optimizer": model.optimizer_state(optimizer),
         "scheduler": scheduler.state_dict(),
         "scaler": scaler.state_dict() if scaler is not None else None,
         "rng": _rng_state(env.device),
@@ -243,7 +220,7 @@ def read_train_state(path: Path) -> TrainState:
 def load_checkpoint(
     path: Path,
     *,
-    model: FSDP,
+    model: ShardedModel,
     keys: dict[nn.Module, dict[str, str]],
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
@@ -255,7 +232,7 @@ def load_checkpoint(
     load_adapter_into(model, keys, path)
     # map_location cpu: RNG states must stay CPU tensors; the optimizer moves its state to the parameters.
     per_rank = torch.load(path / f"rank-{env.rank}.pt", map_location="cpu", weights_only=True)
-    optimizer.load_state_dict(per_rank["optimizer"])
+    model.load_optimizer_state(optimizer, per_rank["optimizer"])
     scheduler.load_state_dict(per_rank["scheduler"])
     if scaler is not None and per_rank["scaler"] is not None:
         scaler.load_state_dict(per_rank["scaler"])

@@ -24,7 +24,8 @@ class ConfigError(UserError):
 
 QUANT_BACKENDS = ("bnb", "hqq", "none")  # kept in step with qlora_fsdp/quant/ by a unit test
 TRAIN_TYPES = ("lora", "dora", "full", "llama_pro")
-PRECISIONS = ("bf16", "fp32", "fp16_autocast", "bf16_autocast", "bf16_buffers_autocast")
+PRECISIONS = ("bf16", "fp32", "fp16_autocast", "bf16_autocast", "bf16_buffers_autocast", "mp_bf16")
+FSDP_VERSIONS = (1, 2)
 SHARDING_STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2")
 SCHEDULERS = ("constant", "linear", "cosine")
 OPTIMIZERS = ("adamw", "adam", "sgd", "adadelta")
@@ -40,7 +41,8 @@ class ModelConfig:
     model: str = ""
     """Local model directory (config.json + safetensors shards) or a Hugging Face hub id."""
     low_memory: bool = True
-    """Rank 0 keeps the real weights on CPU, other ranks keep meta tensors; FSDP broadcasts at wrap time."""
+    """Accepted for old scripts: loading now always streams each decoder layer into its shards on every rank (no
+    rank holds the whole model), whatever this says."""
     trust_remote_code: bool = False
     """Allow model code from the hub repository (off: only architectures transformers ships)."""
     allow_pickle: bool = False
@@ -80,8 +82,12 @@ class LoraConfig:
 
 @dataclass
 class FSDPConfig:
+    fsdp_version: int = 2
+    """2: torch's fully_shard, one unit per decoder layer, packed weights and their state sharded as uint8;
+    1: FullyShardedDataParallel with the packed weights viewed as the parameter dtype."""
     precision: str = "bf16"
-    """bf16 / fp32: parameters in that dtype; *_autocast: fp32 (or bf16) parameters under autocast."""
+    """bf16 / fp32: parameters in that dtype; *_autocast: fp32 (or bf16) parameters under autocast;
+    mp_bf16: fp32 parameters that FSDP casts to bf16 for compute, gradients reduced in fp32."""
     sharding_strategy: str = "full_shard"
     """FSDP sharding: full_shard, shard_grad_op, no_shard, hybrid_shard or hybrid_shard_zero2."""
     shard_group_size: int = 0
@@ -334,6 +340,7 @@ def _check_choices(cfg: TrainConfig) -> list[str]:
         *_choice("compute_dtype", cfg.quant.compute_dtype, COMPUTE_DTYPES),
         *_choice("train_type", cfg.lora.train_type, TRAIN_TYPES),
         *_choice("precision", cfg.fsdp.precision, PRECISIONS),
+        *_choice("fsdp_version", cfg.fsdp.fsdp_version, FSDP_VERSIONS),
         *_choice("sharding_strategy", cfg.fsdp.sharding_strategy, SHARDING_STRATEGIES),
         *_choice("optimizer", cfg.optim.optimizer, OPTIMIZERS),
         *_choice("lr_scheduler", cfg.optim.lr_scheduler, SCHEDULERS),
@@ -395,9 +402,9 @@ def _check_combinations(cfg: TrainConfig) -> list[str]:
         problems.append(f"--save_steps/--resume_from need --train_type lora or dora (not {cfg.lora.train_type})")
     if cfg.fsdp.cpu_offload and cfg.dist.device == "cpu":
         problems.append("--cpu_offload moves GPU parameters to host memory; with --device cpu drop it")
-    if cfg.quant.quant == "hqq" and cfg.quant.compute_dtype != "auto" and not cfg.fsdp.precision.endswith("autocast"):
-        # HQQ's matmul does not cast its input: activations and dequantized weights must share a dtype.
-        problems.append("--compute_dtype with --quant hqq needs an *_autocast --precision; or leave it auto")
+    if cfg.fsdp.fsdp_version == 1 and cfg.lora.train_type == "dora" and cfg.fsdp.precision == "mp_bf16":
+        # FSDP1 keeps DoRA's quantized layers in their decoder layer's unit, whose parameters mp_bf16 casts.
+        problems.append("--precision mp_bf16 with --train_type dora needs --fsdp_version 2")
     return problems
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import zlib
+
 import torch
 from torch import nn
 
@@ -31,8 +34,8 @@ def inject_lora(
 ) -> nn.Module:
     """Wrap `model` in a PeftModel whose only trainable parameters are the adapters, stored in `dtype`.
 
-    Adapters are created on the base layer's device: real on a rank that holds weights, meta on a low-memory
-    rank (FSDP's broadcast from rank 0 fills them, so every rank starts from rank 0's initialisation).
+    On a meta skeleton the adapters are meta too: `init_adapters` gives them their values once their decoder
+    layer has been loaded.
     """
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
@@ -53,7 +56,45 @@ def inject_lora(
     for name, param in peft_model.named_parameters():
         if "lora_" in name:
             param.data = param.data.to(dtype)
+    for layer in lora_layers(peft_model):
+        # PEFT casts the adapter input to the adapter weight's dtype, read outside the adapter's FSDP1 unit: stored
+        # dtype in forward, cast dtype in a checkpoint's recompute, which then refuses to run. FSDP casts inputs.
+        layer.cast_input_dtype_enabled = False
     return peft_model
+
+
+def lora_layers(module: nn.Module) -> list[nn.Module]:
+    """PEFT's LoRA layers under `module` (each holds lora_A, lora_B and, for DoRA, a magnitude per adapter)."""
+    from peft.tuners.lora import LoraLayer
+
+    return [m for m in module.modules() if isinstance(m, LoraLayer)]
+
+
+def init_adapters(layers: list[nn.Module], *, seed: int, name: str) -> None:
+    """PEFT's default initialisation (A: Kaiming-uniform, B: zero; DoRA magnitude: the base weight's row norms),
+    drawn on the CPU from a generator seeded by (`seed`, `name`).
+
+    So every rank, world size and device gets the same adapters without communication, and without touching the
+    global RNG that dropout draws from. Call it once the layer's base weights are loaded (DoRA reads them).
+    """
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    with torch.no_grad():
+        for layer in layers:
+            for adapter, lora_a in layer.lora_A.items():
+                values = torch.empty(lora_a.weight.shape, dtype=torch.float32)
+                nn.init.kaiming_uniform_(values, a=math.sqrt(5), generator=generator)
+                lora_a.weight.copy_(values)
+                layer.lora_B[adapter].weight.zero_()
+                if adapter in layer.lora_magnitude_vector:
+                    magnitude = layer.lora_magnitude_vector[adapter]
+                    magnitude.update_layer(
+                        base_layer=layer.get_base_layer(),
+                        lora_A=lora_a.weight,
+                        lora_B=layer.lora_B[adapter].weight,
+                        scaling=layer.scaling[adapter],
+                    )
+                    # PEFT computes the norms in the dequantized weight's dtype; keep the adapters' dtype.
+                    magnitude.weight.data = magnitude.weight.data.to(lora_a.weight.dtype)
 
 
 def prepare_full_finetune(model: nn.Module, *, only_prefixes: tuple[str, ...] = ()) -> nn.Module:
@@ -66,19 +107,21 @@ def prepare_full_finetune(model: nn.Module, *, only_prefixes: tuple[str, ...] = 
 def adapter_keys(peft_model: nn.Module) -> dict[nn.Module, dict[str, str]]:
     """{adapter leaf module: {its parameter name: key in PEFT's saved adapter}}, taken before FSDP wrapping.
 
-    PEFT itself names the keys (get_peft_model_state_dict on the unwrapped model), matched to parameters by storage,
-    so saving needs no name surgery on FSDP-wrapped names. Only ranks holding real tensors get keys (meta tensors
-    have no storage); the other ranks get the modules, which is all they need to join the gathers.
+    PEFT itself names the keys: its get_peft_model_state_dict is given a state dict whose values are markers,
+    one per parameter, so this works on a meta model and saving needs no name surgery on sharded names.
     """
     from peft import get_peft_model_state_dict
 
-    saved = get_peft_model_state_dict(peft_model)
-    by_storage = {t.data_ptr(): key for key, t in saved.items() if not t.is_meta}
-    return {
-        module: {name: by_storage.get(p.data_ptr(), "") for name, p in module.named_parameters(recurse=False)}
-        for module in peft_model.modules()
-        if is_trainable_leaf(module)
-    }
+    names = [name for name, _ in peft_model.named_parameters()]
+    markers = {name: torch.tensor([i]) for i, name in enumerate(names)}
+    saved = get_peft_model_state_dict(peft_model, state_dict=markers)
+    key_of = {names[int(marker)]: key for key, marker in saved.items()}
+    out = {}
+    for module_name, module in peft_model.named_modules():
+        if is_trainable_leaf(module):
+            prefix = f"{module_name}." if module_name else ""
+            out[module] = {n: key_of.get(prefix + n, "") for n, _ in module.named_parameters(recurse=False)}
+    return out
 
 
 def is_trainable_leaf(module: nn.Module) -> bool:

@@ -1,7 +1,8 @@
-"""Model loading: skeleton on meta, stream safetensors shards one at a time, quantize each linear as it arrives.
+"""Model loading: skeleton on meta, stream safetensors shards one tensor at a time, quantize each linear as it
+arrives, and hand each decoder layer on (to be sharded) as soon as it is whole.
 
-Peak host memory is about one tensor plus the quantized model on rank 0 (and one tensor on the other ranks with
-`--low_memory`), never the full-precision model.
+Every rank reads the checkpoint itself; none holds more than its shards plus the layers in flight and the
+embeddings, head and norm (sharded last, with the root). There is no rank-0 copy and no broadcast.
 """
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ import contextlib
 import json
 import logging
 import os
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -19,7 +20,6 @@ from safetensors import safe_open
 from torch import nn
 
 from qlora_fsdp.config import ModelConfig
-from qlora_fsdp.distributed import DistEnv
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.quant import QuantBackend
 
@@ -29,16 +29,6 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 PICKLE_INDEX = "pytorch_model.bin.index.json"
 PICKLE_FILE = "pytorch_model.bin"
-
-
-@dataclass
-class LoadedModel:
-    model: nn.Module
-    path: Path
-    layer_classes: tuple[type[nn.Module], ...]
-    """Decoder layer classes: the FSDP wrapping and checkpointing unit, found from `_no_split_modules`."""
-    quantized: list[str]
-    """Qualified names of the linears the backend replaced."""
 
 
 def _looks_like_path(name: str) -> bool:
@@ -118,7 +108,7 @@ def _params_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
-def build_skeleton(path: Path, *, dtype: torch.dtype, trust_remote_code: bool) -> nn.Module:
+def _meta_model(path: Path, *, dtype: torch.dtype, trust_remote_code: bool) -> nn.Module:
     """The architecture from config.json with every parameter on meta (no memory, no init cost)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -148,15 +138,6 @@ def decoder_layer_classes(model: nn.Module) -> tuple[type[nn.Module], ...]:
     return tuple(sorted(classes, key=lambda c: c.__name__))
 
 
-def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
-    module_name, _, attr = name.rpartition(".")
-    module = model.get_submodule(module_name)
-    if attr in module._parameters:
-        module._parameters[attr] = nn.Parameter(value, requires_grad=False)
-    else:
-        module._buffers[attr] = value
-
-
 def expanded_layer_prefixes(path: Path) -> tuple[str, ...]:
     """Module-name prefixes of the blocks scripts/block_expansion.py added (config.json `llama_pro_new_layers`)."""
     config = json.loads((path / "config.json").read_text())
@@ -169,62 +150,167 @@ def expanded_layer_prefixes(path: Path) -> tuple[str, ...]:
     return tuple(f"model.layers.{i}." for i in indices)
 
 
+@dataclass
+class Skeleton:
+    """The model on the meta device, its linears already swapped for quantized ones, and where weights go."""
+
+    model: nn.Module
+    path: Path
+    files: list[Path]
+    layer_classes: tuple[type[nn.Module], ...]
+    """Decoder layer classes: the FSDP wrapping and checkpointing unit, found from `_no_split_modules`."""
+    units: dict[str, nn.Module]
+    """Decoder layers by qualified name, in model order: each is filled, then handed on, as soon as it is whole."""
+    quantized: list[str]
+    """Qualified names of the linears the backend replaced."""
+    head_name: str | None
+    """Qualified name of the output head (never quantized)."""
+    sources: dict[str, tuple[nn.Module, str]] = field(default_factory=dict)
+    """Checkpoint tensor name -> (module, attribute) it fills, named before adapters rename anything."""
+
+
+def build_skeleton(
+    cfg: ModelConfig,
+    *,
+    backend: QuantBackend | None,
+    param_dtype: torch.dtype,
+    path: Path | None = None,
+    full_precision_prefixes: tuple[str, ...] = (),
+) -> Skeleton:
+    """The architecture from config.json on meta, with every linear but the head (and `full_precision_prefixes`)
+    replaced by the backend's empty quantized layer. Nothing is read from the checkpoint yet."""
+    path = path or resolve_model_path(cfg.model)
+    files = shard_files(path, allow_pickle=cfg.allow_pickle)
+    model = _meta_model(path, dtype=param_dtype, trust_remote_code=cfg.trust_remote_code)
+    layer_classes = decoder_layer_classes(model)
+    head = model.get_output_embeddings()
+    head_name = next((n for n, m in model.named_modules() if m is head), None)
+    quantized = []
+    if backend is not None:
+        # The output head stays in full precision: small next to the body and sensitive to quantization error.
+        quantized = backend.replace_linears(
+            model, should_quantize=lambda n: n != head_name and not n.startswith(full_precision_prefixes)
+        )
+    # Quantized layers keep the checkpoint's names (weight, bias): their `weight` quantizes what arrives.
+    sources = {n: _owner(model, n) for n, _ in model.named_parameters(remove_duplicate=False)}
+    sources |= {n: _owner(model, n) for n, _ in model.named_buffers()}
+    units = {n: m for n, m in model.named_modules() if isinstance(m, layer_classes)}
+    return Skeleton(model, path, files, layer_classes, units, quantized, head_name, sources)
+
+
+def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    module_name, _, attr = name.rpartition(".")
+    return model.get_submodule(module_name), attr
+
+
+class _Params:
+    """Every (module, attribute) that holds each parameter, so replacing a tied parameter replaces it everywhere."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.holders: dict[int, list[tuple[nn.Module, str]]] = {}
+        for module in model.modules():
+            for attr, param in module._parameters.items():
+                if param is not None:
+                    self.holders.setdefault(id(param), []).append((module, attr))
+
+    def replace(self, old: nn.Parameter, value: torch.Tensor) -> None:
+        new = nn.Parameter(value, requires_grad=old.requires_grad)
+        holders = self.holders.pop(id(old))
+        for module, attr in holders:
+            module._parameters[attr] = new
+        self.holders[id(new)] = holders
+
+    def materialize(self, module: nn.Module, device: torch.device) -> None:
+        """Allocate every parameter of `module` still on meta (adapters: initialised later) and move buffers."""
+        for param in list(module.parameters()):
+            if param.is_meta:
+                self.replace(param, torch.empty_like(param, device=device))
+        for sub in module.modules():
+            for name, buf in sub._buffers.items():
+                if buf is not None and not buf.is_meta:
+                    sub._buffers[name] = buf.to(device)
+
+
+def stream_weights(
+    skeleton: Skeleton,
+    *,
+    backend: QuantBackend | None,
+    device: torch.device,
+    on_unit_ready: Callable[[str, nn.Module], None] | None = None,
+) -> None:
+    """Read the checkpoint one tensor at a time into the skeleton, quantizing each target weight as it arrives.
+
+    Tensors may come in any order and a decoder layer may span shards: as soon as every tensor of a layer has
+    arrived, its remaining meta parameters (adapters) are allocated and `on_unit_ready(name, layer)` runs, so the
+    caller can shard it and free the full copy. Parameters outside decoder layers (embeddings, norm, head) are
+    kept whole; the caller handles them after this returns. Raises UserError naming a missing tensor.
+    """
+    model = skeleton.model
+    params = _Params(model)
+    quantized = {id(m) for n, m in model.named_modules() if backend is not None and backend.is_quantized(m)}
+    by_length = sorted(skeleton.units, key=len, reverse=True)
+
+    def unit_of(name: str) -> str:
+        return next((u for u in by_length if name.startswith(u + ".")), "")
+
+    # A required "slot" is one parameter; tied names (embed_tokens / lm_head) share one slot.
+    slot_of: dict[str, int] = {}
+    for name, (module, attr) in skeleton.sources.items():
+        if attr in module._parameters:
+            slot_of[name] = id(module._parameters[attr]) if id(module) not in quantized else id(module)
+    pending: dict[str, set[int]] = {}
+    for name, slot in slot_of.items():
+        pending.setdefault(unit_of(name), set()).add(slot)
+    first_name = {}
+    for name, slot in slot_of.items():
+        first_name.setdefault(slot, name)
+
+    for file in skeleton.files:
+        for name, tensor in _read_tensors(file):
+            source = skeleton.sources.get(name)
+            if source is None:
+                log.warning("ignoring checkpoint tensor %s: no such parameter in the model", name)
+                continue
+            module, attr = source
+            if id(module) in quantized:
+                backend.load_weight(module, tensor, device=device)  # type: ignore[union-attr]
+            elif attr in module._parameters:
+                old = module._parameters[attr]
+                params.replace(old, tensor.to(device=device, dtype=old.dtype if tensor.is_floating_point() else None))
+            else:
+                module._buffers[attr] = tensor.to(device)
+                continue
+            unit = unit_of(name)
+            waiting = pending.get(unit)
+            if waiting is None:
+                continue
+            waiting.discard(slot_of[name])
+            if not waiting and unit:
+                del pending[unit]
+                layer = skeleton.units[unit]
+                params.materialize(layer, device)
+                if on_unit_ready is not None:
+                    on_unit_ready(unit, layer)
+    missing = sorted(first_name[slot] for slots in pending.values() for slot in slots)
+    if missing:
+        raise UserError(
+            f"--model {skeleton.path}: checkpoint lacks {len(missing)} tensor(s), e.g. {missing[0]}; is it complete?"
+        )
+    params.materialize(model, device)
+
+
 def load_model(
     cfg: ModelConfig,
     *,
     backend: QuantBackend | None,
-    env: DistEnv,
+    device: torch.device,
     param_dtype: torch.dtype,
     path: Path | None = None,
-    full_precision_prefixes: tuple[str, ...] = (),
-) -> LoadedModel:
-    """Build the skeleton, quantize target linears, and stream the checkpoint in.
-
-    With `cfg.low_memory`, only rank 0 keeps real tensors (on CPU); other ranks keep meta tensors and receive the
-    values from the per-unit broadcast in fsdp.wrap_model. Every rank quantizes each weight itself, so quantization
-    state (which FSDP does not broadcast) exists, identical, everywhere.
-    """
-    path = path or resolve_model_path(cfg.model)
-    files = shard_files(path, allow_pickle=cfg.allow_pickle)
-    model = build_skeleton(path, dtype=param_dtype, trust_remote_code=cfg.trust_remote_code)
-    layer_classes = decoder_layer_classes(model)
-    # Names as the checkpoint has them, before quantized modules rename their parameters (HQQ's W_q).
-    expected = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    quantized = []
-    if backend is not None:
-        # The output head stays in full precision: small next to the body and sensitive to quantization error.
-        head = model.get_output_embeddings()
-        head_name = next((n for n, m in model.named_modules() if m is head), None)
-        quantized = backend.replace_linears(
-            model,
-            should_quantize=lambda n: n != head_name and not n.startswith(full_precision_prefixes),
-            device=env.device,
-        )
-    keep = env.is_main or not cfg.low_memory
-    modules = dict(model.named_modules())
-    loaded: set[str] = set()
-    for file in files:
-        for name, tensor in _read_tensors(file):
-            module_name, _, attr = name.rpartition(".")
-            module = modules.get(module_name)
-            if module is None or (name not in expected and attr not in module._buffers):
-                log.warning("ignoring checkpoint tensor %s: no such parameter in the model", name)
-                continue
-            if backend is not None and backend.is_quantized(module) and attr == "weight":
-                backend.load_weight(module, tensor, device=env.device, keep=keep)
-            else:
-                value = tensor.to(param_dtype) if tensor.is_floating_point() else tensor
-                _set_tensor(model, name, value if keep else torch.empty_like(value, device="meta"))
-            loaded.add(name)
-    if getattr(model.config, "tie_word_embeddings", False) and "lm_head.weight" not in loaded:
-        model.get_output_embeddings().weight = model.get_input_embeddings().weight
-        loaded.add("lm_head.weight")
-    missing = sorted(expected - loaded)
-    if missing:
-        raise UserError(
-            f"--model {path}: checkpoint lacks {len(missing)} tensor(s), e.g. {missing[0]}; is it complete?"
-        )
-    return LoadedModel(model=model, path=path, layer_classes=layer_classes, quantized=quantized)
+) -> Skeleton:
+    """The whole model in this process, quantized, unsharded (tools and tests; training streams into shards)."""
+    skeleton = build_skeleton(cfg, backend=backend, param_dtype=param_dtype, path=path)
+    stream_weights(skeleton, backend=backend, device=device)
+    return skeleton
 
 
 def load_tokenizer(path: Path):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import math
 import signal
@@ -16,7 +15,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from qlora_fsdp.checkpoint import (
@@ -33,22 +31,21 @@ from qlora_fsdp.checkpoint import (
 )
 from qlora_fsdp.config import OptimConfig, OutputConfig, TrainConfig, profile_window
 from qlora_fsdp.data import IGNORE_INDEX, build_dataloader
-from qlora_fsdp.distributed import DistEnv, broadcast_object, gather_ints, init_distributed, teardown
+from qlora_fsdp.distributed import DistEnv, gather_ints, init_distributed, teardown
 from qlora_fsdp.errors import UserError
-from qlora_fsdp.fsdp import (
-    DTYPES,
-    PRECISIONS,
-    Precision,
-    packed_fingerprints,
-    resident_parameter_bytes,
-    verify_packed,
-    wrap_model,
-)
-from qlora_fsdp.lora import adapter_keys, inject_lora, prepare_full_finetune
+from qlora_fsdp.fsdp import DTYPES, PRECISIONS, Precision, ShardedModel, make_sharder
+from qlora_fsdp.lora import adapter_keys, init_adapters, inject_lora, lora_layers, prepare_full_finetune
 from qlora_fsdp.metrics import METRICS_FILE, MetricsLogger, peak_memory_bytes
-from qlora_fsdp.model import expanded_layer_prefixes, load_model, load_tokenizer, resolve_model_path
+from qlora_fsdp.model import (
+    build_skeleton,
+    expanded_layer_prefixes,
+    load_tokenizer,
+    resolve_model_path,
+    stream_weights,
+)
 from qlora_fsdp.optim import build_optimizer, build_scheduler
 from qlora_fsdp.quant import make_backend
+from qlora_fsdp.quant.base import QuantizedLinear
 
 log = logging.getLogger(__name__)
 FINISHED_MARKERS = ("adapter_model.safetensors", "model.safetensors", TRAINED_BLOCKS, METRICS_FILE)
@@ -135,9 +132,9 @@ def _resume_fingerprint(cfg: TrainConfig) -> dict[str, object]:
 class _Built:
     """The sharded model and what saving needs to know about it."""
 
-    model: FSDP
+    model: ShardedModel
     unwrapped: nn.Module
-    """The PeftModel (adapters) or HF model that was wrapped: saving takes its config and names."""
+    """The PeftModel (adapters) or HF model that was sharded: saving takes its config and names."""
     keys: dict[nn.Module, dict[str, str]]
     """Adapter leaf -> {parameter: PEFT key}; empty without adapters."""
     blocks: dict[nn.Module, str]
@@ -153,7 +150,7 @@ def _run(cfg: TrainConfig, env: DistEnv, model_path: Path, resume: Path | None) 
     built = _build_model(cfg, env, model_path, precision)
     adapters = bool(built.keys)
 
-    optimizer = build_optimizer(built.model.parameters(), cfg.optim)
+    optimizer = build_optimizer(built.model.module.parameters(), cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
     scaler = ShardedGradScaler(device=env.device.type) if precision.grad_scaler else None
     output_dir = Path(cfg.output.output_dir)
@@ -176,7 +173,7 @@ def _run(cfg: TrainConfig, env: DistEnv, model_path: Path, resume: Path | None) 
     profiler = _profiler(cfg.output, output_dir, env) if cfg.output.profile else None
     if resume is not None:
         logger.message(f"resumed from {resume} at step {state.step}")
-    param_bytes = gather_ints(resident_parameter_bytes(built.model), env)
+    param_bytes = gather_ints(built.model.local_parameter_bytes(), env)
     logger.message(f"resident parameter bytes per rank after sharding: {param_bytes}")
 
     def checkpoint(at: TrainState) -> Path:
@@ -229,61 +226,55 @@ def _run(cfg: TrainConfig, env: DistEnv, model_path: Path, resume: Path | None) 
 
 
 def _build_model(cfg: TrainConfig, env: DistEnv, model_path: Path, precision: Precision) -> _Built:
-    """Load and quantize, add what trains (adapters or Llama-Pro blocks), shard, and check the packed bytes."""
+    """Skeleton on meta, adapters, then stream the checkpoint in, sharding each decoder layer as it completes."""
     compute_dtype = precision.compute_dtype if cfg.quant.compute_dtype == "auto" else DTYPES[cfg.quant.compute_dtype]
-    backend = make_backend(cfg.quant, storage_dtype=precision.param_dtype, compute_dtype=compute_dtype)
-    new_blocks = expanded_layer_prefixes(model_path) if cfg.lora.train_type == "llama_pro" else ()
-    dora = cfg.lora.train_type == "dora"
-    # DoRA's magnitude starts as the column norms of the base weight, so every rank needs the weights at
-    # injection; and its forward dequantizes the base layer, which must then share its layer's FSDP unit.
-    model_cfg = dataclasses.replace(cfg.model, low_memory=cfg.model.low_memory and not dora)
-    loaded = load_model(
-        model_cfg,
-        backend=backend,
+    adapters = cfg.lora.train_type in ("lora", "dora")
+    # FSDP1 only: DoRA's forward dequantizes the base layer from its LoRA layer, so the base layer must share its
+    # decoder layer's unit instead of a (mixed-precision-ignored) unit of its own.
+    ignore_quantized = cfg.quant.quant != "none" and cfg.lora.train_type != "dora"
+    sharder = make_sharder(
+        cfg.fsdp,
         env=env,
+        precision=precision,
+        ignore=(QuantizedLinear,) if ignore_quantized else (),
+        adapters_own_units=adapters,
+    )
+    backend = make_backend(cfg.quant, storage_dtype=sharder.storage_dtype, compute_dtype=compute_dtype)
+    new_blocks = expanded_layer_prefixes(model_path) if cfg.lora.train_type == "llama_pro" else ()
+    skeleton = build_skeleton(
+        cfg.model,
+        backend=backend,
         param_dtype=precision.param_dtype,
         path=model_path,
         full_precision_prefixes=new_blocks,
     )
-    quantized = [m for m in loaded.model.modules() if backend and backend.is_quantized(m)]
-    fingerprints = packed_fingerprints(quantized, backend) if backend and env.is_main else None
-    # Adapter init must not depend on how much randomness loading used.
-    torch.manual_seed(cfg.optim.seed)
-    adapters = cfg.lora.train_type in ("lora", "dora")
     keys: dict[nn.Module, dict[str, str]] = {}
     if adapters:
         unwrapped = inject_lora(
-            loaded.model,
+            skeleton.model,
             cfg.lora,
             dtype=precision.param_dtype,
             quantized_classes=backend.module_classes if backend else (),
         )
         keys = adapter_keys(unwrapped)
-        # Only ranks holding real tensors can name the keys; every rank needs them to load a checkpoint.
-        leaves = list(keys)
-        keys = dict(zip(leaves, broadcast_object([keys[m] for m in leaves], env), strict=True))
         if any("" in names.values() for names in keys.values()):
             raise RuntimeError("an adapter parameter has no PEFT key: PEFT's state dict and the model disagree")
     else:
-        unwrapped = prepare_full_finetune(loaded.model, only_prefixes=new_blocks)
-    blocks = {m: f"{n}." for n, m in unwrapped.named_modules() if new_blocks and f"{n}." in new_blocks}
+        unwrapped = prepare_full_finetune(skeleton.model, only_prefixes=new_blocks)
+    blocks = {m: f"{n}." for n, m in skeleton.model.named_modules() if new_blocks and f"{n}." in new_blocks}
     if cfg.fsdp.gradient_checkpointing and cfg.fsdp.reentrant_checkpointing:
         # Reentrant checkpoints only backpropagate into a segment whose inputs require grad.
         unwrapped.enable_input_require_grads()
+    in_layers = {id(m) for layer in skeleton.units.values() for m in lora_layers(layer)}
 
-    model = wrap_model(
-        unwrapped,
-        cfg.fsdp,
-        env=env,
-        precision=precision,
-        layer_classes=loaded.layer_classes,
-        ignore=backend.module_classes if backend and not dora else (),
-        adapters_own_units=adapters,
-        sync_from_rank0=model_cfg.low_memory,
-    )
-    if backend:
-        verify_packed(model, quantized, backend, fingerprints, env=env)
-    return _Built(model=model, unwrapped=unwrapped, keys=keys, blocks=blocks)
+    def shard_layer(name: str, layer: nn.Module) -> None:
+        init_adapters(lora_layers(layer), seed=cfg.optim.seed, name=name)
+        sharder.shard_unit(name, layer, root=skeleton.model)
+
+    stream_weights(skeleton, backend=backend, device=env.device, on_unit_ready=shard_layer)
+    outside = [m for m in lora_layers(unwrapped) if id(m) not in in_layers]
+    init_adapters(outside, seed=cfg.optim.seed, name="")
+    return _Built(model=sharder.finish(unwrapped), unwrapped=unwrapped, keys=keys, blocks=blocks)
 
 
 def _save_final(built: _Built, output_dir: Path, *, env: DistEnv) -> str:
@@ -352,7 +343,7 @@ def _autocast(precision: Precision, device: torch.device) -> contextlib.Abstract
 
 
 def train_loop(
-    model: FSDP,
+    model: ShardedModel,
     loader: torch.utils.data.DataLoader,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
@@ -376,7 +367,7 @@ def train_loop(
     The loss is a sum over label tokens divided by the label-token count of the whole step across all ranks, so
     N ranks x batch b and 1 rank x batch N*b compute the same gradient.
     """
-    model.train()
+    model.module.train()
     max_norm = optim.grad_norm if optim.grad_norm > 0 else float("inf")
     batches = _micro_batches(loader, epoch=state.epoch, skip=state.batch_in_epoch)
     result = TrainResult(state=state)
@@ -402,14 +393,14 @@ def train_loop(
             last = i == len(micro) - 1
             with contextlib.nullcontext() if last else model.no_sync():
                 with _activation_offload(activation_offload, env.device):
-                    part = _forward_loss_sum(model, batch, env=env, precision=precision)
+                    part = _forward_loss_sum(model.module, batch, env=env, precision=precision)
                 # FSDP averages gradients over ranks: scale by world size so the result is sum / global count.
                 scaled = part * env.world_size / max(label_tokens, 1.0)
                 (scaler.scale(scaled) if scaler else scaled).backward()
             loss_sum += part.detach().double()
         if scaler:
             scaler.unscale_(optimizer)
-        norm = float(model.clip_grad_norm_(max_norm))
+        norm = model.clip_grad_norm(max_norm)
         # One collective gives every rank the same loss and the same preemption decision.
         stop_requested = float(preempted.raised) if preempted is not None else 0.0
         totals = torch.stack([loss_sum, torch.tensor(stop_requested, dtype=torch.float64, device=env.device)])

@@ -1,30 +1,133 @@
-"""The interface every quantization backend implements, so loading, FSDP wrapping and checks stay backend-agnostic.
+"""The interface every quantization backend implements, so loading, sharding and checks stay backend-agnostic.
 
-A backend turns `nn.Linear` layers of a meta-device skeleton into its quantized module, fills them as weights stream
-in, and tells FSDP which module classes its MixedPrecision must leave alone. Its packed bytes always live in a float
-tensor of the run's parameter dtype (`storage_dtype`), because FSDP flattens one dtype per unit.
+A backend swaps `nn.Linear` layers of a meta-device skeleton for its `QuantizedLinear` subclass, quantizes weights
+into them as they stream in, and names the class FSDP1's MixedPrecision must leave alone. How the packed bytes are
+stored is not the backend's business: `storage_dtype`, chosen by the FSDP version, decides it for every backend.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from qlora_fsdp.config import QuantConfig
 
 
+@dataclass
+class QuantizedWeight:
+    """What a backend's quantizer produced for one weight."""
+
+    packed: torch.Tensor
+    """The packed low-bit values as uint8 bytes."""
+    state: dict[str, torch.Tensor]
+    """Tensors needed to decode them (scales, zeros, codes), in their own dtypes."""
+    meta: dict[str, Any] = field(default_factory=dict)
+    """Scalar metadata (bit width, packing, shapes) the backend's layer reads back."""
+
+
+class QuantizedLinear(nn.Linear):
+    """A frozen linear layer held as packed low-bit bytes plus the quantization state that decodes them.
+
+    Every tensor is kept as flat bytes; the dtypes and shapes to read them back are plain attributes, so no cast
+    can ever touch them. `storage_dtype` picks the layout the FSDP version needs:
+    - uint8 (FSDP2): the packed bytes and every state tensor are uint8 parameters of this module, so FSDP2 shards
+      them all with the decoder layer and mixed precision, which skips non-floating parameters, never casts them.
+    - a float dtype (FSDP1): the packed bytes are viewed as that dtype, because FSDP1 flattens one float dtype per
+      unit; the state tensors stay plain attributes, replicated on every rank (their dtypes differ).
+
+    Subclasses subclass `nn.Linear` so PEFT wraps them with its plain LoRA layer; they implement `dequantize` and
+    `forward`. `W_q` aliases the packed weight because PEFT's DoRA dequantizes any module that has it through
+    `module.dequantize()`.
+    """
+
+    def __init__(
+        self, in_features: int, out_features: int, *, bias: bool, storage_dtype: torch.dtype, compute_dtype: torch.dtype
+    ) -> None:
+        super().__init__(in_features, out_features, bias=bias, device="meta")
+        self.storage_dtype = storage_dtype
+        # What the weight is dequantized to for the matmul; independent of storage.
+        self.compute_dtype = compute_dtype
+        self.weight = nn.Parameter(torch.empty(0, dtype=storage_dtype, device="meta"), requires_grad=False)
+        if self.bias is not None:
+            self.bias.requires_grad_(False)
+        self.packed_nbytes = 0
+        self.layouts: dict[str, tuple[torch.dtype, torch.Size]] = {}
+        """name -> (dtype, shape) of each quantization-state tensor."""
+        self.meta: dict[str, Any] = {}
+
+    @property
+    def W_q(self) -> torch.Tensor:
+        return self.weight
+
+    @property
+    def state_as_parameters(self) -> bool:
+        return self.storage_dtype == torch.uint8
+
+    def set_quantized(self, quantized: QuantizedWeight) -> None:
+        """Hold the packed bytes and state tensors in this layer's storage layout: views, never casts."""
+        if quantized.packed.dtype != torch.uint8:
+            raise TypeError(f"packed bytes must be uint8, got {quantized.packed.dtype}")
+        self.meta = dict(quantized.meta)
+        flat = quantized.packed.detach().contiguous().flatten()
+        item = torch.empty((), dtype=self.storage_dtype).element_size()
+        self.packed_nbytes = flat.numel()
+        # A float view needs whole elements: pad with zero bytes, which packed_bytes() cuts off again.
+        self.weight = nn.Parameter(F.pad(flat, (0, -flat.numel() % item)).view(self.storage_dtype), requires_grad=False)
+        self.layouts = {}
+        for name, tensor in quantized.state.items():
+            self.layouts[name] = (tensor.dtype, tensor.shape)
+            as_bytes = tensor.detach().contiguous().flatten().view(torch.uint8)
+            if self.state_as_parameters:
+                setattr(self, name, nn.Parameter(as_bytes, requires_grad=False))
+            else:
+                object.__setattr__(self, name, as_bytes)
+
+    def packed_bytes(self) -> torch.Tensor:
+        """The packed weight as uint8 (whatever parameter FSDP put in `weight`: shard view or unsharded tensor)."""
+        return self.weight.view(torch.uint8)[: self.packed_nbytes]
+
+    def state_tensor(self, name: str) -> torch.Tensor:
+        dtype, shape = self.layouts[name]
+        return getattr(self, name).view(dtype).view(shape)
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """Every quantization-state tensor in its own dtype and shape."""
+        return {name: self.state_tensor(name) for name in self.layouts}
+
+    def state_bytes(self) -> dict[str, torch.Tensor]:
+        """The state tensors as this module stores them (flat bytes), for fingerprints and byte counts."""
+        return {name: getattr(self, name) for name in self.layouts}
+
+    @property
+    def is_meta(self) -> bool:
+        return self.weight.is_meta
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight in compute dtype, shaped [out_features, in_features] (a meta tensor before loading)."""
+        if self.is_meta:
+            return torch.empty(self.out_features, self.in_features, dtype=self.compute_dtype, device="meta")
+        return self._dequantize()
+
+    def _dequantize(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, storage={self.storage_dtype}, compute={self.compute_dtype}"
+
+
 class QuantBackend(ABC):
-    """One quantization library behind the four operations the rest of the program needs."""
+    """One quantization library behind the operations the rest of the program needs."""
 
     name: str
 
     def __init__(self, *, storage_dtype: torch.dtype, compute_dtype: torch.dtype) -> None:
-        # FSDP flattens the packed tensor together with the unit's other parameters: same dtype as them.
         self.storage_dtype = storage_dtype
-        # What the weight is dequantized to for the matmul; independent of storage.
         self.compute_dtype = compute_dtype
 
     @classmethod
@@ -32,47 +135,38 @@ class QuantBackend(ABC):
     def from_config(cls, cfg: QuantConfig, *, storage_dtype: torch.dtype, compute_dtype: torch.dtype) -> QuantBackend:
         """The backend with its own flags read from the quantization config."""
 
-    @abstractmethod
-    def make_module(self, linear: nn.Linear, *, device: torch.device) -> nn.Module:
-        """An empty quantized replacement for a (meta) `nn.Linear`, ready for `load_weight`."""
-
-    @abstractmethod
-    def load_weight(self, module: nn.Module, weight: torch.Tensor, *, device: torch.device, keep: bool) -> None:
-        """Quantize `weight` into `module` on `device`.
-
-        With keep=False the packed tensor is left on the meta device (a low-memory rank), but the quantization
-        state (scales, zeros, bnb quant_state) is real: FSDP's broadcast only covers parameters and buffers.
-        """
-
-    @abstractmethod
-    def packed(self, module: nn.Module) -> torch.Tensor:
-        """The module's packed-bytes tensor as FSDP sees it (a float view)."""
-
-    @abstractmethod
-    def dequantize(self, module: nn.Module) -> torch.Tensor:
-        """The module's weight in compute dtype, shaped [out_features, in_features]."""
-
-    @abstractmethod
-    def quant_state_tensors(self, module: nn.Module) -> dict[str, torch.Tensor]:
-        """Every tensor of the quantization state (not parameters), for cross-rank identity checks."""
-
     @property
     @abstractmethod
+    def module_class(self) -> type[QuantizedLinear]:
+        """This backend's quantized layer class."""
+
+    @abstractmethod
+    def make_module(self, linear: nn.Linear) -> QuantizedLinear:
+        """An empty (meta) quantized replacement for `linear`, filled later by `load_weight`."""
+
+    @abstractmethod
+    def quantize(self, weight: torch.Tensor) -> QuantizedWeight:
+        """Quantize a [out, in] weight on its device."""
+
+    @property
     def module_classes(self) -> tuple[type[nn.Module], ...]:
-        """Quantized module classes: FSDP MixedPrecision ignores them so packed storage is never cast."""
+        """Quantized module classes: FSDP1's MixedPrecision ignores them so packed storage is never cast."""
+        return (self.module_class,)
 
     def is_quantized(self, module: nn.Module) -> bool:
         return isinstance(module, self.module_classes)
 
-    def replace_linears(
-        self, model: nn.Module, *, should_quantize: Callable[[str], bool], device: torch.device
-    ) -> list[str]:
+    def load_weight(self, module: QuantizedLinear, weight: torch.Tensor, *, device: torch.device) -> None:
+        """Quantize `weight` on `device` into `module`."""
+        module.set_quantized(self.quantize(weight.to(device)))
+
+    def replace_linears(self, model: nn.Module, *, should_quantize: Callable[[str], bool]) -> list[str]:
         """Swap every `nn.Linear` whose qualified name passes `should_quantize`; returns the swapped names."""
         swapped = []
         for name, module in list(model.named_modules()):
             if type(module) is nn.Linear and should_quantize(name):
                 parent_name, _, child = name.rpartition(".")
                 parent = model.get_submodule(parent_name) if parent_name else model
-                setattr(parent, child, self.make_module(module, device=device))
+                setattr(parent, child, self.make_module(module))
                 swapped.append(name)
         return swapped

@@ -1,16 +1,71 @@
-"""HQQ backend (1/2/3/4/8 bits), packed with integer ops and `.view()`ed as the FSDP parameter dtype."""
+"""HQQ backend (1/2/3/4/8 bits): HQQ's quantizer and unpacking, our own storage of their results."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
-from hqq.core.quantize import HQQBackend, HQQLinear, Quantizer, hqq_base_quant_config
+import torch.nn.functional as F
+from hqq.core.quantize import Quantizer
 from torch import nn
 
 from qlora_fsdp.config import QuantConfig
-from qlora_fsdp.quant.base import QuantBackend
+from qlora_fsdp.quant.base import QuantBackend, QuantizedLinear, QuantizedWeight
 
-# The pure-PyTorch backend dequantizes with autograd-friendly ops and runs on CPU and GPU alike.
-HQQLinear.set_backend(HQQBackend.PYTORCH)
+# Groups are packed along dim 0 of the [groups, group_size] matrix; these bit widths pack that many groups into
+# one row, so the group count must be a multiple of it (3-bit packing pads by itself).
+GROUPS_PER_PACKED_ROW = {8: 1, 4: 2, 3: 1, 2: 4, 1: 8}
+
+
+class HqqLinear(QuantizedLinear):
+    """A linear layer whose weight is HQQ groups (packed ints, per-group scale and zero in compute dtype).
+
+    A layer whose size does not split into whole groups is padded with zero groups at the end, so every layer
+    keeps the configured group size (and its memory savings); `dequantize` cuts the padding off again.
+    """
+
+    def _packed_ints(self) -> torch.Tensor:
+        return self.packed_bytes().view(self.meta["packed_dtype"]).view(self.meta["packed_shape"])
+
+    def _hqq_meta(self) -> dict[str, Any]:
+        return {**self.meta, "scale": self.state_tensor("scale"), "zero": self.state_tensor("zero")}
+
+    def _dequantize(self) -> torch.Tensor:
+        return _dequantize(self._packed_ints(), self._hqq_meta(), self.out_features, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        inputs = (x.to(self.compute_dtype), self._packed_ints(), self.state_tensor("scale"), self.state_tensor("zero"))
+        out = _DequantizeMatmul.apply(*inputs, self.meta, (self.out_features, self.in_features))
+        if self.bias is not None:
+            out = out + self.bias.to(out.dtype)
+        return out.to(x.dtype)
+
+
+def _dequantize(packed: torch.Tensor, meta: dict[str, Any], rows: int, cols: int) -> torch.Tensor:
+    weight = Quantizer.dequantize(packed, meta)
+    if tuple(weight.shape) != (rows, cols):
+        weight = weight.flatten()[: rows * cols].view(rows, cols)
+    return weight
+
+
+class _DequantizeMatmul(torch.autograd.Function):
+    """x @ W.T with W dequantized in forward and again in backward, so no dequantized weight is kept for backward.
+
+    Only the packed ints, scale and zero are saved: under FSDP these are the unsharded parameters' storage, which
+    FSDP refills before this layer's backward runs.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x, packed, scale, zero, meta, shape):  # type: ignore[override]
+        ctx.save_for_backward(packed, scale, zero)
+        ctx.meta, ctx.shape = meta, shape
+        return x @ _dequantize(packed, {**meta, "scale": scale, "zero": zero}, *shape).t()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):  # type: ignore[override]
+        packed, scale, zero = ctx.saved_tensors
+        weight = _dequantize(packed, {**ctx.meta, "scale": scale, "zero": zero}, *ctx.shape)
+        return grad @ weight.to(grad.dtype), None, None, None, None, None
 
 
 class HqqBackend(QuantBackend):
@@ -30,43 +85,45 @@ class HqqBackend(QuantBackend):
         )
 
     @property
-    def module_classes(self) -> tuple[type[nn.Module], ...]:
-        return (HQQLinear,)
+    def module_class(self) -> type[QuantizedLinear]:
+        return HqqLinear
 
-    def make_module(self, linear: nn.Linear, *, device: torch.device) -> nn.Module:
-        # view_as_float lives in the quant meta: dequantize() views W_q back to its integer dtype before unpacking.
-        config = hqq_base_quant_config(nbits=self.nbits, group_size=self.group_size, view_as_float=True)
-        module = HQQLinear(None, config, compute_dtype=self.compute_dtype, device=str(device), initialize=False)
-        module.in_features, module.out_features = linear.in_features, linear.out_features
-        if linear.bias is not None:
-            module.bias = nn.Parameter(torch.empty(linear.out_features, device="meta"), requires_grad=False)
-        return module
-
-    def load_weight(self, module: nn.Module, weight: torch.Tensor, *, device: torch.device, keep: bool) -> None:
-        config = module.quant_config
-        # HQQ moves the bias along with the weight; the bias is loaded separately as a plain parameter.
-        bias, module.bias = module.bias, None
-        module.quantize(
-            weight.to(device),
-            weight_quant_params=config["weight_quant_params"],
-            scale_quant_params=config["scale_quant_params"],
-            zero_quant_params=config["zero_quant_params"],
+    def make_module(self, linear: nn.Linear) -> HqqLinear:
+        return HqqLinear(
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            storage_dtype=self.storage_dtype,
+            compute_dtype=self.compute_dtype,
         )
-        # HQQ viewed the packed ints as compute_dtype; FSDP needs them in the storage dtype. Re-view, never cast.
-        ints = module.W_q.data.view(module.meta["unpack_view_dtype"])
-        packed = ints.view(self.storage_dtype)
-        data = packed.cpu() if keep else torch.empty_like(packed, device="meta")
-        module.W_q = nn.Parameter(data, requires_grad=False)
-        module.bias = bias
 
-    def packed(self, module: nn.Module) -> torch.Tensor:
-        return module.W_q
+    def padded(self, numel: int) -> int:
+        """Elements after padding a weight of `numel` to whole groups that pack into whole rows."""
+        unit = self.group_size * GROUPS_PER_PACKED_ROW[self.nbits]
+        return -(-numel // unit) * unit
 
-    def dequantize(self, module: nn.Module) -> torch.Tensor:
-        return Quantizer.dequantize(module.W_q.data, module.meta).to(self.compute_dtype)
-
-    def quant_state_tensors(self, module: nn.Module) -> dict[str, torch.Tensor]:
-        return {k: v for k, v in module.meta.items() if isinstance(v, torch.Tensor)}
+    def quantize(self, weight: torch.Tensor) -> QuantizedWeight:
+        w = weight
+        padded = self.padded(w.numel())
+        if padded != w.numel():
+            w = F.pad(w.flatten(), (0, padded - w.numel())).view(-1, self.group_size)
+        packed, meta = Quantizer.quantize(
+            w,
+            nbits=self.nbits,
+            channel_wise=True,
+            group_size=self.group_size,
+            optimize=True,
+            round_zero=self.nbits == 4,  # HQQ's own default for 4 bits
+            axis=1,
+            bitpack=True,
+            compute_dtype=self.compute_dtype,
+            view_as_float=False,
+            device=str(w.device),
+        )
+        # As HQQLinear does after quantizing: scale and zero live in compute dtype.
+        state = {"scale": meta.pop("scale").to(self.compute_dtype), "zero": meta.pop("zero").to(self.compute_dtype)}
+        meta |= {"compute_dtype": self.compute_dtype, "packed_dtype": packed.dtype, "packed_shape": packed.shape}
+        return QuantizedWeight(packed.contiguous().flatten().view(torch.uint8), state, meta)
 
 
 BACKEND = HqqBackend

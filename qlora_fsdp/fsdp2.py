@@ -1,0 +1,150 @@
+"""FSDP2 (`fully_shard`): per-parameter sharding, one unit per decoder layer, packed bytes and state as uint8.
+
+A decoder layer's quantized weights, their quantization state and its adapters form one unit: one all-gather in
+forward, one in backward, one reduce-scatter. Mixed precision skips non-floating parameters, so the uint8 packed
+bytes and state are sharded and gathered as bytes, never cast (shared/FINDINGS.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from qlora_fsdp.config import FSDPConfig
+from qlora_fsdp.distributed import DistEnv
+from qlora_fsdp.fsdp import Precision, ShardedModel, Sharder
+
+# shard_grad_op keeps gathered parameters from forward to backward (ZeRO-2); no_shard is a shard group of one.
+RESHARD_AFTER_FORWARD = {
+    "full_shard": True,
+    "shard_grad_op": False,
+    "no_shard": True,
+    "hybrid_shard": True,
+    "hybrid_shard_zero2": False,
+}
+
+
+def _mesh(cfg: FSDPConfig, env: DistEnv) -> DeviceMesh:
+    """1-D over every rank, or (replicate, shard) for hybrid sharding and no_shard (shard groups of one)."""
+    if cfg.sharding_strategy == "full_shard" or cfg.sharding_strategy == "shard_grad_op":
+        return init_device_mesh(env.device.type, (env.world_size,))
+    shard = 1 if cfg.sharding_strategy == "no_shard" else cfg.shard_group_size or env.local_world_size
+    return init_device_mesh(env.device.type, (env.world_size // shard, shard), mesh_dim_names=("replicate", "shard"))
+
+
+class Fsdp2Sharder(Sharder):
+    def __init__(
+        self,
+        cfg: FSDPConfig,
+        *,
+        env: DistEnv,
+        precision: Precision,
+        ignore: tuple[type[nn.Module], ...] = (),
+        adapters_own_units: bool = False,
+    ) -> None:
+        super().__init__(cfg, env=env, precision=precision)
+        mp = MixedPrecisionPolicy()
+        if precision.mixed_precision is not None:
+            param, reduce, _ = precision.mixed_precision
+            mp = MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
+        self.options = dict(
+            mesh=_mesh(cfg, env),
+            reshard_after_forward=RESHARD_AFTER_FORWARD[cfg.sharding_strategy],
+            mp_policy=mp,
+            offload_policy=CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy(),
+        )
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        return torch.uint8
+
+    def _shard(self, unit: nn.Module) -> nn.Module:
+        return fully_shard(unit, **self.options)
+
+    def _shard_root(self, model: nn.Module) -> ShardedModel:
+        return Fsdp2Model(fully_shard(model, **self.options))
+
+
+def _full(param: torch.Tensor) -> torch.Tensor:
+    return param.full_tensor() if isinstance(param, DTensor) else param
+
+
+class Fsdp2Model(ShardedModel):
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        return _without_gradient_sync(self.module)
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return float(_full(norm))
+
+    def gather(self, modules: list[nn.Module]) -> Iterator[tuple[nn.Module, dict[str, torch.Tensor]]]:
+        is_main = torch.distributed.get_rank() == 0
+        for module in modules:
+            full = {n: _full(p.detach()) for n, p in module.named_parameters()}
+            yield module, ({n: t.cpu().clone() for n, t in full.items()} if is_main else {})
+
+    def load(self, module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for name, param in module.named_parameters():
+                value = tensors[name].to(device=param.device, dtype=param.dtype)
+                if isinstance(param, DTensor):
+                    # Every rank holds the full tensor: each keeps its own shard, no communication.
+                    local = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
+                    param.to_local().copy_(local.to_local())
+                else:
+                    param.copy_(value)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        is_main = torch.distributed.get_rank() == 0
+        state = {}
+        for name, tensor in self.module.state_dict().items():
+            full = _full(tensor)
+            if is_main:
+                state[name] = full.cpu()
+        return state
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
+        state = optimizer.state_dict()
+        state["state"] = {
+            index: {k: v.to_local() if isinstance(v, DTensor) else v for k, v in values.items()}
+            for index, values in state["state"].items()
+        }
+        return state
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        optimizer.load_state_dict(state)
+        # load_state_dict gives plain tensors; the optimizer's arithmetic needs them sharded like their parameter.
+        for param, param_state in optimizer.state.items():
+            if not isinstance(param, DTensor):
+                continue
+            for name, value in param_state.items():
+                if isinstance(value, torch.Tensor) and value.shape == param.to_local().shape and value.dim():
+                    param_state[name] = DTensor.from_local(
+                        value, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
+                    )
+
+    def local_parameter_bytes(self) -> int:
+        total = 0
+        for param in self.module.parameters():
+            local = param.to_local() if isinstance(param, DTensor) else param
+            total += local.numel() * local.element_size()
+        return total
+
+
+@contextlib.contextmanager
+def _without_gradient_sync(module: nn.Module) -> Iterator[None]:
+    module.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True)
+
+
+SHARDER = Fsdp2Sharder
