@@ -44,8 +44,17 @@ FORMATS = (
     ("hqq_3bit", "hqq 3-bit g64", {"quant": "hqq", "hqq_bits": 3, "hqq_group_size": 64}),
     ("hqq_2bit", "hqq 2-bit g64", {"quant": "hqq", "hqq_bits": 2, "hqq_group_size": 64}),
 )
-# Section 3's runs of ours: (key slug, --quant, ranks).
-TRAIN_RUNS = (("bnb_1proc", "bnb", 1), ("hqq_1proc", "hqq", 1), ("bnb_2ranks", "bnb", 2))
+# Section 3's runs of ours: (key slug, --quant, ranks, --fsdp_version).
+TRAIN_RUNS = (
+    ("bnb_1proc", "bnb", 1, 2),
+    ("hqq_1proc", "hqq", 1, 2),
+    ("bnb_2ranks_fsdp2", "bnb", 2, 2),
+    ("hqq_2ranks_fsdp2", "hqq", 2, 2),
+    ("bnb_2ranks_fsdp1", "bnb", 2, 1),
+)
+# Section 1 loads with each FSDP version; section 2 adds HQQ under FSDP2.
+LOAD_VERSIONS = (2, 1)
+WORLD_COMBOS = ((2, "bnb"), (2, "hqq"), (1, "bnb"))
 
 
 @dataclass
@@ -74,6 +83,8 @@ class CpuPlan:
     retries: int = 1
     launch_timeout_s: float = 600.0
     quick: bool = False
+    large: bool = False
+    """The loading section alone, on a 1.1B model (--suite cpu-large)."""
 
 
 # About 171M parameters in 3 shards: 12 Llama layers of 12.6M (mostly quantized linears) + 8192-token embeddings.
@@ -90,11 +101,26 @@ SIZE_KEYS = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_atten
 QUICK_MODEL = dict(
     hidden_size=256, num_layers=2, intermediate_size=512, num_heads=4, num_kv_heads=4, vocab_size=512, num_shards=2
 )
+# TinyLlama's shape, about 1.1B parameters in five fp32 shards of 0.88 GB: loading at a size where memory tells.
+LARGE_MODEL = dict(
+    hidden_size=2048,
+    num_layers=22,
+    intermediate_size=5632,
+    num_heads=32,
+    num_kv_heads=4,
+    vocab_size=32000,
+    num_shards=5,
+)
 
 
-def plan(*, quick: bool, threads: int, reps: int | None, idle_wait_s: float | None) -> CpuPlan:
-    """The full suite (about 10 minutes on 2 cores) or the --quick one the test runs (small model, one rep)."""
-    if quick:
+def plan(
+    *, quick: bool, threads: int, reps: int | None, idle_wait_s: float | None, large: bool = False
+) -> CpuPlan:
+    """The full suite (about 12 minutes on 2 cores), the --quick one the test runs (small model, one rep), or the
+    large loading suite (about 5 minutes, one rep, plus 1-2 minutes to build the model once)."""
+    if large:
+        p = CpuPlan(LARGE_MODEL, reps=1, batch_size=1, context_length=64, warmup_steps=0, measured_steps=0, large=True)
+    elif quick:
         p = CpuPlan(QUICK_MODEL, reps=1, batch_size=2, context_length=64, warmup_steps=1, measured_steps=2, quick=True)
         p.idle_wait_s, p.retries, p.launch_timeout_s = 0.0, 0, 180.0
     else:
@@ -203,18 +229,21 @@ class Runner:
         self._go(what, [cmd] * nproc, rank_envs(nproc, max(1, self.plan.threads // nproc)))
         return [read_json(f"{result}.rank{r}.json") for r in range(nproc)]
 
-    def train_cli(self, what: str, model: Path, quant: str, *, nproc: int) -> tuple[list[dict[str, Any]], list[int]]:
+    def train_cli(
+        self, what: str, model: Path, quant: str, *, nproc: int, version: int
+    ) -> tuple[list[dict[str, Any]], list[int]]:
         """Our real CLI (train.py; torchrun for several ranks) with --max_steps.
 
         Returns metrics.jsonl's records and each rank's peak RSS (VmHWM, written by benchmarks/cli_probe.py).
         """
         p = self.plan
-        out = Path(self.result_path(f"train-{quant}-{nproc}"))
+        out = Path(self.result_path(f"train-{quant}-{nproc}-fsdp{version}"))
         if p.batch_size % nproc:
             raise ValueError(f"batch {p.batch_size} does not split over {nproc} ranks")
         flags = {
             "model": model,
             "quant": quant,
+            "fsdp_version": version,
             "precision": "bf16",
             "dataset": "dummy",
             "dataset_samples": p.batch_size * (p.warmup_steps + p.measured_steps),
@@ -272,18 +301,19 @@ def run_cpu_suite(
     details: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="bench-cpu-") as tmp:
         runner = Runner(plan, Path(tmp), log)
-        log("1/4 loading (ours: 2 ranks, low-memory; peer: HF from_pretrained)")
+        log("1/4 loading (ours: 2 ranks, streaming, FSDP2 and FSDP1; peer: HF from_pretrained)")
         loads = _loading(runner, model_dir, rows, details)
-        log("2/4 per-rank memory vs world size")
-        _world_sizes(runner, model_dir, loads, rows, details)
-        log("3/4 training throughput")
-        _training(runner, model_dir, rows, details)
-        log("4/4 quantization quality and size")
-        _quality(runner, model_dir, config, rows, details)
+        if not plan.large:
+            log("2/4 per-rank memory vs world size")
+            _world_sizes(runner, model_dir, loads, rows, details)
+            log("3/4 training throughput")
+            _training(runner, model_dir, rows, details)
+            log("4/4 quantization quality and size")
+            _quality(runner, model_dir, config, rows, details)
         launches = runner.launches
     foreign = [entry["foreign_cores"] for entry in launches if not entry["discarded"]]
     return {
-        "suite": "cpu",
+        "suite": "cpu-large" if plan.large else "cpu",
         "quick": plan.quick,
         "model": {
             "path": str(model_dir),
@@ -317,183 +347,100 @@ def run_cpu_suite(
     }
 
 
-def _loading(runner: Runner, model: Path, rows: list, details: dict) -> list[list[dict[str, Any]]]:
-    """Section 1: our 2-rank low-memory load + quantize + FSDP wrap against HF's one-process 4-bit load."""
-    ours_runs, peer_runs = [], []
+def _slug(version: int, quant: str) -> str:
+    return f"fsdp{version}_{quant}"
+
+
+def _loading(runner: Runner, model: Path, rows: list, details: dict) -> dict[int, list[list[dict[str, Any]]]]:
+    """Section 1: our 2-rank streaming load (quantize + shard per layer), FSDP2 and FSDP1, against HF's 4-bit load
+    in one process. Returns each version's runs (a list of per-rank records per repetition)."""
+    ours: dict[int, list[list[dict[str, Any]]]] = {version: [] for version in LOAD_VERSIONS}
+    peer_runs = []
     for rep in range(runner.plan.reps):
-        args = {"model": str(model)}
-        ours_runs.append(runner.worker(f"load ours 2 ranks (rep {rep + 1})", "load_ours", args, nproc=2))
-        peer_runs.append(runner.worker(f"load peer (rep {rep + 1})", "load_peer", args)[0])
-    ours_model = ours_runs[0][0]["quantized_model_bytes"]
+        for version in LOAD_VERSIONS:
+            args = {"model": str(model), "fsdp_version": version, "quant": "bnb"}
+            ours[version].append(runner.worker(f"load ours FSDP{version} 2 ranks (rep {rep + 1})", "load_ours", args,
+                                               nproc=2))  # fmt: skip
+        peer_runs.append(runner.worker(f"load peer (rep {rep + 1})", "load_peer", {"model": str(model)})[0])
+    ours_model = ours[LOAD_VERSIONS[0]][0][0]["quantized_model_bytes"]
     peer_model = peer_runs[0]["quantized_model_bytes"]
     details["parameters"] = _parameters(model)
     details["quantized_model_bytes"] = {"ours": ours_model, "peer": peer_model}
-    sec, kw = "loading", {"ours_label": "qlora-fsdp, 2 ranks (gloo), low-memory", "peer_label": PEER_LOAD}
-    rows.append(
-        row(
-            sec,
-            "load_wall_s",
-            "wall time to load + quantize (ours: + FSDP wrap; slowest rank)",
-            "s",
-            "lower",
-            [max(r["total_s"] for r in ranks) for ranks in ours_runs],
-            [p["load_s"] for p in peer_runs],
-            **kw,
-        )
-    )
     peer_peak = [p["peak_rss_bytes"] for p in peer_runs]
-    for rank in range(2):
-        rows.append(
-            row(
-                sec,
-                f"load_peak_rss_rank{rank}_bytes",
-                f"peak RSS, rank {rank} (peer: its one process)",
-                "bytes",
-                "lower",
-                [ranks[rank]["peak_rss_bytes"] for ranks in ours_runs],
-                peer_peak,
-                **kw,
-            )
-        )
-        rows.append(
-            row(
-                sec,
-                f"load_rss_growth_rank{rank}_bytes",
-                f"peak RSS minus RSS after imports, rank {rank}",
-                "bytes",
-                "lower",
-                [ranks[rank]["peak_rss_bytes"] - ranks[rank]["rss_after_imports_bytes"] for ranks in ours_runs],
-                [p["peak_rss_bytes"] - p["rss_after_imports_bytes"] for p in peer_runs],
-                **kw,
-            )
-        )
-    rows.append(
-        row(
-            sec,
-            "load_peak_rss_sum_bytes",
-            "sum of peak RSS over ranks",
-            "bytes",
-            "lower",
-            [sum(r["peak_rss_bytes"] for r in ranks) for ranks in ours_runs],
-            peer_peak,
-            **kw,
-        )
-    )
-    rows.append(
-        row(
-            sec,
-            "load_rss_sum_over_model",
-            "sum of peak RSS over ranks / quantized model bytes",
-            "x",
-            "lower",
-            [sum(r["peak_rss_bytes"] for r in ranks) / ours_model["total"] for ranks in ours_runs],
-            [p / peer_model["total"] for p in peer_peak],
-            **kw,
-        )
-    )
-    rows.append(
-        row(
-            sec,
-            "quantized_model_bytes",
-            "quantized model bytes (packed + quant state + unquantized weights)",
-            "bytes",
-            "lower",
-            [ranks[0]["quantized_model_bytes"]["total"] for ranks in ours_runs],
-            [p["quantized_model_bytes"]["total"] for p in peer_runs],
-            **kw,
-        )
-    )
-    return ours_runs
+    for version, runs in ours.items():
+        sec = "loading"
+        kw = {"ours_label": f"qlora-fsdp FSDP{version}, 2 ranks (gloo), streaming", "peer_label": PEER_LOAD}
+        v = f"_fsdp{version}"
+        rows.append(row(sec, f"load_wall_s{v}", f"FSDP{version}: wall time to load + quantize + shard (slowest rank)",
+                        "s", "lower", [max(r["total_s"] for r in ranks) for ranks in runs],
+                        [p["load_s"] for p in peer_runs], **kw))  # fmt: skip
+        for rank in range(2):
+            rows.append(row(sec, f"load_peak_rss_rank{rank}_bytes{v}",
+                            f"FSDP{version}: peak RSS, rank {rank} (peer: its one process)", "bytes", "lower",
+                            [ranks[rank]["peak_rss_bytes"] for ranks in runs], peer_peak, **kw))  # fmt: skip
+            rows.append(row(sec, f"load_rss_growth_rank{rank}_bytes{v}",
+                            f"FSDP{version}: peak RSS minus RSS after imports, rank {rank}", "bytes", "lower",
+                            [r[rank]["peak_rss_bytes"] - r[rank]["rss_after_imports_bytes"] for r in runs],
+                            [p["peak_rss_bytes"] - p["rss_after_imports_bytes"] for p in peer_runs],
+                            **kw))  # fmt: skip
+        sums = [sum(r["peak_rss_bytes"] for r in ranks) for ranks in runs]
+        rows.append(row(sec, f"load_peak_rss_sum_bytes{v}", f"FSDP{version}: sum of peak RSS over ranks", "bytes",
+                        "lower", sums, peer_peak, **kw))  # fmt: skip
+        rows.append(row(sec, f"load_rss_sum_over_model{v}",
+                        f"FSDP{version}: sum of peak RSS over ranks / quantized model bytes", "x", "lower",
+                        [total / ours_model for total in sums], [p / peer_model["total"] for p in peer_peak],
+                        **kw))  # fmt: skip
+    rows.append(row("loading", "quantized_model_bytes",
+                    "quantized model bytes (packed + quant state + unquantized weights)", "bytes", "lower",
+                    [ours_model], [peer_model["total"]],
+                    ours_label="qlora-fsdp, bnb nf4, bf16", peer_label=PEER_LOAD))  # fmt: skip
+    return ours
 
 
-def _world_sizes(runner: Runner, model: Path, loads: list, rows: list, details: dict) -> None:
-    """Section 2: what each rank holds after FSDP full_shard wrapping at 1, 2 and 4 ranks."""
-    by_world: dict[int, list[dict[str, Any]]] = {}
-    for n in runner.plan.world_sizes:
-        # The 2-rank figures come from the loading runs (same worker, same wrap); byte counts are deterministic.
-        if n == 2 and loads:
-            by_world[n] = loads[0]
-            flat = {r["flat_param_shard_bytes"] for ranks in loads for r in ranks}
-            details["flat_shard_bytes_identical_across_loading_runs"] = len(flat) == 1
-        else:
-            by_world[n] = runner.worker(f"wrap ours {n} rank(s)", "load_ours", {"model": str(model)}, nproc=n)
+def _world_sizes(runner: Runner, model: Path, loads: dict[int, list], rows: list, details: dict) -> None:
+    """Section 2: what each rank holds after full_shard wrapping at 1, 2 and 4 ranks, per FSDP version and backend."""
     peer = details["quantized_model_bytes"]["peer"]
-    one = max(r["flat_param_shard_bytes"] for r in by_world[1]) if 1 in by_world else None
-    one_resident = max(_resident(r) for r in by_world[1]) if 1 in by_world else None
-    kw = {"ours_label": "qlora-fsdp full_shard, bnb nf4, bf16", "peer_label": PEER_REPLICATED}
-    per_world = {}
-    for n, ranks in by_world.items():
-        flat = max(r["flat_param_shard_bytes"] for r in ranks)
-        resident = max(_resident(r) for r in ranks)
-        per_world[n] = {
-            "flat_param_shard_bytes_per_rank": [r["flat_param_shard_bytes"] for r in ranks],
-            "quant_state_bytes_per_rank": [r["quant_state_bytes"] for r in ranks],
-            "resident_bytes_per_rank": [_resident(r) for r in ranks],
-        }
-        rows.append(
-            row(
-                "memory vs world size",
-                f"flat_shard_bytes_per_rank_n{n}",
-                f"{n} rank(s): FSDP flat-parameter shard bytes per rank (packed + unquantized)",
-                "bytes",
-                "lower",
-                [flat],
-                [peer["params"]],
-                **kw,
-            )
-        )
-        rows.append(
-            row(
-                "memory vs world size",
-                f"resident_bytes_per_rank_n{n}",
-                f"{n} rank(s): shard + quant state + buffers per rank (quant state is not sharded)",
-                "bytes",
-                "lower",
-                [resident],
-                [peer["total"]],
-                **kw,
-            )
-        )
-        if n > 1 and one is not None:
-            rows.append(
-                row(
-                    "memory vs world size",
-                    f"sharding_efficiency_n{n}",
-                    f"{n} ranks: efficiency (flat bytes at 1 rank / {n}) / (flat bytes per rank); peer 1/{n}",
-                    "x",
-                    "higher",
-                    [(one / n) / flat],
-                    [1.0 / n],
-                    **kw,
-                )
-            )
-            rows.append(
-                row(
-                    "memory vs world size",
-                    f"resident_efficiency_n{n}",
-                    f"{n} ranks: the same efficiency counting replicated quant state and buffers",
-                    "x",
-                    "higher",
-                    [(one_resident / n) / resident],
-                    [1.0 / n],
-                    **kw,
-                )
-            )
-    details["world_sizes"] = per_world
-
-
-def _resident(record: dict[str, Any]) -> int:
-    return record["flat_param_shard_bytes"] + record["quant_state_bytes"] + record["buffer_bytes"]
+    sec = "memory vs world size"
+    details["world_sizes"] = {}
+    for version, quant in WORLD_COMBOS:
+        slug = _slug(version, quant)
+        by_world: dict[int, list[dict[str, Any]]] = {}
+        for n in runner.plan.world_sizes:
+            if n == 2 and quant == "bnb" and loads.get(version):
+                by_world[n] = loads[version][0]  # the loading runs are this very measurement
+            else:
+                args = {"model": str(model), "fsdp_version": version, "quant": quant}
+                by_world[n] = runner.worker(f"load {slug} {n} rank(s)", "load_ours", args, nproc=n)
+        kw = {"ours_label": f"qlora-fsdp FSDP{version} full_shard, {quant}, bf16", "peer_label": PEER_REPLICATED}
+        one = {key: max(r[key] for r in by_world[1]) for key in ("param_shard_bytes", "resident_bytes")}
+        for n, ranks in by_world.items():
+            params = max(r["param_shard_bytes"] for r in ranks)
+            resident = max(r["resident_bytes"] for r in ranks)
+            rows.append(row(sec, f"param_shard_bytes_per_rank_{slug}_n{n}",
+                            f"FSDP{version} {quant}, {n} rank(s): parameter bytes per rank (largest rank)",
+                            "bytes", "lower", [params], [peer["params"]], **kw))  # fmt: skip
+            rows.append(row(sec, f"resident_bytes_per_rank_{slug}_n{n}",
+                            f"FSDP{version} {quant}, {n} rank(s): parameters + replicated quant state + buffers",
+                            "bytes", "lower", [resident], [peer["total"]], **kw))  # fmt: skip
+            if n > 1:
+                rows.append(row(sec, f"resident_efficiency_{slug}_n{n}",
+                                f"FSDP{version} {quant}, {n} ranks: (resident bytes at 1 rank / {n}) / resident "
+                                f"bytes per rank; 1.0 = everything sharded, peer 1/{n}", "x", "higher",
+                                [(one["resident_bytes"] / n) / resident], [1.0 / n], **kw))  # fmt: skip
+        details["world_sizes"][slug] = {
+            n: {key: [r[key] for r in ranks] for key in ("param_shard_bytes", "replicated_state_bytes",
+                                                          "resident_bytes")}
+            for n, ranks in by_world.items()
+        }  # fmt: skip
 
 
 def _training(runner: Runner, model: Path, rows: list, details: dict) -> None:
-    """Section 3: tokens/s of our CLI (bnb, hqq; 1 process and 2 ranks) against the HF + PEFT loop."""
+    """Section 3: tokens/s of our CLI (bnb, hqq; 1 process and 2 ranks, FSDP2 and FSDP1) against HF + PEFT."""
     p = runner.plan
     skip = p.warmup_steps
     peer_tps, peer_rss = [], []
-    ours: dict[str, list[float]] = {key: [] for key, _, _ in TRAIN_RUNS}
-    ours_rss: dict[str, list[float]] = {key: [] for key, _, _ in TRAIN_RUNS}
-    cli_maxrss: dict[str, list[float]] = {key: [] for key, _, _ in TRAIN_RUNS}
+    ours: dict[str, list[float]] = {key: [] for key, *_ in TRAIN_RUNS}
+    ours_rss: dict[str, list[float]] = {key: [] for key, *_ in TRAIN_RUNS}
     peer_args = {
         "model": str(model),
         "lora_rank": p.lora_rank,
@@ -507,50 +454,26 @@ def _training(runner: Runner, model: Path, rows: list, details: dict) -> None:
         record = runner.worker(f"train peer (rep {rep + 1})", "train_peer", peer_args)[0]
         peer_tps.append(median([s["tokens_per_s"] for s in record["steps"][skip:]]))
         peer_rss.append(record["peak_rss_bytes"])
-        for key, quant, nproc in TRAIN_RUNS:
-            metrics, peaks = runner.train_cli(f"train ours {quant} x{nproc} (rep {rep + 1})", model, quant, nproc=nproc)
+        for key, quant, nproc, version in TRAIN_RUNS:
+            what = f"train ours {quant} x{nproc} FSDP{version} (rep {rep + 1})"
+            metrics, peaks = runner.train_cli(what, model, quant, nproc=nproc, version=version)
             ours[key].append(median([m["tokens_per_s"] for m in metrics[skip:]]))
             ours_rss[key].append(max(peaks))
-            cli_maxrss[key].append(max(metrics[-1]["peak_memory_bytes_per_rank"]))
     shape = f"batch {p.batch_size} x {p.context_length}, LoRA r{p.lora_rank} on all linears"
     peer_label = f"{PEER_TRAIN} x {p.threads} threads"
     note = f"tokens/s: median of steps {skip + 1}-{skip + p.measured_steps} of each run, then over {p.reps} run(s)"
-    for key, quant, nproc in TRAIN_RUNS:
+    for key, quant, nproc, version in TRAIN_RUNS:
         kind = "bnb nf4" if quant == "bnb" else "hqq 4-bit"
         per_rank = max(1, p.threads // nproc)
         layout = f"1 process x {p.threads} threads" if nproc == 1 else f"{nproc} ranks x {per_rank} thread(s)"
-        label = f"qlora-fsdp CLI{' (torchrun)' if nproc > 1 else ''}, {kind}, {layout}"
+        label = f"qlora-fsdp CLI{' (torchrun)' if nproc > 1 else ''} FSDP{version}, {kind}, {layout}"
         kw = {"ours_label": f"{label}; {shape}", "peer_label": peer_label, "note": note}
-        rows.append(
-            row(
-                "training",
-                f"tokens_per_s_{key}",
-                f"tokens/s, {kind}, {layout}",
-                "tokens/s",
-                "higher",
-                ours[key],
-                peer_tps,
-                **kw,
-            )
-        )
-        rows.append(
-            row(
-                "training",
-                f"train_peak_rss_{key}_bytes",
-                f"peak RSS while training (largest rank), {kind}, {layout}",
-                "bytes",
-                "lower",
-                ours_rss[key],
-                peer_rss,
-                **kw,
-            )
-        )
-    details["training"] = {
-        "peer_tokens_per_s_runs": peer_tps,
-        "ours_tokens_per_s_runs": ours,
-        # What the CLI itself logs as peak_memory_bytes (ru_maxrss: includes the launcher's high-water mark).
-        "ours_metrics_peak_memory_bytes_runs": cli_maxrss,
-    }
+        rows.append(row("training", f"tokens_per_s_{key}", f"tokens/s, {kind}, {layout}, FSDP{version}",
+                        "tokens/s", "higher", ours[key], peer_tps, **kw))  # fmt: skip
+        rows.append(row("training", f"train_peak_rss_{key}_bytes",
+                        f"peak RSS while training (largest rank), {kind}, {layout}, FSDP{version}", "bytes", "lower",
+                        ours_rss[key], peer_rss, **kw))  # fmt: skip
+    details["training"] = {"peer_tokens_per_s_runs": peer_tps, "ours_tokens_per_s_runs": ours}
 
 
 def _quality(runner: Runner, model: Path, config: dict[str, Any], rows: list, details: dict) -> None:

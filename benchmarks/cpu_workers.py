@@ -7,6 +7,7 @@ the torchrun variables the orchestrator sets (RANK, WORLD_SIZE, MASTER_ADDR, ...
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 import time
@@ -16,7 +17,7 @@ from typing import Any
 
 from benchmarks.common import current_rss_bytes, maxrss_bytes, peak_rss_bytes, write_json
 
-BF16_STORAGE = "bf16"  # --precision bf16: bf16 parameters, packed storage and compute
+BF16 = "bf16"  # --precision bf16: bf16 parameters and compute
 
 
 def _quiet() -> None:
@@ -29,71 +30,70 @@ def _quiet() -> None:
 
 
 def load_ours(args: dict[str, Any]) -> None:
-    """One rank: low-memory streaming load + NF4 quantization, then FSDP full_shard wrapping (our loading path).
+    """One rank of our loading path: skeleton on meta, stream the checkpoint, quantize (bnb: each rank half of every
+    weight's blocks), shard each decoder layer as it completes (--fsdp_version), then the root. No adapters.
 
-    Reports load and wrap wall time, peak RSS, RSS after imports, this rank's flat-parameter shard bytes and its
-    quantization state bytes; rank 0 also the whole quantized model's bytes (it holds every real tensor).
+    Reports load wall time, peak RSS and RSS after imports, this rank's resident bytes (its parameter shards, the
+    quantization state FSDP1 replicates, buffers) and the whole quantized model's bytes (added up layer by layer
+    before sharding, so every rank knows it without holding it).
     """
     _quiet()
     import torch.distributed as dist
 
-    from benchmarks.measure import (
-        flat_param_shard_bytes,
-        model_bytes,
-        module_quant_state_bytes,
-        preimport,
-        tensor_bytes,
-    )
+    from benchmarks.measure import model_bytes, preimport
     from qlora_fsdp.config import FSDPConfig, ModelConfig, QuantConfig
     from qlora_fsdp.distributed import init_distributed
-    from qlora_fsdp.fsdp import PRECISIONS, wrap_model
-    from qlora_fsdp.model import load_model
+    from qlora_fsdp.fsdp import PRECISIONS, make_sharder
+    from qlora_fsdp.model import build_skeleton, stream_weights
     from qlora_fsdp.quant import make_backend
+    from qlora_fsdp.quant.base import QuantizedLinear
 
     env = init_distributed(device="cpu")
     preimport(args["model"])
-    import qlora_fsdp.quant.bnb  # noqa: F401 - make_backend would import it inside the timed region
+    importlib.import_module(f"qlora_fsdp.quant.{args['quant']}")  # not inside the timed region
 
     baseline = current_rss_bytes()
-    precision = PRECISIONS[BF16_STORAGE]
+    precision = PRECISIONS[BF16]
     dist.barrier()
     start = time.perf_counter()
-    backend = make_backend(
-        QuantConfig(quant="bnb", bnb_quant_type="nf4", bnb_double_quant=True),
-        storage_dtype=precision.param_dtype,
-        compute_dtype=precision.compute_dtype,
-    )
-    loaded = load_model(
-        ModelConfig(model=args["model"], low_memory=True), backend=backend, env=env, param_dtype=precision.param_dtype
-    )
-    load_s = time.perf_counter() - start
-    quantized = model_bytes(loaded.model) if env.is_main else None
-    wrap_start = time.perf_counter()
-    wrapped = wrap_model(
-        loaded.model,
-        FSDPConfig(sharding_strategy="full_shard", gradient_checkpointing=False),
+    sharder = make_sharder(
+        FSDPConfig(fsdp_version=args["fsdp_version"], sharding_strategy="full_shard", gradient_checkpointing=False),
         env=env,
         precision=precision,
-        layer_classes=loaded.layer_classes,
-        ignore=backend.module_classes,
+        ignore=(QuantizedLinear,),
         adapters_own_units=False,
-        sync_from_rank0=True,
     )
-    wrap_s = time.perf_counter() - wrap_start
-    buffers = sum(tensor_bytes(b) for b in wrapped.buffers())
+    backend = make_backend(
+        QuantConfig(quant=args["quant"]), storage_dtype=sharder.storage_dtype, compute_dtype=precision.compute_dtype
+    )
+    skeleton = build_skeleton(ModelConfig(model=args["model"]), backend=backend, param_dtype=precision.param_dtype)
+    for param in skeleton.model.parameters():
+        param.requires_grad_(False)  # as under LoRA: the base is frozen
+    layers_bytes = [0]
+
+    def shard_layer(name: str, layer: Any) -> None:
+        layers_bytes[0] += model_bytes(layer)["total"]
+        sharder.shard_unit(name, layer, root=skeleton.model)
+
+    stream_weights(skeleton, backend=backend, device=env.device, on_unit_ready=shard_layer, env=env)
+    # What is left unsharded: embeddings, norm, head, buffers.
+    root_bytes = model_bytes(skeleton.model, exclude=tuple(f"{name}." for name in skeleton.units))["total"]
+    sharded = sharder.finish(skeleton.model)
+    total_s = time.perf_counter() - start
+    params = sharded.local_parameter_bytes()
+    held = model_bytes(sharded.module)
     record = {
         "rank": env.rank,
         "world_size": env.world_size,
-        "load_s": load_s,
-        "wrap_s": wrap_s,
-        "total_s": load_s + wrap_s,
+        "total_s": total_s,
         "peak_rss_bytes": peak_rss_bytes(),
         "ru_maxrss_bytes": maxrss_bytes(),
         "rss_after_imports_bytes": baseline,
-        "flat_param_shard_bytes": flat_param_shard_bytes(wrapped),
-        "quant_state_bytes": module_quant_state_bytes(wrapped),
-        "buffer_bytes": buffers,
-        "quantized_model_bytes": quantized,
+        "param_shard_bytes": params,
+        "replicated_state_bytes": held["quant_state"],
+        "buffer_bytes": held["buffers"],
+        "resident_bytes": params + held["quant_state"] + held["buffers"],
+        "quantized_model_bytes": layers_bytes[0] + root_bytes,
     }
     write_json(f"{args['result']}.rank{env.rank}.json", record)
     dist.barrier()
@@ -150,7 +150,7 @@ def train_peer(args: dict[str, Any]) -> None:
 def quant_quality(args: dict[str, Any]) -> None:
     """Stored bits per parameter and dequantization error of each format, ours against the library called directly.
 
-    Ours: `make_backend` + `load_weight` into the module our loader builds, bf16 storage and compute (as in
+    Ours: `make_backend` + `load_weight` into the module our loader builds, uint8 storage, bf16 compute (as in
     training). Reference: bitsandbytes' `quantize_4bit` / HQQ's `HQQLinear` with their default integer storage.
     Both quantize the same real weight matrices of the model; error is |dequantized - original fp32|.
     """
@@ -175,7 +175,7 @@ def quant_quality(args: dict[str, Any]) -> None:
     results = {}
     for fmt in args["formats"]:
         cfg = QuantConfig(**fmt["config"])
-        backend = make_backend(cfg, storage_dtype=torch.bfloat16, compute_dtype=torch.bfloat16)
+        backend = make_backend(cfg, storage_dtype=torch.uint8, compute_dtype=torch.bfloat16)
         sides: dict[str, dict[str, float]] = {}
         for side in ("ours", "reference"):
             stored = err_sum = 0.0
@@ -184,12 +184,11 @@ def quant_quality(args: dict[str, Any]) -> None:
             start = time.perf_counter()
             for w in weights.values():
                 if side == "ours":
-                    linear = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
-                    module = backend.make_module(linear, device=cpu)
-                    backend.load_weight(module, w, device=cpu, keep=True)
-                    deq = backend.dequantize(module).float()
-                    stored += tensor_bytes(backend.packed(module))
-                    stored += sum(tensor_bytes(t) for t in backend.quant_state_tensors(module).values())
+                    module = backend.make_module(nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta"))
+                    backend.load_weight(module, w, device=cpu)
+                    deq = module.dequantize().float()
+                    stored += tensor_bytes(module.packed_bytes())
+                    stored += sum(tensor_bytes(t) for t in module.state_bytes().values())
                 else:
                     deq, nbytes = _reference_quantize(cfg, w)
                     stored += nbytes

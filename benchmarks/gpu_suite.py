@@ -44,6 +44,8 @@ SHAPES = ((1, 512), (8, 2048))
 DRY_SHAPES = ((1, 64), (2, 96))
 LORA = {"lora_rank": 64, "lora_alpha": 16.0}
 CHECKPOINTING = True
+# Our runs: (record key, --quant, --fsdp_version); FSDP2 is the default, FSDP1 kept for comparison.
+OUR_RUNS = (("bnb", "bnb", 2), ("hqq", "hqq", 2), ("bnb-fsdp1", "bnb", 1))
 DEFAULT_BUDGET_S = 400.0
 PEER_LABEL = "HF from_pretrained 4-bit + PEFT + AdamW, 1 process"
 
@@ -58,7 +60,7 @@ def _plan(dry_run: bool, quick: bool) -> dict[str, Any]:
 def run_gpu_suite(
     out_dir: Path, *, dry_run: bool, peak_flops: float, budget_s: float | None, quick: bool = False
 ) -> dict[str, Any]:
-    """Write the model, run peer / ours-bnb / ours-hqq in fresh processes within the budget, return the results."""
+    """Write the model, run the peer and each of OUR_RUNS in fresh processes within the budget, return the results."""
     suite_start = time.perf_counter()
     budget = budget_s or DEFAULT_BUDGET_S
     p = _plan(dry_run, quick)
@@ -77,11 +79,8 @@ def run_gpu_suite(
             "measured": p["measured"],
             "device": p["device"],
         }
-        jobs += [
-            ("peer", "peer", common),
-            ("ours-bnb", "ours", {**common, "quant": "bnb"}),
-            ("ours-hqq", "ours", {**common, "quant": "hqq"}),
-        ]
+        jobs += [("peer", "peer", common)]
+        jobs += [(f"ours-{run}", "ours", {**common, "quant": q, "fsdp_version": v}) for run, q, v in OUR_RUNS]
         for key, name, args in jobs:
             left = budget - (time.perf_counter() - suite_start)
             if left < 20:
@@ -147,15 +146,15 @@ def _rows(records: dict[str, dict[str, Any]], p: dict[str, Any], peak_flops: flo
     factor = 8 if CHECKPOINTING else 4
     peer = records["peer"]["shapes"]
     rows = []
-    for quant in ("bnb", "hqq"):
-        if f"ours-{quant}" not in records:
+    for run, quant, version in OUR_RUNS:
+        if f"ours-{run}" not in records:
             continue
-        ours = records[f"ours-{quant}"]["shapes"]
+        ours = records[f"ours-{run}"]["shapes"]
         for (batch, context), o, q in zip(p["shapes"], ours, peer, strict=True):
             shape = f"{batch} x {context}"
-            kw = {"ours_label": f"qlora-fsdp CLI code, {quant}, 1 GPU", "peer_label": PEER_LABEL}
-            section = f"{quant}, batch {shape}"
-            slug = f"{quant}_b{batch}_s{context}"
+            kw = {"ours_label": f"qlora-fsdp CLI code, {quant}, FSDP{version}, 1 GPU", "peer_label": PEER_LABEL}
+            section = f"{quant} FSDP{version}, batch {shape}"
+            slug = f"{run.replace('-', '_')}_b{batch}_s{context}"
             rows += [
                 row(section, f"tokens_per_s_{slug}", "tokens/s", "tokens/s", "higher", o["tps"], q["tps"], **kw),
                 row(
@@ -223,7 +222,7 @@ def write_model(args: dict[str, Any]) -> None:
     """A random bf16 Llama with these sizes, generated on the device, as HF safetensors shards + tokenizer."""
     import torch
 
-    from qlora_fsdp.model import build_skeleton
+    from qlora_fsdp.model import meta_model
     from scripts.make_tiny_model import (
         DEFAULT_DATA,
         make_config,
@@ -255,7 +254,7 @@ def write_model(args: dict[str, Any]) -> None:
     config.save_pretrained(out)
     tokenizer.save_pretrained(out)
     device = torch.device(args["device"])
-    skeleton = build_skeleton(out, dtype=torch.bfloat16, trust_remote_code=False)
+    skeleton = meta_model(out, dtype=torch.bfloat16, trust_remote_code=False)
     generator = torch.Generator(device=device).manual_seed(0)
     state = {}
     start = time.perf_counter()
@@ -299,6 +298,7 @@ def ours(args: dict[str, Any]) -> None:
             cli_main(
                 model=args["model"],
                 quant=args["quant"],
+                fsdp_version=args["fsdp_version"],
                 hqq_bits=4,
                 hqq_group_size=64,
                 precision="bf16",

@@ -27,7 +27,12 @@ def _tensors_in(obj: Any) -> list[torch.Tensor]:
 
 
 def quant_state_tensors(module: nn.Module) -> list[torch.Tensor]:
-    """The quantization state of a bnb Linear4bit (ours keeps it on the module, HF on the weight) or HQQLinear."""
+    """Quantization state held outside parameters: a bnb Linear4bit's (ours keeps it on the module, HF on the
+    weight), an HQQLinear's meta, or our layers' under FSDP1 (replicated; under FSDP2 it is parameters)."""
+    from qlora_fsdp.quant.base import QuantizedLinear
+
+    if isinstance(module, QuantizedLinear):
+        return [] if module.state_as_parameters else list(module.state_bytes().values())
     state = getattr(module, "quant_state", None)
     weight = module._parameters.get("weight")
     if state is None and weight is not None:
@@ -40,43 +45,25 @@ def quant_state_tensors(module: nn.Module) -> list[torch.Tensor]:
     return []
 
 
-def model_bytes(model: nn.Module) -> dict[str, int]:
-    """Bytes of parameters (packed 4-bit storage included), buffers and quantization state; meta tensors skipped.
+def model_bytes(model: nn.Module, *, exclude: tuple[str, ...] = ()) -> dict[str, int]:
+    """Bytes of parameters (packed 4-bit storage included), buffers and quantization state; meta tensors and names
+    under the `exclude` prefixes skipped.
 
     Tied weights are counted once. This is "the quantized model's bytes" the RSS figures are compared with.
     """
     seen: set[int] = set()
     out = {"params": 0, "buffers": 0, "quant_state": 0}
-    for kind, tensors in (("params", model.parameters()), ("buffers", model.buffers())):
-        for t in tensors:
-            if t.is_meta or t.data_ptr() in seen:
+    for kind, tensors in (("params", model.named_parameters()), ("buffers", model.named_buffers())):
+        for name, t in tensors:
+            if t.is_meta or t.data_ptr() in seen or name.startswith(exclude):
                 continue
             seen.add(t.data_ptr())
             out[kind] += tensor_bytes(t)
-    for module in model.modules():
-        out["quant_state"] += sum(tensor_bytes(t) for t in quant_state_tensors(module) if not t.is_meta)
+    for name, module in model.named_modules():
+        if not name.startswith(exclude):
+            out["quant_state"] += sum(tensor_bytes(t) for t in quant_state_tensors(module) if not t.is_meta)
     out["total"] = out["params"] + out["buffers"] + out["quant_state"]
     return out
-
-
-def flat_param_shard_bytes(model: nn.Module) -> int:
-    """Bytes of the FSDP flat-parameter shards this rank holds: quantized storage and unquantized weights alike."""
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    total = 0
-    for unit in FSDP.fsdp_modules(model):
-        handle = getattr(unit, "_handle", None)
-        if handle is None:
-            continue
-        flat = handle.flat_param
-        shard = getattr(flat, "_local_shard", None)
-        total += tensor_bytes(shard if shard is not None else flat)
-    return total
-
-
-def module_quant_state_bytes(model: nn.Module) -> int:
-    """Quantization state on this rank: every rank computes and keeps all of it (FSDP does not shard it)."""
-    return sum(tensor_bytes(t) for m in model.modules() for t in quant_state_tensors(m) if not t.is_meta)
 
 
 def preimport(model_dir: str | Path) -> None:

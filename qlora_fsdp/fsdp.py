@@ -2,6 +2,7 @@
 
 Loading hands each decoder layer to `Sharder.shard_unit` as soon as it is whole; `Sharder.finish` shards the root
 and returns a `ShardedModel`, the one handle the trainer and checkpointing use whatever the version.
+`verify_packed` then checks, in the first forward, that no quantized layer sees other bytes than loading made.
 `fsdp1.py` and `fsdp2.py` hold what differs.
 """
 
@@ -107,14 +108,14 @@ class ShardedModel(ABC):
 
 
 class Sharder(ABC):
-    """Shards decoder layers as loading completes them, then the root; checks the packed bytes it was given."""
+    """Shards decoder layers as loading completes them, then the root; remembers the packed bytes it was given."""
 
     def __init__(self, cfg: FSDPConfig, *, env: DistEnv, precision: Precision) -> None:
         self.cfg = cfg
         self.env = env
         self.precision = precision
-        self._reference: dict[int, tuple[str, tuple]] = {}
-        """id(quantized layer) -> (its name, digest of what loading produced)."""
+        self.reference: dict[int, tuple[str, tuple]] = {}
+        """id(quantized layer) -> (its name, digest of what loading produced), for verify_packed."""
 
     @property
     @abstractmethod
@@ -139,17 +140,16 @@ class Sharder(ABC):
         setattr(root.get_submodule(parent_name), child, self._shard(unit))
 
     def finish(self, model: nn.Module) -> ShardedModel:
-        """Shard what is left (embeddings, norm, head) as the root; arm the packed-bytes check."""
+        """Shard what is left (embeddings, norm, head) as the root, once every rank has checked that all ranks
+        quantized the same bytes."""
         self._remember(model, prefix="")
-        _check_same_on_every_rank(self._reference, self.env)
-        sharded = self._shard_root(model)
-        guard_packed_bytes(sharded.module, self._reference)
-        return sharded
+        _check_same_on_every_rank(self.reference, self.env)
+        return self._shard_root(model)
 
     def _remember(self, module: nn.Module, *, prefix: str) -> None:
         for name, sub in module.named_modules():
-            if isinstance(sub, QuantizedLinear) and id(sub) not in self._reference and not sub.is_meta:
-                self._reference[id(sub)] = (prefix + name, packed_digest(sub))
+            if isinstance(sub, QuantizedLinear) and id(sub) not in self.reference and not sub.is_meta:
+                self.reference[id(sub)] = (prefix + name, packed_digest(sub))
 
 
 def make_sharder(
@@ -219,7 +219,7 @@ def _check_same_on_every_rank(reference: dict[int, tuple[str, tuple]], env: Dist
         )
 
 
-def guard_packed_bytes(model: nn.Module, reference: dict[int, tuple[str, tuple]]) -> None:
+def verify_packed(model: nn.Module, reference: dict[int, tuple[str, tuple]]) -> None:
     """Check, in the first forward of each quantized layer, that it sees exactly the bytes loading produced.
 
     This is where sharding, gathering and mixed precision have all had their say: a cast, a rewritten NaN pattern
@@ -247,7 +247,7 @@ def _check_packed(module: QuantizedLinear, args: tuple, *, name: str, expected: 
 
 
 class PackedWeightsChanged(UserError):
-    """A quantized layer's bytes differ from what loading produced (see guard_packed_bytes)."""
+    """A quantized layer's bytes differ from what loading produced (see verify_packed)."""
 
 
 def unwrapped(modules: Iterable[nn.Module]) -> Iterator[nn.Module]:

@@ -12,26 +12,18 @@ from qlora_fsdp.config import LoraConfig
 from qlora_fsdp.errors import UserError
 
 
-def target_modules(spec: str, model: nn.Module, linear_classes: tuple[type[nn.Module], ...]) -> list[str]:
-    """`all`: the names of every linear layer (plain or quantized) except the output head; else the listed names.
-
-    Computed here rather than PEFT's "all-linear", which does not recognise every quantized class (HQQLinear).
-    """
+def target_modules(spec: str, model: nn.Module) -> list[str]:
+    """`all`: the names of every linear layer (plain or quantized: both are nn.Linear) except the output head;
+    else the listed names."""
     if spec.strip() != "all":
         return [name.strip() for name in spec.split(",") if name.strip()]
     head = model.get_output_embeddings()
     return sorted(
-        {
-            name.rpartition(".")[2]
-            for name, m in model.named_modules()
-            if isinstance(m, linear_classes) and m is not head
-        }
+        {name.rpartition(".")[2] for name, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head}
     )
 
 
-def inject_lora(
-    model: nn.Module, cfg: LoraConfig, *, dtype: torch.dtype, quantized_classes: tuple[type[nn.Module], ...] = ()
-) -> nn.Module:
+def inject_lora(model: nn.Module, cfg: LoraConfig, *, dtype: torch.dtype) -> nn.Module:
     """Wrap `model` in a PeftModel whose only trainable parameters are the adapters, stored in `dtype`.
 
     On a meta skeleton the adapters are meta too: `init_adapters` gives them their values once their decoder
@@ -44,7 +36,7 @@ def inject_lora(
         r=cfg.lora_rank,
         lora_alpha=cfg.lora_alpha,
         lora_dropout=cfg.lora_dropout,
-        target_modules=target_modules(cfg.lora_target_modules, model, (nn.Linear, *quantized_classes)),
+        target_modules=target_modules(cfg.lora_target_modules, model),
         bias="none",
         task_type="CAUSAL_LM",
         use_dora=cfg.train_type == "dora",

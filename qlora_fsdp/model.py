@@ -8,6 +8,7 @@ embeddings, head and norm (sharded last, with the root). There is no rank-0 copy
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import logging
 import os
@@ -16,10 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from qlora_fsdp.config import ModelConfig
+from qlora_fsdp.distributed import DistEnv
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.quant import QuantBackend
 
@@ -81,12 +82,50 @@ def shard_files(path: Path, *, allow_pickle: bool = False) -> list[Path]:
     raise UserError(f"--model {path}: no {INDEX_FILE} or {SINGLE_FILE}; the model directory has no weights")
 
 
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}  # fmt: skip
+
+
+def _read_safetensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) in file order, each read into fresh memory.
+
+    Not through safetensors' memory map: every page of a mapped shard that is touched stays in this process's
+    resident set until the file is closed, which would put a whole shard into each rank's peak. Plain reads go
+    through the page cache, which is the machine's, not the process's.
+    """
+    with open(file, "rb", buffering=0) as fh:
+        size = int.from_bytes(fh.read(8), "little")
+        try:
+            header = json.loads(fh.read(size))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise UserError(f"--model: {file} is not a safetensors file (unreadable header); re-download it") from None
+        header.pop("__metadata__", None)
+        for name, info in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
+            dtype = SAFETENSORS_DTYPES.get(info["dtype"])
+            if dtype is None:
+                raise UserError(f"--model: {file} stores {name} as {info['dtype']}, which this loader cannot read")
+            begin, end = info["data_offsets"]
+            tensor = torch.empty(info["shape"], dtype=dtype)
+            fh.seek(8 + size + begin)
+            # Read straight into the tensor's memory (a numpy view would make its storage unresizable for FSDP2),
+            # in several reads where one read(2) returns less (Linux stops at 2 GiB).
+            view = memoryview((ctypes.c_char * (end - begin)).from_address(tensor.data_ptr())).cast("B")
+            done = 0
+            while done < end - begin:
+                got = fh.readinto(view[done:])
+                if not got:
+                    raise UserError(f"--model: {file} is truncated (ends inside {name}); re-download it")
+                done += got
+            yield name, tensor
+
+
 def _read_tensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) one at a time: safetensors lazily from disk; pickle only with weights_only, memory-mapped."""
+    """(name, tensor) one at a time: safetensors from disk; pickle only with weights_only, memory-mapped."""
     if file.suffix == ".safetensors":
-        with safe_open(file, framework="pt", device="cpu") as shard:
-            for name in shard.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield name, shard.get_tensor(name)
+        yield from _read_safetensors(file)
     else:
         yield from torch.load(file, map_location="cpu", weights_only=True, mmap=True).items()
 
@@ -108,7 +147,7 @@ def _params_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
-def _meta_model(path: Path, *, dtype: torch.dtype, trust_remote_code: bool) -> nn.Module:
+def meta_model(path: Path, *, dtype: torch.dtype, trust_remote_code: bool) -> nn.Module:
     """The architecture from config.json with every parameter on meta (no memory, no init cost)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -123,6 +162,9 @@ def _meta_model(path: Path, *, dtype: torch.dtype, trust_remote_code: bool) -> n
         model = AutoModelForCausalLM.from_config(
             config, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa"
         )
+    if getattr(config, "tie_word_embeddings", False):
+        # Tying inside _params_on_meta made two meta copies; one parameter with two owners, filled once.
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
     return model
 
 
@@ -181,7 +223,7 @@ def build_skeleton(
     replaced by the backend's empty quantized layer. Nothing is read from the checkpoint yet."""
     path = path or resolve_model_path(cfg.model)
     files = shard_files(path, allow_pickle=cfg.allow_pickle)
-    model = _meta_model(path, dtype=param_dtype, trust_remote_code=cfg.trust_remote_code)
+    model = meta_model(path, dtype=param_dtype, trust_remote_code=cfg.trust_remote_code)
     layer_classes = decoder_layer_classes(model)
     head = model.get_output_embeddings()
     head_name = next((n for n, m in model.named_modules() if m is head), None)
@@ -237,8 +279,12 @@ def stream_weights(
     backend: QuantBackend | None,
     device: torch.device,
     on_unit_ready: Callable[[str, nn.Module], None] | None = None,
+    env: DistEnv | None = None,
 ) -> None:
     """Read the checkpoint one tensor at a time into the skeleton, quantizing each target weight as it arrives.
+
+    With `env`, every rank of the job streams the same checkpoint and the backend may split each weight's
+    quantization between them (see QuantBackend.quantize).
 
     Tensors may come in any order and a decoder layer may span shards: as soon as every tensor of a layer has
     arrived, its remaining meta parameters (adapters) are allocated and `on_unit_ready(name, layer)` runs, so the
@@ -254,10 +300,7 @@ def stream_weights(
         return next((u for u in by_length if name.startswith(u + ".")), "")
 
     # A required "slot" is one parameter; tied names (embed_tokens / lm_head) share one slot.
-    slot_of: dict[str, int] = {}
-    for name, (module, attr) in skeleton.sources.items():
-        if attr in module._parameters:
-            slot_of[name] = id(module._parameters[attr]) if id(module) not in quantized else id(module)
+    slot_of = {name: id(m._parameters[attr]) for name, (m, attr) in skeleton.sources.items() if attr in m._parameters}
     pending: dict[str, set[int]] = {}
     for name, slot in slot_of.items():
         pending.setdefault(unit_of(name), set()).add(slot)
@@ -272,8 +315,8 @@ def stream_weights(
                 log.warning("ignoring checkpoint tensor %s: no such parameter in the model", name)
                 continue
             module, attr = source
-            if id(module) in quantized:
-                backend.load_weight(module, tensor, device=device)  # type: ignore[union-attr]
+            if id(module) in quantized and attr == "weight":
+                backend.load_weight(module, tensor, device=device, env=env)  # type: ignore[union-attr]
             elif attr in module._parameters:
                 old = module._parameters[attr]
                 params.replace(old, tensor.to(device=device, dtype=old.dtype if tensor.is_floating_point() else None))

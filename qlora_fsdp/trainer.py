@@ -33,7 +33,7 @@ from qlora_fsdp.config import OptimConfig, OutputConfig, TrainConfig, profile_wi
 from qlora_fsdp.data import IGNORE_INDEX, build_dataloader
 from qlora_fsdp.distributed import DistEnv, gather_ints, init_distributed, teardown
 from qlora_fsdp.errors import UserError
-from qlora_fsdp.fsdp import DTYPES, PRECISIONS, Precision, ShardedModel, make_sharder
+from qlora_fsdp.fsdp import DTYPES, PRECISIONS, Precision, ShardedModel, make_sharder, verify_packed
 from qlora_fsdp.lora import adapter_keys, init_adapters, inject_lora, lora_layers, prepare_full_finetune
 from qlora_fsdp.metrics import METRICS_FILE, MetricsLogger, peak_memory_bytes
 from qlora_fsdp.model import (
@@ -250,12 +250,7 @@ def _build_model(cfg: TrainConfig, env: DistEnv, model_path: Path, precision: Pr
     )
     keys: dict[nn.Module, dict[str, str]] = {}
     if adapters:
-        unwrapped = inject_lora(
-            skeleton.model,
-            cfg.lora,
-            dtype=precision.param_dtype,
-            quantized_classes=backend.module_classes if backend else (),
-        )
+        unwrapped = inject_lora(skeleton.model, cfg.lora, dtype=precision.param_dtype)
         keys = adapter_keys(unwrapped)
         if any("" in names.values() for names in keys.values()):
             raise RuntimeError("an adapter parameter has no PEFT key: PEFT's state dict and the model disagree")
@@ -271,10 +266,12 @@ def _build_model(cfg: TrainConfig, env: DistEnv, model_path: Path, precision: Pr
         init_adapters(lora_layers(layer), seed=cfg.optim.seed, name=name)
         sharder.shard_unit(name, layer, root=skeleton.model)
 
-    stream_weights(skeleton, backend=backend, device=env.device, on_unit_ready=shard_layer)
+    stream_weights(skeleton, backend=backend, device=env.device, on_unit_ready=shard_layer, env=env)
     outside = [m for m in lora_layers(unwrapped) if id(m) not in in_layers]
     init_adapters(outside, seed=cfg.optim.seed, name="")
-    return _Built(model=sharder.finish(unwrapped), unwrapped=unwrapped, keys=keys, blocks=blocks)
+    sharded = sharder.finish(unwrapped)
+    verify_packed(sharded.module, sharder.reference)
+    return _Built(model=sharded, unwrapped=unwrapped, keys=keys, blocks=blocks)
 
 
 def _save_final(built: _Built, output_dir: Path, *, env: DistEnv) -> str:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qlora_fsdp.config import QuantConfig
+from qlora_fsdp.distributed import DistEnv
 
 
 @dataclass
@@ -145,8 +146,13 @@ class QuantBackend(ABC):
         """An empty (meta) quantized replacement for `linear`, filled later by `load_weight`."""
 
     @abstractmethod
-    def quantize(self, weight: torch.Tensor) -> QuantizedWeight:
-        """Quantize a [out, in] weight on its device."""
+    def quantize(self, weight: torch.Tensor, *, env: DistEnv | None = None) -> QuantizedWeight:
+        """Quantize a [out, in] weight on its device.
+
+        With `env`, every rank of the job calls this with the same weight at the same time: a backend may have
+        each rank quantize a part and share the results, as long as every rank ends with bytes identical to one
+        process quantizing the whole weight. A backend that cannot split its work ignores `env`.
+        """
 
     @property
     def module_classes(self) -> tuple[type[nn.Module], ...]:
@@ -156,9 +162,11 @@ class QuantBackend(ABC):
     def is_quantized(self, module: nn.Module) -> bool:
         return isinstance(module, self.module_classes)
 
-    def load_weight(self, module: QuantizedLinear, weight: torch.Tensor, *, device: torch.device) -> None:
-        """Quantize `weight` on `device` into `module`."""
-        module.set_quantized(self.quantize(weight.to(device)))
+    def load_weight(
+        self, module: QuantizedLinear, weight: torch.Tensor, *, device: torch.device, env: DistEnv | None = None
+    ) -> None:
+        """Quantize `weight` on `device` into `module` (see `quantize` for `env`)."""
+        module.set_quantized(self.quantize(weight.to(device), env=env))
 
     def replace_linears(self, model: nn.Module, *, should_quantize: Callable[[str], bool]) -> list[str]:
         """Swap every `nn.Linear` whose qualified name passes `should_quantize`; returns the swapped names."""

@@ -5,9 +5,12 @@ from __future__ import annotations
 import bitsandbytes as bnb
 import bitsandbytes.functional as bnbf
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from qlora_fsdp.config import QuantConfig
+from qlora_fsdp.distributed import DistEnv
 from qlora_fsdp.quant.base import QuantBackend, QuantizedLinear, QuantizedWeight
 
 BLOCKSIZE = 64
@@ -107,18 +110,87 @@ class BnbBackend(QuantBackend):
             double_quant=self.double_quant,
         )
 
-    def quantize(self, weight: torch.Tensor) -> QuantizedWeight:
-        # The weight is quantized from compute dtype, as Hugging Face's 4-bit loading does.
-        packed, qs = bnbf.quantize_4bit(
-            weight.to(self.compute_dtype).contiguous(),
-            blocksize=BLOCKSIZE,
-            compress_statistics=self.double_quant,
-            quant_type=self.quant_type,
-        )
-        state = {"absmax": qs.absmax, "code": qs.code}
-        if self.double_quant:
-            state |= {"nested_absmax": qs.state2.absmax, "nested_code": qs.state2.code, "offset": qs.offset}
+    def quantize(self, weight: torch.Tensor, *, env: DistEnv | None = None) -> QuantizedWeight:
+        """bitsandbytes' quantize_4bit, bit for bit, with the blocks split between the ranks of `env`.
+
+        Blocks of 64 values are quantized independently, so each rank quantizes its run of whole blocks and the
+        runs are all-gathered; the double quantization of absmax (global mean, 256-value blocks) is cheap and
+        runs on every rank over the gathered absmax, exactly as quantize_4bit runs it.
+        """
+        # Quantized from compute dtype, as Hugging Face's 4-bit loading does.
+        flat = weight.to(self.compute_dtype).contiguous().view(-1)
+        world, rank = (env.world_size, env.rank) if env is not None else (1, 0)
+        blocks = -(-flat.numel() // BLOCKSIZE)
+        per_rank = -(-blocks // world)
+        start = min(rank * per_rank * BLOCKSIZE, flat.numel())
+        packed, absmax = _quantize_blocks(flat[start : start + per_rank * BLOCKSIZE], self.quant_type)
+        if world > 1:
+            packed = _all_gather(packed, per_rank * BLOCKSIZE // 2, total=(flat.numel() + 1) // 2)
+            absmax = _all_gather(absmax, per_rank, total=blocks)
+        code = bnbf.get_4bit_type(self.quant_type, device=flat.device)
+        if not self.double_quant:
+            return QuantizedWeight(packed, {"absmax": absmax, "code": code})
+        offset = absmax.mean()
+        nested, nested_state = bnbf.quantize_blockwise(absmax - offset, blocksize=NESTED_BLOCKSIZE)
+        state = {
+            "absmax": nested,
+            "code": code,
+            "nested_absmax": nested_state.absmax,
+            "nested_code": nested_state.code,
+            "offset": offset,
+        }
         return QuantizedWeight(packed, state)
+
+
+# Values per step of the CPU quantizer: its temporaries then stay in cache.
+CHUNK = 1 << 18
+
+
+def _quantize_blocks(flat: torch.Tensor, quant_type: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whole 64-value blocks to (packed uint8 bytes, fp32 absmax), exactly as bitsandbytes' kernel for the device.
+
+    On the CPU bitsandbytes quantizes with plain torch ops whose bucketize dominates (45 ns a weight on one core);
+    this computes the same thing (bucket = how many midpoints lie below the value) in cache-sized chunks, about
+    2x faster, and is checked bit for bit against it by the tests. Other devices use bitsandbytes' own kernel.
+    """
+    if flat.device.type != "cpu":
+        packed, absmax = torch.ops.bitsandbytes.quantize_4bit.default(flat, BLOCKSIZE, quant_type, torch.uint8)
+        return packed.view(-1), absmax.view(-1).float()
+    code = bnbf.get_4bit_type(quant_type, device=flat.device)
+    order = torch.argsort(code)
+    midpoints = ((code[order[:-1]] + code[order[1:]]) / 2).tolist()
+    packed, absmax = [], []
+    for start in range(0, flat.numel(), CHUNK):
+        values = flat[start : start + CHUNK].float()
+        whole = values.numel() - values.numel() % BLOCKSIZE
+        blocks = values[:whole].view(-1, BLOCKSIZE)
+        part_absmax = blocks.abs().amax(dim=1)
+        scaled = torch.clamp(blocks * (1.0 / part_absmax.clamp(min=1e-38).view(-1, 1)), -1, 1).view(-1)
+        if whole < values.numel():  # the weight's last, partial block
+            tail_absmax = values[whole:].abs().max().clamp(min=1e-38)
+            part_absmax = torch.cat([part_absmax, tail_absmax.view(1)])
+            scaled = torch.cat([scaled, torch.clamp(values[whole:] / tail_absmax, -1, 1)])
+        if scaled.numel() % 2:
+            scaled = F.pad(scaled, (0, 1))
+        bucket = torch.zeros(scaled.shape, dtype=torch.uint8)
+        for midpoint in midpoints:
+            bucket += scaled > midpoint
+        if quant_type != "nf4":
+            bucket = order.to(torch.uint8)[bucket.long()]
+        packed.append((bucket[::2] << 4) | bucket[1::2])
+        absmax.append(part_absmax)
+    if not packed:
+        return torch.empty(0, dtype=torch.uint8), torch.empty(0)
+    return torch.cat(packed), torch.cat(absmax)
+
+
+def _all_gather(part: torch.Tensor, size: int, *, total: int) -> torch.Tensor:
+    """Every rank's `part` (at most `size` elements, zero-padded for the collective), concatenated, cut to `total`."""
+    padded = torch.zeros(size, dtype=part.dtype, device=part.device)
+    padded[: part.numel()] = part
+    out = torch.empty(size * dist.get_world_size(), dtype=part.dtype, device=part.device)
+    dist.all_gather_into_tensor(out, padded)
+    return out[:total]
 
 
 BACKEND = BnbBackend

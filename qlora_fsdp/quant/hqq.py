@@ -10,6 +10,7 @@ from hqq.core.quantize import Quantizer
 from torch import nn
 
 from qlora_fsdp.config import QuantConfig
+from qlora_fsdp.distributed import DistEnv
 from qlora_fsdp.quant.base import QuantBackend, QuantizedLinear, QuantizedWeight
 
 # Groups are packed along dim 0 of the [groups, group_size] matrix; these bit widths pack that many groups into
@@ -102,7 +103,8 @@ class HqqBackend(QuantBackend):
         unit = self.group_size * GROUPS_PER_PACKED_ROW[self.nbits]
         return -(-numel // unit) * unit
 
-    def quantize(self, weight: torch.Tensor) -> QuantizedWeight:
+    def quantize(self, weight: torch.Tensor, *, env: DistEnv | None = None) -> QuantizedWeight:
+        # HQQ's optimizer stops on an error summed over the whole weight: a part quantized alone would differ.
         w = weight
         padded = self.padded(w.numel())
         if padded != w.numel():

@@ -24,33 +24,34 @@ pytestmark = pytest.mark.distributed
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ROW_FIELDS = ("section", "key", "figure", "unit", "better", "ours", "peer", "ratio", "runs")
 
+LOAD = (
+    "load_wall_s", "load_peak_rss_rank0_bytes", "load_peak_rss_rank1_bytes", "load_rss_growth_rank0_bytes",
+    "load_rss_growth_rank1_bytes", "load_peak_rss_sum_bytes", "load_rss_sum_over_model",
+)  # fmt: skip
+WORLD = ("fsdp2_bnb", "fsdp2_hqq", "fsdp1_bnb")
+TRAIN = ("bnb_1proc", "hqq_1proc", "bnb_2ranks_fsdp2", "hqq_2ranks_fsdp2", "bnb_2ranks_fsdp1")
 CPU_KEYS = {
-    # 1. loading
-    "load_wall_s",
-    "load_peak_rss_rank0_bytes",
-    "load_peak_rss_rank1_bytes",
-    "load_rss_growth_rank0_bytes",
-    "load_rss_growth_rank1_bytes",
-    "load_peak_rss_sum_bytes",
-    "load_rss_sum_over_model",
+    # 1. loading, each FSDP version
+    *(f"{k}_fsdp{v}" for k in LOAD for v in (1, 2)),
     "quantized_model_bytes",
     # 2. memory vs world size
-    *(f"{k}_n{n}" for k in ("flat_shard_bytes_per_rank", "resident_bytes_per_rank") for n in (1, 2, 4)),
-    *(f"{k}_n{n}" for k in ("sharding_efficiency", "resident_efficiency") for n in (2, 4)),
+    *(f"{k}_{c}_n{n}" for k in ("param_shard_bytes_per_rank", "resident_bytes_per_rank") for c in WORLD
+      for n in (1, 2, 4)),
+    *(f"resident_efficiency_{c}_n{n}" for c in WORLD for n in (2, 4)),
     # 3. training
-    *(f"tokens_per_s_{r}" for r in ("bnb_1proc", "hqq_1proc", "bnb_2ranks")),
-    *(f"train_peak_rss_{r}_bytes" for r in ("bnb_1proc", "hqq_1proc", "bnb_2ranks")),
+    *(f"tokens_per_s_{r}" for r in TRAIN),
+    *(f"train_peak_rss_{r}_bytes" for r in TRAIN),
     # 4. quantization
     *(
         f"{metric}_{fmt_}"
         for metric in ("bits_per_param", "mean_abs_error", "max_abs_error")
         for fmt_ in ("bnb_nf4_dq", "bnb_nf4", "bnb_fp4_dq", "hqq_4bit", "hqq_3bit", "hqq_2bit")
     ),
-}
+}  # fmt: skip
 GPU_DRY_KEYS = {
-    f"{metric}_{quant}_b{batch}_s{context}"
+    f"{metric}_{run}_b{batch}_s{context}"
     for metric in ("tokens_per_s", "mfu", "peak_reserved", "peak_allocated")
-    for quant in ("bnb", "hqq")
+    for run in ("bnb", "hqq", "bnb_fsdp1")
     for batch, context in ((1, 64), (2, 96))
 }
 
@@ -69,11 +70,12 @@ def _run(cmd: list[str], *, timeout: float, env: dict[str, str] | None = None) -
     assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}\n{output}"
 
 
-def _positive_numbers(obj: Any, where: str) -> None:
-    """Every number below `obj` is > 0 (booleans and strings are not figures)."""
+def _positive_numbers(obj: Any, where: str, *, may_be_zero: tuple[str, ...] = ()) -> None:
+    """Every number below `obj` is > 0 (booleans and strings are not figures), except under `may_be_zero` keys."""
     if isinstance(obj, dict):
         for k, v in obj.items():
-            _positive_numbers(v, f"{where}.{k}")
+            if k not in may_be_zero:
+                _positive_numbers(v, f"{where}.{k}", may_be_zero=may_be_zero)
     elif isinstance(obj, list):
         for i, v in enumerate(obj):
             _positive_numbers(v, f"{where}[{i}]")
@@ -104,13 +106,21 @@ def test_cpu_suite_quick(tmp_path: Path) -> None:
     results = json.loads((out / "results.json").read_text())
     assert results["suite"] == "cpu" and results["quick"] is True
     _check_rows(results, CPU_KEYS)
-    _positive_numbers(results["details"], "details")
+    _positive_numbers(results["details"], "details", may_be_zero=("replicated_state_bytes",))
+    # FSDP2 shards the quantization state with the weights; FSDP1 keeps a copy of it on every rank.
+    for combo, sizes in results["details"]["world_sizes"].items():
+        state = [b for n in sizes.values() for b in n["replicated_state_bytes"]]
+        assert all(b == 0 for b in state) if combo.startswith("fsdp2") else all(b > 0 for b in state), combo
     _positive_numbers(results["model"], "model")
     by_key = {r["key"]: r for r in results["rows"]}
-    # Sharding really divides the flat parameters; the peer holds the whole model at any world size.
-    flat = [by_key[f"flat_shard_bytes_per_rank_n{n}"]["ours"] for n in (1, 2, 4)]
-    assert flat[0] > flat[1] > flat[2]
-    assert by_key["sharding_efficiency_n4"]["peer"] == pytest.approx(0.25)
+    # Sharding really divides what each rank holds; the peer holds the whole model at any world size. FSDP2 shards
+    # the quantization state too, so its resident bytes divide almost exactly; FSDP1 replicates the state.
+    for combo in WORLD:
+        held = [by_key[f"resident_bytes_per_rank_{combo}_n{n}"]["ours"] for n in (1, 2, 4)]
+        assert held[0] > held[1] > held[2], combo
+        assert by_key[f"resident_efficiency_{combo}_n4"]["peer"] == pytest.approx(0.25)
+    for combo in ("fsdp2_bnb", "fsdp2_hqq"):
+        assert by_key[f"resident_efficiency_{combo}_n4"]["ours"] > by_key["resident_efficiency_fsdp1_bnb_n4"]["ours"]
     # Fewer bits really are stored, and cost accuracy.
     bits = [by_key[f"bits_per_param_hqq_{b}bit"]["ours"] for b in (4, 3, 2)]
     errors = [by_key[f"mean_abs_error_hqq_{b}bit"]["ours"] for b in (4, 3, 2)]

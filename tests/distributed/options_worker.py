@@ -1,6 +1,6 @@
 """Worker for test_options: many short trainings in one torchrun job (imports and process group paid once).
 
-python options_worker.py MODEL_DIR PRO_MODEL_DIR TIED_MODEL_DIR OUT_DIR SUITE   (SUITE: two | four)
+python options_worker.py MODEL_DIR PRO_MODEL_DIR TIED_MODEL_DIR OUT_DIR SUITE FSDP_VERSION   (SUITE: two | four)
 Rank 0 writes OUT_DIR/results.json: {scenario: {"losses", "param_bytes", "error"}}.
 """
 
@@ -11,7 +11,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from qlora_fsdp.config import build_config
+from qlora_fsdp.config import PRECISIONS, build_config
 from qlora_fsdp.distributed import init_distributed, teardown
 from qlora_fsdp.metrics import read_metrics
 from qlora_fsdp.trainer import run
@@ -23,7 +23,6 @@ OVERFIT = {
     "lr": 0.01, "lora_rank": 8, "lora_alpha": 16, "lora_dropout": 0.0, "device": "cpu", "log_to": "stdout",
     "precision": "fp32", "quant": "bnb", "seed": 1,
 }  # fmt: skip
-PRECISIONS = ("fp32", "bf16", "fp16_autocast", "bf16_autocast", "bf16_buffers_autocast")
 
 
 def two_rank_scenarios(model: str, pro_model: str, tied_model: str) -> dict[str, dict]:
@@ -73,12 +72,13 @@ def four_rank_scenarios(model: str) -> dict[str, dict]:
 
 def main() -> None:
     model, pro_model, tied_model, out, suite = sys.argv[1], sys.argv[2], sys.argv[3], Path(sys.argv[4]), sys.argv[5]
+    version = int(sys.argv[6])
     env = init_distributed(device="cpu", timeout_s=120)  # a scenario failing on one rank must not hang the rest
     scenarios = two_rank_scenarios(model, pro_model, tied_model) if suite == "two" else four_rank_scenarios(model)
     results = {}
     for name, flags in scenarios.items():
         run_dir = out / name
-        cfg = build_config({**OVERFIT, **flags, "output_dir": str(run_dir)}).validate()
+        cfg = build_config({**OVERFIT, "fsdp_version": version, **flags, "output_dir": str(run_dir)}).validate()
         try:
             run(cfg)
             records = read_metrics(run_dir) if env.rank == 0 else []

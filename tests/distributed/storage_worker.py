@@ -1,9 +1,9 @@
 """Worker for test_storage_integrity: run under torchrun; writes one JSON report per rank.
 
-For each backend x storage dtype it loads the tiny model with low-memory loading, wraps it with FSDP under a
-MixedPrecision policy whose parameter dtype differs from the storage dtype (so a cast would corrupt the packed
-bytes), and compares what each quantized module holds at forward time and after unsharding with rank 0's
-pre-wrap values.
+Each case streams the tiny model into shards with the real loader and sharder, under a mixed-precision policy that
+casts parameters, and compares what every quantized layer holds in its first forward (and after gathering) with
+the bytes loading produced. Its own forward hook takes digests before the package's verify_packed runs, so a
+corruption is seen whether or not the package notices it.
 """
 
 from __future__ import annotations
@@ -13,80 +13,111 @@ import json
 import sys
 from pathlib import Path
 
+import bitsandbytes.functional as bnbf
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from safetensors.torch import load_file
 
 from qlora_fsdp.config import FSDPConfig, LoraConfig, ModelConfig, QuantConfig
 from qlora_fsdp.distributed import init_distributed
-from qlora_fsdp.fsdp import Precision, wrap_model
-from qlora_fsdp.lora import inject_lora
-from qlora_fsdp.model import load_model
+from qlora_fsdp.fsdp import PRECISIONS, PackedWeightsChanged, Precision, make_sharder, verify_packed
+from qlora_fsdp.lora import init_adapters, inject_lora, lora_layers
+from qlora_fsdp.model import build_skeleton, stream_weights
 from qlora_fsdp.quant import make_backend
+from qlora_fsdp.quant.base import QuantizedLinear
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+FP32, BF16, FP16 = torch.float32, torch.bfloat16, torch.float16
 
 
 def digest(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()).hexdigest()
+    # A copy: a numpy view would make a parameter's storage unresizable, which FSDP2 needs it to be.
+    return hashlib.sha256(t.detach().cpu().clone().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-def check(model_dir: str, quant: str, storage: str, *, ignore_quantized: bool, env) -> dict:
-    storage_dtype = DTYPES[storage]
-    cast_to = torch.bfloat16 if storage_dtype == torch.float32 else torch.float32
-    precision = Precision(storage_dtype, None, (cast_to, cast_to, torch.float32))
-    backend = make_backend(QuantConfig(quant=quant), storage_dtype=storage_dtype, compute_dtype=torch.bfloat16)
-    loaded = load_model(ModelConfig(model=model_dir), backend=backend, env=env, param_dtype=storage_dtype)
-    quantized = {n: m for n, m in loaded.model.named_modules() if backend.is_quantized(m)}
+def snapshot(module: QuantizedLinear) -> dict[str, str]:
+    """What the layer computes with: its dequantized weight, its packed bytes and state, and the packed dtype."""
+    cast = module.weight.dtype != module.storage_dtype  # a cast that changed the size cannot be decoded at all
+    return {
+        "weight": "cast" if cast else digest(module.dequantize()),
+        "packed": digest(module.packed_bytes()),
+        "state": digest(torch.cat([t.flatten() for t in module.state_bytes().values()])),
+        "dtype": str(module.weight.dtype),
+    }
 
-    # Only rank 0 holds real packed tensors before wrapping (low-memory loading); the others get its digests.
-    before = None
-    if env.rank == 0:
-        before = {n: (digest(backend.dequantize(m)), str(backend.packed(m).dtype)) for n, m in quantized.items()}
-    box = [before]
-    dist.broadcast_object_list(box, src=0)
-    before = box[0]
-    states = {n: {k: digest(v) for k, v in backend.quant_state_tensors(m).items()} for n, m in quantized.items()}
-    all_states = [None] * env.world_size
-    dist.all_gather_object(all_states, states)
 
-    torch.manual_seed(0)
-    model = inject_lora(
-        loaded.model, LoraConfig(lora_rank=8), dtype=storage_dtype, quantized_classes=backend.module_classes
+def checkpoint(model_dir: str) -> dict[str, torch.Tensor]:
+    return {k: v for f in sorted(Path(model_dir).glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def check(
+    model_dir: str,
+    *,
+    quant: str,
+    version: int,
+    precision: Precision,
+    storage: torch.dtype | None = None,
+    ignore_quantized: bool = True,
+    verify: bool = True,
+    env,
+) -> dict:
+    sharder = make_sharder(
+        FSDPConfig(fsdp_version=version, gradient_checkpointing=False),
+        env=env,
+        precision=precision,
+        ignore=(QuantizedLinear,) if ignore_quantized else (),
+        adapters_own_units=True,
     )
-    at_forward: dict[str, tuple[str, str]] = {}
-    for name, module in quantized.items():
-        module.register_forward_pre_hook(
-            lambda m, _, name=name: at_forward.__setitem__(
-                name, (digest(backend.dequantize(m)), str(backend.packed(m).dtype))
-            )
+    backend = make_backend(
+        QuantConfig(quant=quant), storage_dtype=storage or sharder.storage_dtype, compute_dtype=torch.bfloat16
+    )
+    skeleton = build_skeleton(ModelConfig(model=model_dir), backend=backend, param_dtype=precision.param_dtype)
+    quantized = {m: n for n, m in skeleton.model.named_modules() if isinstance(m, QuantizedLinear)}
+    peft_model = inject_lora(skeleton.model, LoraConfig(lora_rank=8), dtype=precision.param_dtype)
+    before: dict[str, dict[str, str]] = {}
+
+    def shard_layer(name: str, layer: torch.nn.Module) -> None:
+        init_adapters(lora_layers(layer), seed=0, name=name)
+        for module in layer.modules():
+            if module in quantized:
+                before[quantized[module]] = snapshot(module)
+        sharder.shard_unit(name, layer, root=skeleton.model)
+
+    stream_weights(skeleton, backend=backend, device=env.device, on_unit_ready=shard_layer, env=env)
+    everyone: list = [None] * env.world_size
+    dist.all_gather_object(everyone, before)
+    at_forward: dict[str, dict[str, str]] = {}
+    for module, name in quantized.items():
+        module.register_forward_pre_hook(lambda m, _, name=name: at_forward.__setitem__(name, snapshot(m)))
+    report = {"layers": len(before), "identical_across_ranks": all(b == everyone[0] for b in everyone)}
+    if quant == "bnb":
+        one_process = {"blocksize": 64, "compress_statistics": True, "quant_type": "nf4"}
+        report["bnb_matches_one_process"] = all(
+            digest(bnbf.quantize_4bit(w.to(torch.bfloat16), **one_process)[0])
+            == before[name.removesuffix(".weight")]["packed"]
+            for name, w in checkpoint(model_dir).items()
+            if name.removesuffix(".weight") in before
         )
-    report = {"quant_state_identical": all(s == all_states[0] for s in all_states)}
+    sharded = sharder.finish(peft_model)
+    if verify:
+        verify_packed(sharded.module, sharder.reference)
     try:
-        wrapped = wrap_model(
-            model,
-            FSDPConfig(gradient_checkpointing=False),
-            env=env,
-            precision=precision,
-            layer_classes=loaded.layer_classes,
-            ignore=backend.module_classes if ignore_quantized else (),
-            adapters_own_units=True,
-            sync_from_rank0=True,
-        )
-        # Mixed-dtype layers need autocast, as in the autocast --precision modes.
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-            wrapped(input_ids=torch.arange(16).view(1, 16) % 100 + 3)
-        with FSDP.summon_full_params(wrapped):
-            unsharded = {n: (digest(backend.dequantize(m)), str(backend.packed(m).dtype)) for n, m in quantized.items()}
-        report.update(
-            modules=len(before),
-            forward_identical=at_forward == before,
-            unsharded_identical=unsharded == before,
-            dtypes=sorted({d for _, d in [*at_forward.values(), *unsharded.values()]}),
-            error=None,
-        )
-    except Exception as exc:  # the control run may fail in any way; that is the point
-        report.update(forward_identical=False, unsharded_identical=False, error=f"{type(exc).__name__}: {exc}"[:300])
+        with torch.no_grad():
+            sharded.module(input_ids=torch.arange(16).view(1, 16) % 100 + 3)
+        report["error"] = None
+    except PackedWeightsChanged as exc:  # only the package's own verdict; anything else fails the worker
+        report["error"] = str(exc)
+    report["forward_identical"] = at_forward == before
+    report["forward_changed"] = sorted(n for n in at_forward if at_forward[n] != before[n])
+    report["forward_dtypes"] = sorted({s["dtype"] for s in at_forward.values()})
+    report["storage_dtype"] = str(backend.storage_dtype)
+    if report["error"] is None and ignore_quantized:
+        gathered = dict(sharded.gather(list(quantized)))
+        if env.rank == 0:
+            # Whole packed bytes (and, under FSDP2, state) after gathering the shards back.
+            report["gathered_identical"] = all(
+                digest(gathered[m]["weight"].view(torch.uint8)[: m.packed_nbytes]) == before[n]["packed"]
+                for m, n in quantized.items()
+            )
     dist.barrier()
     return report
 
@@ -95,11 +126,30 @@ def main() -> None:
     model_dir, out_dir = sys.argv[1], Path(sys.argv[2])
     env = init_distributed(device="cpu")
     reports = {}
+    mp_bf16 = PRECISIONS["mp_bf16"]
     for quant in ("bnb", "hqq"):
-        for storage in DTYPES:
-            reports[f"{quant}-{storage}"] = check(model_dir, quant, storage, ignore_quantized=True, env=env)
-    # Control: without the MixedPrecision exclusion FSDP casts the packed bytes, and the check must notice.
-    reports["control-bnb-fp32-not-ignored"] = check(model_dir, "bnb", "fp32", ignore_quantized=False, env=env)
+        for version in (2, 1):
+            reports[f"v{version}-{quant}-mp_bf16"] = check(
+                model_dir, quant=quant, version=version, precision=mp_bf16, env=env
+            )
+        # FSDP1 views the packed bytes as the parameter dtype: each, under a policy that casts parameters to another.
+        for storage, cast_to in ((BF16, FP32), (FP16, FP32), (FP32, BF16)):
+            precision = Precision(storage, None, (cast_to, cast_to, FP32))
+            reports[f"v1-{quant}-{storage}"] = check(model_dir, quant=quant, version=1, precision=precision, env=env)
+    # Controls: each must be caught by the worker's own digests, and by verify_packed where it runs.
+    reports["control-v1-not-ignored"] = check(
+        model_dir, quant="bnb", version=1, precision=mp_bf16, ignore_quantized=False, env=env
+    )
+    # bf16 bytes cast to fp16 keep their size: nothing crashes, the weights are silently wrong.
+    same_size = Precision(BF16, None, (FP16, FP16, FP32))
+    for verify in (True, False):
+        reports[f"control-v1-same-size-cast-verify-{verify}"] = check(
+            model_dir, quant="hqq", version=1, precision=same_size, ignore_quantized=False, verify=verify, env=env
+        )
+    # FSDP2 with a float view instead of uint8: its policy casts it like any floating parameter.
+    reports["control-v2-float-storage"] = check(
+        model_dir, quant="bnb", version=2, precision=mp_bf16, storage=FP32, env=env
+    )
     (out_dir / f"rank{env.rank}.json").write_text(json.dumps(reports, indent=1))
     dist.destroy_process_group()
 

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from qlora_fsdp.config import PRECISIONS
 from tests.conftest import REPO_ROOT, launch
 
 pytestmark = pytest.mark.distributed
 WORKER = Path(__file__).with_name("options_worker.py")
-PRECISIONS = ("fp32", "bf16", "fp16_autocast", "bf16_autocast", "bf16_buffers_autocast")
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +31,8 @@ def tied_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-tied"), tie_word_embeddings=True)
 
 
-def _suite(name: str, nproc: int, models: list[Path], out: Path) -> dict[str, dict]:
-    result = launch(WORKER, [*map(str, models), str(out), name], nproc=nproc, timeout=600)
+def _suite(name: str, nproc: int, models: list[Path], out: Path, version: int) -> dict[str, dict]:
+    result = launch(WORKER, [*map(str, models), str(out), name, str(version)], nproc=nproc, timeout=600)
     assert result.returncode == 0, result.stderr[-6000:]
     results = json.loads((out / "results.json").read_text())
     failed = {k: v["error"] for k, v in results.items() if v["error"]}
@@ -40,18 +40,26 @@ def _suite(name: str, nproc: int, models: list[Path], out: Path) -> dict[str, di
     return results
 
 
+@pytest.fixture(scope="module", params=[2, 1], ids=["fsdp2", "fsdp1"])
+def version(request: pytest.FixtureRequest) -> int:
+    """Every option is checked under both FSDP versions."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
 def two(
-    tiny_model: Path, pro_model: Path, tied_model: Path, tmp_path_factory: pytest.TempPathFactory
+    tiny_model: Path, pro_model: Path, tied_model: Path, tmp_path_factory: pytest.TempPathFactory, version: int
 ) -> dict[str, dict]:
-    return _suite("two", 2, [tiny_model, pro_model, tied_model], tmp_path_factory.mktemp("options-two"))
+    out = tmp_path_factory.mktemp(f"options-two-v{version}")
+    return _suite("two", 2, [tiny_model, pro_model, tied_model], out, version)
 
 
 @pytest.fixture(scope="module")
 def four(
-    tiny_model: Path, pro_model: Path, tied_model: Path, tmp_path_factory: pytest.TempPathFactory
+    tiny_model: Path, pro_model: Path, tied_model: Path, tmp_path_factory: pytest.TempPathFactory, version: int
 ) -> dict[str, dict]:
-    return _suite("four", 4, [tiny_model, pro_model, tied_model], tmp_path_factory.mktemp("options-four"))
+    out = tmp_path_factory.mktemp(f"options-four-v{version}")
+    return _suite("four", 4, [tiny_model, pro_model, tied_model], out, version)
 
 
 def falls(losses: list[float]) -> bool:

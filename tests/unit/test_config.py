@@ -413,7 +413,11 @@ def test_empty_yaml_value_keeps_the_default(tmp_path) -> None:
         ({"train_type": "full", "quant": "none", "save_steps": 5}, "--save_steps/--resume_from need"),
         ({"train_type": "llama_pro", "resume_from": "auto"}, "--save_steps/--resume_from need"),
         ({"cpu_offload": True, "device": "cpu"}, "--cpu_offload"),
-        ({"quant": "hqq", "compute_dtype": "fp32", "precision": "bf16"}, "--compute_dtype with --quant hqq"),
+        (
+            {"train_type": "dora", "precision": "mp_bf16", "fsdp_version": 1},
+            "--precision mp_bf16 with --train_type dora needs --fsdp_version 2",
+        ),
+        ({"fsdp_version": 3}, "--fsdp_version 3 is not one of 1, 2"),
         ({"lora_alpha": 0}, "--lora_alpha must be > 0"),
         ({"profile_steps": "²,3"}, "--profile_steps"),
     ],
@@ -423,5 +427,7 @@ def test_combinations_rejected_up_front(flags: dict, needle: str) -> None:
         build_config({"model": "m", **flags}).validate()
 
 
-def test_hqq_compute_dtype_allowed_under_autocast() -> None:
-    build_config({"model": "m", "quant": "hqq", "compute_dtype": "bf16", "precision": "bf16_autocast"}).validate()
+@pytest.mark.parametrize("precision", ["bf16", "bf16_autocast"])
+def test_hqq_compute_dtype_independent_of_precision(precision: str) -> None:
+    """The quantized layers cast their input to --compute_dtype and back, so any precision mode accepts it."""
+    build_config({"model": "m", "quant": "hqq", "compute_dtype": "fp32", "precision": precision}).validate()

@@ -11,11 +11,10 @@ from peft import get_peft_model_state_dict
 from torch import nn
 
 from qlora_fsdp.config import LoraConfig, ModelConfig, OutputConfig, QuantConfig
-from qlora_fsdp.distributed import DistEnv
 from qlora_fsdp.errors import UserError
-from qlora_fsdp.lora import adapter_keys, inject_lora, target_modules
+from qlora_fsdp.lora import adapter_keys, init_adapters, inject_lora, lora_layers, target_modules
 from qlora_fsdp.metrics import METRICS_FILE, MetricsLogger, peak_memory_bytes, read_metrics
-from qlora_fsdp.model import load_model
+from qlora_fsdp.model import build_skeleton, load_model
 from qlora_fsdp.quant import QuantBackend, make_backend
 
 CPU = torch.device("cpu")
@@ -25,12 +24,7 @@ NUM_LAYERS = 2  # the session tiny model
 
 def loaded(path: Path, quant: str) -> tuple[QuantBackend | None, nn.Module]:
     backend = make_backend(QuantConfig(quant=quant), storage_dtype=torch.bfloat16, compute_dtype=torch.bfloat16)
-    result = load_model(
-        ModelConfig(model=str(path)),
-        backend=backend,
-        env=DistEnv(0, 0, 1, 1, CPU, "gloo"),
-        param_dtype=torch.bfloat16,
-    )
+    result = load_model(ModelConfig(model=str(path)), backend=backend, device=CPU, param_dtype=torch.bfloat16)
     return backend, result.model
 
 
@@ -47,26 +41,23 @@ def read_only_models(tiny_model: Path):
     return get
 
 
-def classes_of(backend: QuantBackend | None) -> tuple[type[nn.Module], ...]:
-    return (nn.Linear, *(backend.module_classes if backend else ()))
-
-
 # --- target_modules -----------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("quant", ["bnb", "hqq", "none"])
 def test_all_targets_every_projection_but_the_head(read_only_models, quant: str) -> None:
-    backend, model = read_only_models(quant)
-    names = target_modules("all", model, classes_of(backend))
+    _backend, model = read_only_models(quant)
+    names = target_modules("all", model)
     assert sorted(names) == LLAMA_LINEARS
     assert "lm_head" not in names
 
 
-def test_all_needs_the_quantized_classes(read_only_models) -> None:
-    # Quantized HQQ layers are not nn.Linear: only the classes passed in are found.
-    backend, model = read_only_models("hqq")
-    assert target_modules("all", model, (nn.Linear,)) == []
-    assert sorted(target_modules("all", model, backend.module_classes)) == LLAMA_LINEARS
+@pytest.mark.parametrize("quant", ["bnb", "hqq"])
+def test_all_finds_the_quantized_layers(read_only_models, quant: str) -> None:
+    # Every projection was quantized, so "all" can only find them through the quantized classes being nn.Linear.
+    backend, model = read_only_models(quant)
+    assert all(backend.is_quantized(m) for n, m in model.named_modules() if n.endswith("proj"))
+    assert sorted(target_modules("all", model)) == LLAMA_LINEARS
 
 
 @pytest.mark.parametrize(
@@ -79,7 +70,7 @@ def test_all_needs_the_quantized_classes(read_only_models) -> None:
     ],
 )
 def test_explicit_targets_are_parsed(spec: str, expected: list[str]) -> None:
-    assert target_modules(spec, nn.Module(), (nn.Linear,)) == expected
+    assert target_modules(spec, nn.Module()) == expected
 
 
 # --- inject_lora and adapter_keys ---------------------------------------------------------------------------------
@@ -90,7 +81,7 @@ def test_explicit_targets_are_parsed(spec: str, expected: list[str]) -> None:
 def test_only_adapters_train_in_the_requested_dtype(tiny_model: Path, quant: str, dtype: torch.dtype) -> None:
     backend, model = loaded(tiny_model, quant)
     cfg = LoraConfig(lora_rank=4, lora_alpha=8.0, lora_dropout=0.0)
-    peft_model = inject_lora(model, cfg, dtype=dtype, quantized_classes=backend.module_classes)
+    peft_model = inject_lora(model, cfg, dtype=dtype)
     trainable = {n: p for n, p in peft_model.named_parameters() if p.requires_grad}
     frozen = {n: p for n, p in peft_model.named_parameters() if not p.requires_grad}
     # A and B for each of 7 projections in each layer.
@@ -112,9 +103,9 @@ def test_only_adapters_train_in_the_requested_dtype(tiny_model: Path, quant: str
 
 @pytest.mark.parametrize("quant", ["bnb", "hqq"])
 def test_explicit_targets_get_the_only_adapters(tiny_model: Path, quant: str) -> None:
-    backend, model = loaded(tiny_model, quant)
+    _backend, model = loaded(tiny_model, quant)
     cfg = LoraConfig(lora_rank=2, lora_dropout=0.0, lora_target_modules="q_proj, v_proj")
-    peft_model = inject_lora(model, cfg, dtype=torch.float32, quantized_classes=backend.module_classes)
+    peft_model = inject_lora(model, cfg, dtype=torch.float32)
     owners = {n.split(".lora_")[0].rpartition(".")[2] for n, p in peft_model.named_parameters() if p.requires_grad}
     assert owners == {"q_proj", "v_proj"}
     assert sum(p.requires_grad for p in peft_model.parameters()) == 2 * 2 * NUM_LAYERS
@@ -122,9 +113,9 @@ def test_explicit_targets_get_the_only_adapters(tiny_model: Path, quant: str) ->
 
 @pytest.mark.parametrize("quant", ["bnb", "hqq"])
 def test_adapters_change_the_output(tiny_model: Path, quant: str) -> None:
-    backend, model = loaded(tiny_model, quant)
+    _backend, model = loaded(tiny_model, quant)
     cfg = LoraConfig(lora_rank=2, lora_alpha=2.0, lora_dropout=0.0)
-    peft_model = inject_lora(model, cfg, dtype=torch.bfloat16, quantized_classes=backend.module_classes).eval()
+    peft_model = inject_lora(model, cfg, dtype=torch.bfloat16).eval()
     ids = torch.tensor([[4, 9, 33, 120, 7]])
     with torch.no_grad():
         before = peft_model(input_ids=ids).logits.float()
@@ -138,9 +129,9 @@ def test_adapters_change_the_output(tiny_model: Path, quant: str) -> None:
 
 @pytest.mark.parametrize("quant", ["bnb", "hqq"])
 def test_adapter_keys_are_peft_saved_keys(tiny_model: Path, quant: str) -> None:
-    backend, model = loaded(tiny_model, quant)
+    _backend, model = loaded(tiny_model, quant)
     cfg = LoraConfig(lora_rank=4)
-    peft_model = inject_lora(model, cfg, dtype=torch.float32, quantized_classes=backend.module_classes)
+    peft_model = inject_lora(model, cfg, dtype=torch.float32)
     keys = adapter_keys(peft_model)
     saved = get_peft_model_state_dict(peft_model)
     qualified = {id(p): n for n, p in peft_model.named_parameters()}
@@ -162,10 +153,10 @@ def test_adapter_keys_are_peft_saved_keys(tiny_model: Path, quant: str) -> None:
 
 @pytest.mark.parametrize("quant", ["bnb", "none"])
 def test_unknown_target_names_the_flag(tiny_model: Path, quant: str) -> None:
-    backend, model = loaded(tiny_model, quant)
+    _backend, model = loaded(tiny_model, quant)
     cfg = LoraConfig(lora_target_modules="qkv_proj")
     with pytest.raises(UserError) as info:
-        inject_lora(model, cfg, dtype=torch.float32, quantized_classes=classes_of(backend)[1:])
+        inject_lora(model, cfg, dtype=torch.float32)
     assert "--lora_target_modules" in str(info.value)
     assert "qkv_proj" in str(info.value)
 
@@ -173,15 +164,23 @@ def test_unknown_target_names_the_flag(tiny_model: Path, quant: str) -> None:
 # --- metrics -------------------------------------------------------------------------------------------------------
 
 
-def test_peak_memory_is_positive_and_covers_a_live_tensor() -> None:
+def _resident_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_peak_memory_counts_a_tensor_allocated_after_the_first_reading() -> None:
     before = peak_memory_bytes(CPU)
-    assert before > 0
-    size = 64 * 2**20
+    resident = _resident_bytes()
+    # The high-water mark after imports can lie far above what is resident now: allocate enough to pass it, so the
+    # reading after allocation can only be met by counting this block (in bytes, not KiB).
+    size = max(0, before - resident) + 64 * 2**20
     block = torch.ones(size, dtype=torch.uint8)  # written, so its pages are resident
     after = peak_memory_bytes(CPU)
-    assert after >= before
-    # Bytes, not KiB: the high-water mark includes the 64 MiB block that is alive right now.
-    assert after >= size
+    assert after >= resident + 0.95 * size
+    assert after > before
     assert int(block[-1]) == 1
 
 
@@ -217,3 +216,71 @@ def test_metrics_logger_off_main_rank_writes_nothing(tmp_path: Path, capsys: pyt
     assert not (tmp_path / METRICS_FILE).exists()
     assert list(tmp_path.iterdir()) == []
     assert capsys.readouterr().out == ""
+
+
+# --- adapters on a meta skeleton: keys and initialisation ----------------------------------------------------------
+
+
+def skeleton_with_adapters(path: Path, quant: str, *, dora: bool = False) -> tuple[nn.Module, nn.Module]:
+    backend = make_backend(QuantConfig(quant=quant), storage_dtype=torch.uint8, compute_dtype=torch.float32)
+    skeleton = build_skeleton(ModelConfig(model=str(path)), backend=backend, param_dtype=torch.float32)
+    cfg = LoraConfig(lora_rank=4, lora_dropout=0.0, train_type="dora" if dora else "lora")
+    return skeleton, inject_lora(skeleton.model, cfg, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("quant", ["bnb", "none"])
+def test_adapter_keys_on_a_meta_skeleton_match_peft_on_a_real_model(tiny_model: Path, quant: str) -> None:
+    """Keys are taken before any weight exists (no storage to match by): they must still be PEFT's own."""
+    _, meta_peft = skeleton_with_adapters(tiny_model, quant)
+    assert all(p.is_meta for p in meta_peft.parameters() if p.requires_grad)
+    _backend, model = loaded(tiny_model, quant)
+    real_peft = inject_lora(model, LoraConfig(lora_rank=4), dtype=torch.float32)
+    meta_keys = {k for names in adapter_keys(meta_peft).values() for k in names.values()}
+    assert meta_keys == set(get_peft_model_state_dict(real_peft))
+
+
+def _materialize_adapters(layers: list[nn.Module]) -> None:
+    for layer in layers:
+        for module in (*layer.lora_A.values(), *layer.lora_B.values()):
+            module.weight = nn.Parameter(torch.full(module.weight.shape, float("nan")))
+
+
+def test_init_adapters_is_peft_default_and_depends_only_on_seed_and_name(tiny_model: Path) -> None:
+    _, peft_model = skeleton_with_adapters(tiny_model, "none")
+    layers = lora_layers(peft_model)
+    _materialize_adapters(layers)
+
+    def draw(seed: int, name: str) -> list[torch.Tensor]:
+        init_adapters(layers, seed=seed, name=name)
+        return [layer.lora_A["default"].weight.detach().clone() for layer in layers]
+
+    first, again, other_name, other_seed = draw(1, "model.layers.0"), draw(1, "model.layers.0"), \
+        draw(1, "model.layers.1"), draw(2, "model.layers.0")  # fmt: skip
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    assert not any(torch.equal(a, b) for a, b in zip(first, other_name, strict=True))
+    assert not any(torch.equal(a, b) for a, b in zip(first, other_seed, strict=True))
+    for layer, a in zip(layers, first, strict=True):
+        assert torch.count_nonzero(layer.lora_B["default"].weight) == 0
+        # PEFT's default: Kaiming-uniform with a=sqrt(5), i.e. U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
+        bound = 1 / a.shape[1] ** 0.5
+        assert a.abs().max() <= bound and a.abs().max() > 0.5 * bound
+    # The global RNG (dropout masks) is untouched by initialisation.
+    state = torch.get_rng_state()
+    init_adapters(layers, seed=1, name="x")
+    assert torch.equal(state, torch.get_rng_state())
+
+
+@pytest.mark.parametrize("quant", ["bnb", "hqq"])
+def test_init_adapters_sets_dora_magnitude_to_the_dequantized_row_norms(tiny_model: Path, quant: str) -> None:
+    from qlora_fsdp.model import stream_weights
+
+    skeleton, peft_model = skeleton_with_adapters(tiny_model, quant, dora=True)
+    backend = make_backend(QuantConfig(quant=quant), storage_dtype=torch.uint8, compute_dtype=torch.float32)
+    stream_weights(skeleton, backend=backend, device=CPU)
+    layers = lora_layers(peft_model)
+    init_adapters(layers, seed=0, name="")
+    for layer in layers:
+        magnitude = layer.lora_magnitude_vector["default"].weight
+        expected = torch.linalg.norm(layer.get_base_layer().dequantize(), dim=1)
+        assert magnitude.requires_grad and magnitude.dtype == torch.float32
+        assert torch.allclose(magnitude, expected, rtol=1e-6), layer

@@ -1,33 +1,58 @@
-"""Quantization backends (bnb, HQQ): storage dtype, float views that never cast, keep=False, accuracy, forward."""
+"""Quantization backends (bnb, HQQ): storage layouts, views that never cast, equality with each library's own
+quantizer, accuracy, odd shapes, forward/backward, PEFT integration."""
 
 from __future__ import annotations
 
-import bitsandbytes as bnb
+import math
+
+import bitsandbytes.functional as bnbf
 import pytest
 import torch
-from hqq.core.quantize import HQQBackend, HQQLinear, Quantizer, hqq_base_quant_config
+from hqq.core.quantize import BaseQuantizeConfig, HQQBackend, HQQLinear
+from peft import LoraConfig, inject_adapter_in_model
+from peft.utils.integrations import dequantize_module_weight
 from torch import nn
 
-import qlora_fsdp.quant.hqq  # noqa: F401 - importing it selects HQQ's pure-PyTorch backend
 from qlora_fsdp.config import QuantConfig
 from qlora_fsdp.quant import make_backend
-from qlora_fsdp.quant.base import QuantBackend
+from qlora_fsdp.quant.base import QuantBackend, QuantizedLinear
+from qlora_fsdp.quant.bnb import Bnb4bitLinear
+from qlora_fsdp.quant.hqq import HqqLinear
 
 CPU = torch.device("cpu")
 IN, OUT = 128, 64  # every dim a multiple of bnb's 64-element blocks and HQQ's group size
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 FLOAT_IDS = ("fp32", "bf16", "fp16")
+STORAGES = (torch.uint8, *FLOATS)  # uint8: the FSDP2 layout; a float dtype: the FSDP1 layout
+STORAGE_IDS = ("u8", *FLOAT_IDS)
 BACKENDS = ("bnb", "hqq")
+CLASSES = {"bnb": Bnb4bitLinear, "hqq": HqqLinear}
+ODD_SHAPES = ((100, 100), (7, 9))  # [out, in]: neither splits into whole 64-element groups
 
 
-def source_weight(seed: int = 0) -> torch.Tensor:
+def source_weight(shape: tuple[int, int] = (OUT, IN), seed: int = 0) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(OUT, IN, generator=gen) * 0.02
+    return torch.randn(*shape, generator=gen) * 0.02
 
 
-def source_bias(seed: int = 1) -> torch.Tensor:
+def source_bias(size: int = OUT, seed: int = 1) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(OUT, generator=gen)
+    return torch.randn(size, generator=gen)
+
+
+def empty(
+    quant: str,
+    *,
+    storage: torch.dtype,
+    compute: torch.dtype = torch.float32,
+    shape: tuple[int, int] = (OUT, IN),
+    bias: bool = False,
+    **cfg: object,
+) -> tuple[QuantBackend, QuantizedLinear]:
+    backend = make_backend(QuantConfig(quant=quant, **cfg), storage_dtype=storage, compute_dtype=compute)  # type: ignore[arg-type]
+    assert backend is not None
+    out_features, in_features = shape
+    return backend, backend.make_module(nn.Linear(in_features, out_features, bias=bias, device="meta"))
 
 
 def quantized(
@@ -36,152 +61,236 @@ def quantized(
     *,
     storage: torch.dtype,
     compute: torch.dtype = torch.float32,
-    keep: bool = True,
-    bias: bool = False,
+    bias: torch.Tensor | None = None,
     **cfg: object,
-) -> tuple[QuantBackend, nn.Module]:
-    backend = make_backend(QuantConfig(quant=quant, **cfg), storage_dtype=storage, compute_dtype=compute)  # type: ignore[arg-type]
-    module = backend.make_module(nn.Linear(IN, OUT, bias=bias, device="meta"), device=CPU)
-    backend.load_weight(module, weight.clone(), device=CPU, keep=keep)
+) -> tuple[QuantBackend, QuantizedLinear]:
+    """A loaded layer; `bias` is put in place the way the loader does (a frozen parameter in `bias`)."""
+    backend, module = empty(
+        quant, storage=storage, compute=compute, shape=tuple(weight.shape), bias=bias is not None, **cfg
+    )
+    backend.load_weight(module, weight.clone(), device=CPU)
+    if bias is not None:
+        module.bias = nn.Parameter(bias.clone(), requires_grad=False)
     return backend, module
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().view(torch.uint8).flatten()
+    return t.detach().contiguous().flatten().view(torch.uint8)
 
 
-# --- HQQ's packed ints survive being viewed as any float dtype (what FSDP flattens) -------------------------------
+def relative_error(deq: torch.Tensor, weight: torch.Tensor) -> float:
+    return ((deq.float() - weight).abs().mean() / weight.abs().mean()).item()
 
 
-def test_importing_the_backend_selects_hqq_pytorch() -> None:
-    assert HQQLinear.backend is HQQBackend.PYTORCH
-    # PYTORCH names HQQ's autograd-friendly forward (dequantize, matmul, bias) that runs on CPU too.
-    assert HQQLinear.forward is getattr(HQQLinear, HQQBackend.PYTORCH.value)
+# --- the empty layer ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("float_dtype", FLOATS, ids=FLOAT_IDS)
-@pytest.mark.parametrize("nbits", [8, 4, 3, 2, 1])
-def test_hqq_packed_ints_round_trip_through_a_float_view(nbits: int, float_dtype: torch.dtype) -> None:
-    gen = torch.Generator().manual_seed(nbits)
-    rows = 80  # divisible by every packing factor (1, 2, 4, 8 per byte; 10 per int32)
-    ints = torch.randint(0, 2**nbits, (rows, 64), generator=gen, dtype=torch.uint8)
-    packing = Quantizer.bit_to_packing[nbits]
-    packed = Quantizer.pack[packing](ints)
-    int_dtype = Quantizer.unpack_view_dtype[packing]
-    assert packed.dtype == int_dtype
-
-    as_float = packed.view(float_dtype)
-    assert as_float.dtype == float_dtype
-    assert torch.equal(as_float.view(int_dtype), packed)
-
-    # FSDP copies the float view into a flat parameter next to other tensors; a copy must keep every bit too
-    # (random bytes include NaN patterns, which an arithmetic cast would canonicalise). The offset keeps int32
-    # alignment, as it is in FSDP's flat parameter where the packed tensor follows even-sized tensors.
-    other = torch.randn(8).to(float_dtype)
-    flat = torch.cat([other, as_float.flatten()])
-    back = flat[other.numel() :].view(as_float.shape).view(int_dtype)
-    assert torch.equal(back, packed)
-
-    unpacked = Quantizer.unpack[packing](back)[:rows]
-    assert torch.equal(unpacked.to(torch.uint8), ints)
-
-
-@pytest.mark.parametrize("compute_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("nbits", [8, 4, 3, 2, 1])
-def test_hqq_view_as_float_gives_the_same_forward(nbits: int, compute_dtype: torch.dtype) -> None:
-    torch.manual_seed(nbits)
-    linear = nn.Linear(IN, OUT, bias=True)
-    layers = {
-        view: HQQLinear(
-            linear,
-            hqq_base_quant_config(nbits=nbits, group_size=64, view_as_float=view),
-            compute_dtype=compute_dtype,
-            device="cpu",
-            del_orig=False,
-        )
-        for view in (True, False)
-    }
-    assert layers[True].W_q.dtype == compute_dtype
-    assert layers[False].W_q.dtype == Quantizer.unpack_view_dtype[Quantizer.bit_to_packing[nbits]]
-    x = torch.randn(5, IN).to(compute_dtype)
-    with torch.no_grad():
-        floats, ints = layers[True](x), layers[False](x)
-    # Observed: exactly equal (the float view is only a reinterpretation of the same bytes).
-    assert torch.equal(floats, ints)
-    assert torch.equal(as_bytes(layers[True].W_q), as_bytes(layers[False].W_q))
-
-
-# --- both backends through the QuantBackend interface -----------------------------------------------------------
-
-
-@pytest.mark.parametrize("storage", FLOATS, ids=FLOAT_IDS)
+@pytest.mark.parametrize("storage", STORAGES, ids=STORAGE_IDS)
 @pytest.mark.parametrize("quant", BACKENDS)
-def test_packed_tensor_has_the_storage_dtype(quant: str, storage: torch.dtype) -> None:
-    backend, module = quantized(quant, source_weight(), storage=storage)
-    packed = backend.packed(module)
-    assert isinstance(packed, nn.Parameter)
-    assert not packed.requires_grad
-    assert packed.dtype == storage
-    assert packed.device.type == "cpu"
+def test_make_module_gives_an_empty_meta_linear(quant: str, storage: torch.dtype) -> None:
+    backend, module = empty(quant, storage=storage, compute=torch.bfloat16, bias=True)
+    assert type(module) is CLASSES[quant]
+    assert isinstance(module, nn.Linear)  # PEFT wraps it with its plain LoRA layer
+    assert (module.in_features, module.out_features) == (IN, OUT)
+    assert module.weight.is_meta and module.weight.dtype == storage
+    assert not module.weight.requires_grad
+    assert module.bias is not None and module.bias.is_meta and not module.bias.requires_grad
+    # Before loading, dequantize() already has the final shape and dtype, without allocating anything.
+    deq = module.dequantize()
+    assert deq.is_meta and deq.shape == (OUT, IN) and deq.dtype == torch.bfloat16
     assert backend.is_quantized(module)
-    # 4 bits per weight: the float tensor holds exactly in*out/2 bytes.
-    assert packed.numel() * packed.element_size() == IN * OUT // 2
+    assert not backend.is_quantized(nn.Linear(2, 2))
+    assert backend.module_class is CLASSES[quant]
 
 
-def reference_packed_bytes(quant: str, weight: torch.Tensor, compute: torch.dtype) -> torch.Tensor:
-    """The library's own integer packing of `weight` (uint8 storage, no float view)."""
-    if quant == "bnb":
-        ints, _ = bnb.functional.quantize_4bit(
-            weight.to(compute), blocksize=64, compress_statistics=True, quant_type="nf4"
-        )
-    else:
-        ints, _ = Quantizer.quantize(
-            weight,
-            nbits=4,
-            channel_wise=True,
-            group_size=64,
-            optimize=True,
-            round_zero=True,
-            axis=1,
-            compute_dtype=compute,
-            view_as_float=False,
-            device="cpu",
-        )
-    assert ints.dtype == torch.uint8
-    return ints.flatten()
+def test_quant_none_has_no_backend() -> None:
+    assert make_backend(QuantConfig(quant="none"), storage_dtype=torch.uint8, compute_dtype=torch.float32) is None
+
+
+# --- storage layouts ------------------------------------------------------------------------------------------------
+
+# What each layout must expose as state, from the libraries' own quantization state.
+STATE_NAMES = {
+    ("bnb", True): {"absmax", "code", "nested_absmax", "nested_code", "offset"},
+    ("bnb", False): {"absmax", "code"},
+    ("hqq", None): {"scale", "zero"},
+}
+
+
+def layout_case(quant: str, double_quant: bool | None) -> tuple[str, dict[str, object], set[str]]:
+    cfg = {} if double_quant is None else {"bnb_double_quant": double_quant}
+    return quant, cfg, STATE_NAMES[quant, double_quant]
+
+
+LAYOUT_CASES = [layout_case(*key) for key in STATE_NAMES]
+LAYOUT_IDS = ["bnb-dq", "bnb-nodq", "hqq"]
+
+
+@pytest.mark.parametrize(("quant", "cfg", "state_names"), LAYOUT_CASES, ids=LAYOUT_IDS)
+def test_uint8_storage_makes_packed_bytes_and_every_state_tensor_frozen_uint8_parameters(
+    quant: str, cfg: dict[str, object], state_names: set[str]
+) -> None:
+    """FSDP2 layout: FSDP2 shards every parameter with its layer; mixed precision skips non-float ones."""
+    _, module = quantized(quant, source_weight(), storage=torch.uint8, **cfg)
+    params = dict(module.named_parameters())
+    assert set(params) == {"weight"} | state_names
+    for name, param in params.items():
+        assert isinstance(param, nn.Parameter), name
+        assert param.dtype == torch.uint8 and param.dim() == 1, name
+        assert not param.requires_grad and not param.is_meta, name
+    # 4 bits per weight for bnb and HQQ's default 4 bits.
+    assert params["weight"].numel() == IN * OUT // 2
+    assert torch.equal(params["weight"], module.packed_bytes())
+    state = module.state_tensors()
+    assert set(state) == state_names
+    for name, tensor in state.items():
+        assert torch.equal(params[name], as_bytes(tensor)), name
 
 
 @pytest.mark.parametrize("storage", FLOATS, ids=FLOAT_IDS)
+@pytest.mark.parametrize(("quant", "cfg", "state_names"), LAYOUT_CASES, ids=LAYOUT_IDS)
+def test_float_storage_views_the_packed_bytes_and_keeps_state_off_the_parameters(
+    quant: str, cfg: dict[str, object], state_names: set[str], storage: torch.dtype
+) -> None:
+    """FSDP1 layout: the packed bytes, zero-padded to whole elements, viewed as the one float dtype FSDP1 flattens;
+    the state tensors are plain attributes (their dtypes differ), as flat bytes."""
+    shape = (5, 5)  # bnb: 25 weights in 13 bytes, which no float dtype holds in whole elements
+    weight = source_weight(shape)
+    _, reference = quantized(quant, weight, storage=torch.uint8, **cfg)
+    _, module = quantized(quant, weight, storage=storage, **cfg)
+    assert set(dict(module.named_parameters())) == {"weight"}
+    assert not dict(module.named_buffers())
+    packed = module.weight
+    assert isinstance(packed, nn.Parameter) and not packed.requires_grad
+    assert packed.dtype == storage and packed.dim() == 1
+    nbytes = reference.packed_bytes().numel()
+    item = packed.element_size()
+    assert packed.numel() * item == math.ceil(nbytes / item) * item
+    raw = as_bytes(packed)
+    assert torch.equal(raw[:nbytes], reference.packed_bytes())
+    assert not raw[nbytes:].any(), "padding must be zero bytes"
+    assert torch.equal(module.packed_bytes(), reference.packed_bytes())
+    for name in state_names:
+        value = getattr(module, name)
+        assert not isinstance(value, nn.Parameter), name
+        assert value.dtype == torch.uint8 and value.dim() == 1, name
+        assert torch.equal(value, getattr(reference, name)), name
+
+
+@pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", [(OUT, IN), (5, 5)], ids=["64x128", "5x5"])
 @pytest.mark.parametrize("quant", BACKENDS)
-def test_storage_is_a_view_of_the_packed_ints_never_a_cast(quant: str, storage: torch.dtype) -> None:
-    weight = source_weight()
-    backend, module = quantized(quant, weight, storage=storage)
-    packed = backend.packed(module)
-    raw = packed.data.view(torch.uint8)
-    assert torch.equal(as_bytes(raw.view(storage)), raw.flatten())
-    assert torch.equal(raw.flatten(), reference_packed_bytes(quant, weight, torch.float32))
+def test_bytes_state_and_dequantize_do_not_depend_on_storage_dtype(
+    quant: str, shape: tuple[int, int], compute: torch.dtype
+) -> None:
+    """The storage is a view of the same bytes, never a cast (a cast would change the bytes and the weight)."""
+    weight = source_weight(shape)
+    modules = {storage: quantized(quant, weight, storage=storage, compute=compute)[1] for storage in STORAGES}
+    reference = modules[torch.uint8]
+    ref_state = reference.state_tensors()
+    ref_deq = reference.dequantize()
+    assert ref_deq.dtype == compute and ref_deq.shape == shape
+    for storage, module in modules.items():
+        assert module.packed_bytes().dtype == torch.uint8, storage
+        assert torch.equal(module.packed_bytes(), reference.packed_bytes()), storage
+        state = module.state_tensors()
+        assert set(state) == set(ref_state), storage
+        for name, tensor in state.items():
+            assert (tensor.dtype, tensor.shape) == (ref_state[name].dtype, ref_state[name].shape), (storage, name)
+            assert torch.equal(as_bytes(tensor), as_bytes(ref_state[name])), (storage, name)
+        assert torch.equal(module.dequantize(), ref_deq), storage
 
 
-@pytest.mark.parametrize("storage", FLOATS, ids=FLOAT_IDS)
+@pytest.mark.parametrize("storage", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("quant", BACKENDS)
-def test_keep_false_leaves_packed_on_meta_with_real_identical_state(quant: str, storage: torch.dtype) -> None:
+def test_float_view_survives_a_flat_parameter_copy(quant: str, storage: torch.dtype) -> None:
+    """FSDP1 copies the float view into one flat parameter next to other tensors and views it back. Random packed
+    bytes include NaN bit patterns, which an arithmetic cast would canonicalise; a copy must keep every bit."""
+    _, module = quantized(quant, source_weight((128, 256)), storage=storage)
+    packed, deq = module.packed_bytes().clone(), module.dequantize()
+    assert torch.isnan(module.weight).any(), "precondition: the float view holds NaN bit patterns"
+    other = torch.randn(8).to(storage)
+    flat = torch.cat([other, module.weight.detach()])
+    module.weight = nn.Parameter(flat[other.numel() :], requires_grad=False)
+    assert torch.equal(module.packed_bytes(), packed)
+    assert torch.equal(module.dequantize(), deq)
+
+
+# --- equality with each library's own quantizer ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("storage", [torch.uint8, torch.bfloat16], ids=["u8", "bf16"])
+@pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("double_quant", [True, False], ids=["dq", "nodq"])
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+def test_bnb_equals_bitsandbytes_quantize_4bit(
+    quant_type: str, double_quant: bool, compute: torch.dtype, storage: torch.dtype
+) -> None:
     weight = source_weight()
-    kept_backend, kept = quantized(quant, weight, storage=storage, keep=True)
-    lean_backend, lean = quantized(quant, weight, storage=storage, keep=False)
-    kept_packed, lean_packed = kept_backend.packed(kept), lean_backend.packed(lean)
-    assert lean_packed.is_meta
-    assert not kept_packed.is_meta
-    assert (lean_packed.shape, lean_packed.dtype) == (kept_packed.shape, kept_packed.dtype)
-    kept_state, lean_state = kept_backend.quant_state_tensors(kept), lean_backend.quant_state_tensors(lean)
-    assert kept_state, "a quantized module has scales/zeros"
-    assert set(lean_state) == set(kept_state)
-    for key, value in lean_state.items():
-        assert not value.is_meta, key
-        assert value.dtype == kept_state[key].dtype, key
-        assert torch.equal(as_bytes(value), as_bytes(kept_state[key])), key
+    _, module = quantized(
+        "bnb", weight, storage=storage, compute=compute, bnb_quant_type=quant_type, bnb_double_quant=double_quant
+    )
+    packed, qs = bnbf.quantize_4bit(
+        weight.to(compute), blocksize=64, compress_statistics=double_quant, quant_type=quant_type
+    )
+    assert torch.equal(module.packed_bytes(), as_bytes(packed))
+    expected = {"absmax": qs.absmax, "code": qs.code}
+    if double_quant:
+        expected |= {"nested_absmax": qs.state2.absmax, "nested_code": qs.state2.code, "offset": qs.offset}
+    state = module.state_tensors()
+    assert set(state) == set(expected)
+    for name, tensor in expected.items():
+        assert state[name].dtype == tensor.dtype, name
+        assert torch.equal(state[name], tensor), name
+    deq = module.dequantize()
+    assert deq.dtype == compute
+    assert torch.equal(deq, bnbf.dequantize_4bit(packed, qs))
 
 
-@pytest.mark.parametrize("storage", FLOATS, ids=FLOAT_IDS)
+HQQ_CASES = [(8, 64), (4, 64), (3, 64), (2, 64), (1, 64), (4, 32), (4, 128)]
+
+
+@pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("nbits", "group_size"), HQQ_CASES, ids=[f"{b}bit-g{g}" for b, g in HQQ_CASES])
+def test_hqq_equals_hqq_linear(nbits: int, group_size: int, compute: torch.dtype) -> None:
+    torch.manual_seed(nbits * 1000 + group_size)
+    linear = nn.Linear(IN, OUT, bias=True)
+    with torch.no_grad():
+        linear.bias.normal_()
+    HQQLinear.set_backend(HQQBackend.PYTORCH)
+    reference = HQQLinear(
+        linear,
+        BaseQuantizeConfig(nbits=nbits, group_size=group_size),
+        compute_dtype=compute,
+        device="cpu",
+        del_orig=False,
+    )
+    _, module = quantized(
+        "hqq",
+        linear.weight.detach(),
+        storage=torch.uint8,
+        compute=compute,
+        bias=linear.bias.detach(),
+        hqq_bits=nbits,
+        hqq_group_size=group_size,
+    )
+    assert torch.equal(module.packed_bytes(), as_bytes(reference.W_q))
+    state = module.state_tensors()
+    for name in ("scale", "zero"):
+        assert state[name].dtype == compute, name
+        assert torch.equal(state[name], reference.meta[name]), name
+    deq = module.dequantize()
+    assert deq.dtype == compute
+    assert torch.equal(deq, reference.dequantize())
+    x = torch.randn(3, IN, generator=torch.Generator().manual_seed(2)).to(compute)
+    with torch.no_grad():
+        torch.testing.assert_close(module(x), reference(x))
+
+
+# --- accuracy -------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("storage", STORAGES, ids=STORAGE_IDS)
 @pytest.mark.parametrize("quant", BACKENDS)
 def test_dequantize_is_close_to_the_original(quant: str, storage: torch.dtype) -> None:
     """Mean |error| < 0.2 std for 4 bits in 64-weight groups.
@@ -192,8 +301,8 @@ def test_dequantize_is_close_to_the_original(quant: str, storage: torch.dtype) -
     weight (e.g. bytes reinterpreted by a cast) would be off by about 1.1 std (mean |a - b| of two N(0, 1) draws).
     """
     weight = source_weight()
-    backend, module = quantized(quant, weight, storage=storage)
-    deq = backend.dequantize(module)
+    _, module = quantized(quant, weight, storage=storage)
+    deq = module.dequantize()
     assert deq.shape == (OUT, IN)
     assert deq.dtype == torch.float32
     error = (deq - weight).abs().mean()
@@ -202,66 +311,161 @@ def test_dequantize_is_close_to_the_original(quant: str, storage: torch.dtype) -
     assert torch.corrcoef(torch.stack([deq.flatten(), weight.flatten()]))[0, 1] > 0.98
 
 
-@pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("quant", BACKENDS)
-def test_dequantize_does_not_depend_on_storage_dtype(quant: str, compute: torch.dtype) -> None:
-    weight = source_weight()
-    results = {}
-    for storage in FLOATS:
-        backend, module = quantized(quant, weight, storage=storage, compute=compute)
-        results[storage] = backend.dequantize(module)
-        assert results[storage].dtype == compute
-    reference = results[torch.float32]
-    for storage, deq in results.items():
-        assert torch.equal(deq, reference), storage
-
-
-@pytest.mark.parametrize("storage", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("nbits", [1, 2, 3, 8])
-def test_hqq_other_bit_widths_through_the_backend(nbits: int, storage: torch.dtype) -> None:
+def test_hqq_error_shrinks_with_more_bits(nbits: int) -> None:
     weight = source_weight()
-    backend, module = quantized("hqq", weight, storage=storage, hqq_bits=nbits)
-    _, reference = quantized("hqq", weight, storage=torch.bfloat16, hqq_bits=nbits)
-    assert backend.packed(module).dtype == storage
-    assert torch.equal(as_bytes(backend.packed(module)), as_bytes(backend.packed(reference)))
-    deq = backend.dequantize(module)
-    assert torch.equal(deq, backend.dequantize(reference))
-    # More bits, smaller error: 2**-nbits of a 4.6-std group range, generously doubled (1 bit is just 2 levels).
-    assert (deq - weight).abs().mean() < 2 * 4.6 * weight.std() / 2**nbits
+    _, module = quantized("hqq", weight, storage=torch.float16, hqq_bits=nbits)
+    # 2**-nbits of a 4.6-std group range, generously doubled (1 bit is just 2 levels).
+    assert (module.dequantize() - weight).abs().mean() < 2 * 4.6 * weight.std() / 2**nbits
 
 
-@pytest.mark.parametrize("storage", FLOATS, ids=FLOAT_IDS)
+# --- odd shapes -----------------------------------------------------------------------------------------------------
+
+ODD_CASES = [("bnb", 4, shape) for shape in ODD_SHAPES] + [
+    ("hqq", nbits, shape) for nbits in (8, 4, 3, 2, 1) for shape in ODD_SHAPES
+]
+
+
+@pytest.mark.parametrize(
+    ("quant", "nbits", "shape"), ODD_CASES, ids=[f"{q}-{b}bit-{o}x{i}" for q, b, (o, i) in ODD_CASES]
+)
+def test_odd_shape_round_trips_with_the_usual_error(quant: str, nbits: int, shape: tuple[int, int]) -> None:
+    """A weight that does not split into whole groups quantizes (HQQ pads zero groups; bnb handles it natively)
+    and dequantizes to its own shape with the error a 64-multiple shape has."""
+    cfg = {"hqq_bits": nbits} if quant == "hqq" else {}
+    weight = source_weight(shape, seed=3)
+    _, module = quantized(quant, weight, storage=torch.uint8, **cfg)
+    deq = module.dequantize()
+    assert deq.shape == shape and deq.dtype == torch.float32
+    _, regular = quantized(quant, source_weight(seed=3), storage=torch.uint8, **cfg)
+    odd_error, regular_error = relative_error(deq, weight), relative_error(regular.dequantize(), source_weight(seed=3))
+    assert odd_error > 0
+    # Same order: 100x100 has 10,000 weights, so its mean is as tight as the reference's; 7x9 has only 63.
+    assert odd_error < (1.5 if shape == (100, 100) else 2.5) * regular_error, (odd_error, regular_error)
+    if quant == "hqq":
+        # The configured group size is kept: whole 64-weight groups, the last ones padded with zeros.
+        assert module.meta["group_size"] == 64
+        groups = math.ceil(weight.numel() / 64)
+        assert groups <= module.state_tensors()["scale"].numel() < groups + 8  # at most one packed row of padding
+
+
+@pytest.mark.parametrize("storage", [torch.uint8, torch.bfloat16], ids=["u8", "bf16"])
+@pytest.mark.parametrize("shape", ODD_SHAPES, ids=[f"{o}x{i}" for o, i in ODD_SHAPES])
+@pytest.mark.parametrize("quant", BACKENDS)
+def test_odd_shape_forward_and_backward(quant: str, shape: tuple[int, int], storage: torch.dtype) -> None:
+    out_features, in_features = shape
+    bias = source_bias(out_features)
+    _, module = quantized(quant, source_weight(shape, seed=4), storage=storage, bias=bias)
+    deq = module.dequantize()
+    x = torch.randn(2, 3, in_features, generator=torch.Generator().manual_seed(5), requires_grad=True)
+    out = module(x)
+    assert out.shape == (2, 3, out_features)
+    torch.testing.assert_close(out, x @ deq.T + bias, rtol=1e-4, atol=1e-5)
+    grad = torch.randn(2, 3, out_features, generator=torch.Generator().manual_seed(6))
+    out.backward(grad)
+    assert x.grad is not None
+    torch.testing.assert_close(x.grad, grad @ deq, rtol=1e-4, atol=1e-5)
+
+
+# --- forward and backward -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("storage", STORAGES, ids=STORAGE_IDS)
 @pytest.mark.parametrize("quant", BACKENDS)
 def test_forward_matches_dequantized_matmul(quant: str, storage: torch.dtype) -> None:
-    backend, module = quantized(quant, source_weight(), storage=storage)
-    assert module._parameters.get("bias") is None
-    x = torch.randn(3, IN, generator=torch.Generator().manual_seed(5))
-    with torch.no_grad():
-        out = module(x)
-    expected = x @ backend.dequantize(module).T
-    assert out.shape == (3, OUT)
-    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+    _, module = quantized(quant, source_weight(), storage=storage)
+    assert module.bias is None
+    deq = module.dequantize()
+    packed = module.packed_bytes().clone()
+    # Batched, single-row (bitsandbytes' inference path) and 3-D inputs, in training and eval mode.
+    for mode in (True, False):
+        module.train(mode)
+        for shape in ((3, IN), (1, IN), (2, 4, IN)):
+            x = torch.randn(*shape, generator=torch.Generator().manual_seed(5))
+            with torch.no_grad():
+                out = module(x)
+            assert out.shape == (*shape[:-1], OUT)
+            torch.testing.assert_close(out, x @ deq.T, rtol=1e-4, atol=1e-5)
+    # The forward reads the packed bytes, never rewrites them (bnb's own Linear4bit repacks on CPU in eval).
+    assert torch.equal(module.packed_bytes(), packed)
+
+
+@pytest.mark.parametrize(
+    ("x_dtype", "compute"),
+    [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16), (torch.float16, torch.float32)],
+    ids=["bf16-in-fp32-compute", "fp32-in-bf16-compute", "fp16-in-fp32-compute"],
+)
+@pytest.mark.parametrize("quant", BACKENDS)
+def test_output_and_input_gradient_keep_the_input_dtype(quant: str, x_dtype: torch.dtype, compute: torch.dtype) -> None:
+    bias = source_bias()
+    _, module = quantized(quant, source_weight(), storage=torch.uint8, compute=compute, bias=bias)
+    deq = module.dequantize()
+    assert deq.dtype == compute
+    x = torch.randn(3, IN, generator=torch.Generator().manual_seed(7)).to(x_dtype).requires_grad_()
+    out = module(x)
+    assert out.dtype == x_dtype
+    expected = x.detach().to(compute) @ deq.T + bias.to(compute)
+    tol = {"rtol": 2e-2, "atol": 2e-2}  # one rounding to the lower of the two precisions
+    torch.testing.assert_close(out.float(), expected.float(), **tol)
+    grad = torch.randn(3, OUT, generator=torch.Generator().manual_seed(8)).to(x_dtype)
+    out.backward(grad)
+    assert x.grad is not None and x.grad.dtype == x_dtype
+    torch.testing.assert_close(x.grad.float(), (grad.to(compute) @ deq).float(), **tol)
 
 
 @pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("quant", BACKENDS)
-def test_bias_survives_loading_and_enters_forward(quant: str, compute: torch.dtype) -> None:
-    backend, module = quantized(quant, source_weight(), storage=torch.bfloat16, compute=compute, bias=True)
-    # load_weight must leave the bias slot in place for the loader to fill (it sets module._parameters["bias"]).
-    slot = module._parameters.get("bias")
-    assert isinstance(slot, nn.Parameter), "load_weight dropped the bias parameter"
-    assert tuple(slot.shape) == (OUT,)
+def test_bias_enters_forward(quant: str, compute: torch.dtype) -> None:
     bias = source_bias()
-    module.bias = nn.Parameter(bias.clone(), requires_grad=False)
+    _, module = quantized(quant, source_weight(), storage=torch.bfloat16, compute=compute, bias=bias)
     x = torch.randn(3, IN, generator=torch.Generator().manual_seed(6)).to(compute)
     with torch.no_grad():
         out = module(x)
-    deq = backend.dequantize(module)
+    deq = module.dequantize()
     expected = x.float() @ deq.float().T + bias
     tol = {"rtol": 1e-4, "atol": 1e-4} if compute == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
     torch.testing.assert_close(out.float(), expected, **tol)
     # The bias is really in there: without it the output is far off.
     assert (out.float() - (x.float() @ deq.float().T)).abs().mean() > 0.5
+
+
+@pytest.mark.parametrize("storage", [torch.uint8, torch.bfloat16], ids=["u8", "bf16"])
+@pytest.mark.parametrize("quant", BACKENDS)
+def test_input_gradient_flows_through_the_frozen_layer(quant: str, storage: torch.dtype) -> None:
+    """LoRA on earlier layers needs d(out)/d(x) = W through the quantized base layer; the base gets no gradient."""
+    _, module = quantized(quant, source_weight(), storage=storage, bias=source_bias())
+    x = torch.randn(3, IN, generator=torch.Generator().manual_seed(7), requires_grad=True)
+    grad_out = torch.randn(3, OUT, generator=torch.Generator().manual_seed(8))
+    module(x).backward(grad_out)
+    assert x.grad is not None
+    torch.testing.assert_close(x.grad, grad_out @ module.dequantize(), rtol=1e-4, atol=1e-5)
+    for name, param in module.named_parameters():
+        assert not param.requires_grad and param.grad is None, name
+
+
+def test_hqq_forward_keeps_no_dequantized_weight_for_backward() -> None:
+    """HQQ's forward dequantizes again in backward: what autograd saves is the packed ints, scale and zero (under
+    FSDP, the unsharded parameters' storage), never an [out, in] float weight."""
+    _, module = quantized("hqq", source_weight(), storage=torch.uint8)
+    saved: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    x = torch.randn(3, IN, generator=torch.Generator().manual_seed(9), requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = module(x)
+    assert saved, "precondition: the forward saves something for backward"
+    for t in saved:
+        assert not (t.is_floating_point() and t.numel() >= OUT * IN), (t.shape, t.dtype)
+    assert sum(t.numel() * t.element_size() for t in saved) < OUT * IN * 4 // 2
+    grad = torch.randn(3, OUT, generator=torch.Generator().manual_seed(10))
+    out.backward(grad)
+    torch.testing.assert_close(x.grad, grad @ module.dequantize(), rtol=1e-4, atol=1e-5)
+
+
+# --- replacing linears ----------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("quant", BACKENDS)
@@ -275,54 +479,64 @@ def test_replace_linears_swaps_only_accepted_names(quant: str) -> None:
         model.block.head = nn.Linear(IN, OUT, bias=False)
         model.head = nn.Linear(IN, OUT, bias=False)
     backend = make_backend(QuantConfig(quant=quant), storage_dtype=torch.bfloat16, compute_dtype=torch.bfloat16)
+    assert backend is not None
     asked: list[str] = []
 
     def should_quantize(name: str) -> bool:
         asked.append(name)
         return name.rpartition(".")[2] != "head"
 
-    swapped = backend.replace_linears(model, should_quantize=should_quantize, device=CPU)
+    swapped = backend.replace_linears(model, should_quantize=should_quantize)
     assert sorted(swapped) == ["block.up", "proj"]
     assert sorted(asked) == ["block.head", "block.up", "head", "proj"]  # asked about linears only
-    assert backend.is_quantized(model.proj) and backend.is_quantized(model.block.up)
+    assert type(model.proj) is CLASSES[quant] and type(model.block.up) is CLASSES[quant]
     assert type(model.head) is nn.Linear and type(model.block.head) is nn.Linear
     assert type(model.norm) is nn.LayerNorm
-    # The replacement keeps the shape it will be filled with.
+    # The replacement keeps the shape and bias it will be filled with, and is still empty.
     assert (model.proj.in_features, model.proj.out_features) == (IN, OUT)
     assert (model.block.up.in_features, model.block.up.out_features) == (OUT, IN)
+    assert model.proj.bias is not None and model.block.up.bias is None
+    assert model.proj.is_meta and model.block.up.is_meta
+
+
+# --- PEFT -----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("storage", [torch.uint8, torch.bfloat16], ids=["u8", "bf16"])
+@pytest.mark.parametrize("quant", BACKENDS)
+def test_peft_dequantizes_the_layer_through_dequantize(quant: str, storage: torch.dtype) -> None:
+    """PEFT's DoRA reads a base weight with dequantize_module_weight, which calls module.dequantize() on any module
+    that has `W_q`; without it, it would take the packed bytes in `weight` for the weight."""
+    _, module = quantized(quant, source_weight(), storage=storage)
+    assert module.W_q is module.weight
+    weight = dequantize_module_weight(module)
+    assert weight.shape == (OUT, IN)
+    assert torch.equal(weight, module.dequantize())
 
 
 @pytest.mark.parametrize("quant", BACKENDS)
-def test_input_gradient_flows_through_the_frozen_layer(quant: str) -> None:
-    """LoRA on earlier layers needs d(out)/d(x) = W through the quantized base layer."""
-    backend, module = quantized(quant, source_weight(), storage=torch.bfloat16)
-    x = torch.randn(3, IN, generator=torch.Generator().manual_seed(7), requires_grad=True)
-    grad_out = torch.randn(3, OUT, generator=torch.Generator().manual_seed(8))
-    module(x).backward(grad_out)
-    assert x.grad is not None
-    torch.testing.assert_close(x.grad, grad_out @ backend.dequantize(module), rtol=1e-4, atol=1e-5)
-    assert not backend.packed(module).requires_grad
+def test_dora_on_a_quantized_layer_equals_dora_on_its_dequantized_weight(quant: str) -> None:
+    class Wrapper(nn.Module):
+        def __init__(self, proj: nn.Linear) -> None:
+            super().__init__()
+            self.proj = proj
 
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.proj(x)
 
-@pytest.mark.parametrize(("quant_type", "double_quant"), [("nf4", True), ("nf4", False), ("fp4", True), ("fp4", False)])
-def test_bnb_flags_reach_the_quantizer(quant_type: str, double_quant: bool) -> None:
-    weight = source_weight()
-    backend, module = quantized(
-        "bnb", weight, storage=torch.bfloat16, bnb_quant_type=quant_type, bnb_double_quant=double_quant
-    )
-    assert module.quant_state.quant_type == quant_type
-    state = backend.quant_state_tensors(module)
-    # Double quantization stores the per-block absmax as 8-bit codes plus a second-level absmax.
-    assert ("nested_absmax" in state) is double_quant
-    assert state["absmax"].dtype == (torch.uint8 if double_quant else torch.float32)
-    assert (backend.dequantize(module) - weight).abs().mean() < 0.2 * weight.std()
-
-
-@pytest.mark.parametrize("group_size", [32, 64, 128])
-def test_hqq_group_size_reaches_the_quantizer(group_size: int) -> None:
-    weight = source_weight()
-    backend, module = quantized("hqq", weight, storage=torch.float32, hqq_group_size=group_size)
-    state = backend.quant_state_tensors(module)
-    # One scale and one zero per group of `group_size` weights.
-    assert state["scale"].numel() == state["zero"].numel() == IN * OUT // group_size
-    assert module.meta["group_size"] == group_size
+    _, module = quantized(quant, source_weight(), storage=torch.uint8)
+    plain = nn.Linear(IN, OUT, bias=False)
+    with torch.no_grad():
+        plain.weight.copy_(module.dequantize())
+    # Random (not identity) adapters, so the weight norm DoRA takes from the base weight matters.
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["proj"], use_dora=True, init_lora_weights=False)
+    torch.manual_seed(11)
+    ours = inject_adapter_in_model(cfg, Wrapper(module))
+    torch.manual_seed(11)
+    theirs = inject_adapter_in_model(cfg, Wrapper(plain))
+    assert ours.proj.base_layer is module
+    x = torch.randn(3, IN, generator=torch.Generator().manual_seed(12))
+    with torch.no_grad():
+        out = ours(x)
+        torch.testing.assert_close(out, theirs(x), rtol=1e-5, atol=1e-6)
+        assert (out - module(x)).abs().mean() > 1e-3  # the adapter really changes the output
