@@ -2,7 +2,8 @@
 
 A checkpoint directory `checkpoint-STEP/` holds:
 - `adapter_model.safetensors` + `adapter_config.json`: the adapter gathered to rank 0, loadable by PEFT on its own;
-- `rank-R.pt` per rank: that rank's optimizer shard, RNG states, and the scheduler and gradient-scaler state.
+- `rank-R.pt` per rank: that rank's optimizer shard, RNG states and gradient-scaler state (the learning-rate
+  schedule is not saved: it is a function of the flags and the step, rebuilt on resume);
   Optimizer state stays sharded (no gather, no extra memory), so a resume needs the same world size;
 - `trainer_state.json`, written last: step, data position, world size. Its presence marks a complete checkpoint.
 
@@ -12,9 +13,11 @@ so a crash mid-write leaves the previous checkpoint intact and nothing that look
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
+import secrets
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,7 +28,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from qlora_fsdp.distributed import DistEnv
+from qlora_fsdp.distributed import DistEnv, broadcast_object
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.fsdp import ShardedModel
 
@@ -129,7 +132,6 @@ def save_checkpoint(
     peft_model: nn.Module,
     keys: dict[nn.Module, dict[str, str]],
     optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
     scaler: Any,
     state: TrainState,
     output_dir: Path,
@@ -146,7 +148,6 @@ def save_checkpoint(
     save_adapter(model, peft_model, keys, tmp, env=env)
     per_rank = {
         "optimizer": model.optimizer_state(optimizer),
-        "scheduler": scheduler.state_dict(),
         "scaler": scaler.state_dict() if scaler is not None else None,
         "rng": _rng_state(env.device),
     }
@@ -200,17 +201,67 @@ def resolve_resume(resume_from: str, output_dir: Path) -> Path | None:
     return path
 
 
-def check_resume_compatible(path: Path, settings: dict[str, Any], *, world_size: int) -> None:
-    """Refuse, before any heavy work, a resume whose data order or tensors could not match the checkpoint's."""
+def check_resume_compatible(
+    path: Path, settings: dict[str, Any], *, world_size: int, may_change: tuple[str, ...] = ()
+) -> list[str]:
+    """Refuse, before any heavy work, a resume whose data order or tensors could not match the checkpoint's.
+
+    Returns the changes of `may_change` settings ("--lr 0.01 -> 0.005"), which the caller applies and reports.
+    """
     state = read_train_state(path)
     if state.world_size != world_size:
         raise UserError(
             f"--resume_from {path}: saved by {state.world_size} processes but this job has {world_size}; "
             f"optimizer state is sharded per rank, so resume with --nproc_per_node/--nnodes giving {state.world_size}"
         )
-    changed = [f"--{k} {state.settings[k]!r} -> {v!r}" for k, v in settings.items() if state.settings.get(k, v) != v]
-    if changed:
-        raise UserError(f"--resume_from {path}: the checkpoint was made with other settings ({'; '.join(changed)})")
+    # Settings a checkpoint of an older version did not record are taken as unchanged.
+    changed = {k: f"--{k} {state.settings[k]!r} -> {v!r}" for k, v in settings.items() if state.settings.get(k, v) != v}
+    refused = [text for k, text in changed.items() if k not in may_change]
+    if refused:
+        raise UserError(f"--resume_from {path}: the checkpoint was made with other settings ({'; '.join(refused)})")
+    return [text for k, text in changed.items() if k in may_change]
+
+
+def model_identity(path: Path) -> str:
+    """A short digest of a model directory's config.json and the start of each weight file.
+
+    It tells another base model (even one with the same architecture) from this one, whatever the directory is
+    called now, without reading the weights.
+    """
+    digest = hashlib.sha256((path / "config.json").read_bytes())
+    for file in sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin")):
+        with open(file, "rb") as fh:
+            digest.update(fh.read(1 << 16))
+        digest.update(str(file.stat().st_size).encode())
+    return f"config and weights {digest.hexdigest()[:16]}"
+
+
+def remove_checkpoints(output_dir: Path) -> None:
+    """Delete a previous run's checkpoints (complete and unfinished), so this run neither prunes nor resumes them."""
+    for path in [*output_dir.glob(f"{CHECKPOINT_PREFIX}*"), *output_dir.glob(f".{CHECKPOINT_PREFIX}*.tmp")]:
+        if path.is_dir() and path.name.strip(".").removeprefix(CHECKPOINT_PREFIX).removesuffix(".tmp").isdigit():
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def output_dir_shared(output_dir: Path, env: DistEnv) -> bool:
+    """Whether every rank sees the same `output_dir` (a shared filesystem), tested by a file rank 0 writes there.
+
+    Only multi-node jobs can differ: each rank writes its checkpoint shard, and a node-local directory would leave
+    every checkpoint incomplete.
+    """
+    if env.world_size == env.local_world_size:
+        return True
+    marker = output_dir / f".node-check-{broadcast_object(secrets.token_hex(8), env)}"
+    if env.is_main:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+    dist.barrier()
+    seen = torch.tensor(float(marker.exists()), device=env.device)
+    dist.all_reduce(seen, op=dist.ReduceOp.MIN)
+    dist.barrier()
+    if env.is_main:
+        marker.unlink()
+    return bool(seen.item())
 
 
 def read_train_state(path: Path) -> TrainState:
@@ -223,7 +274,6 @@ def load_checkpoint(
     model: ShardedModel,
     keys: dict[nn.Module, dict[str, str]],
     optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
     scaler: Any,
     env: DistEnv,
 ) -> TrainState:
@@ -233,7 +283,6 @@ def load_checkpoint(
     # map_location cpu: RNG states must stay CPU tensors; the optimizer moves its state to the parameters.
     per_rank = torch.load(path / f"rank-{env.rank}.pt", map_location="cpu", weights_only=True)
     model.load_optimizer_state(optimizer, per_rank["optimizer"])
-    scheduler.load_state_dict(per_rank["scheduler"])
     if scaler is not None and per_rank["scaler"] is not None:
         scaler.load_state_dict(per_rank["scaler"])
     _set_rng_state(per_rank["rng"], env.device)

@@ -400,8 +400,6 @@ def _check_combinations(cfg: TrainConfig) -> list[str]:
     adapters = cfg.lora.train_type in ("lora", "dora")
     if not adapters and (cfg.output.save_steps or cfg.output.resume_from):
         problems.append(f"--save_steps/--resume_from need --train_type lora or dora (not {cfg.lora.train_type})")
-    if cfg.fsdp.cpu_offload and cfg.dist.device == "cpu":
-        problems.append("--cpu_offload moves GPU parameters to host memory; with --device cpu drop it")
     if cfg.fsdp.fsdp_version == 1 and cfg.lora.train_type == "dora" and cfg.fsdp.precision == "mp_bf16":
         # FSDP1 keeps DoRA's quantized layers in their decoder layer's unit, whose parameters mp_bf16 casts.
         problems.append("--precision mp_bf16 with --train_type dora needs --fsdp_version 2")

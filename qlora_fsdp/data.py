@@ -43,7 +43,9 @@ class TokenizeStats:
     """What tokenization did to the data, so a silently truncated or shrunken dataset shows up in the log.
 
     rows: examples given; truncated: rows longer than context_length (dropped ones included); dropped: rows with
-    nothing left to learn after truncation; total_label_tokens: labelled tokens (labels != -100) in the kept rows.
+    nothing left to learn after truncation; total_label_tokens: the tokens the loss is computed on in the kept rows,
+    labels[1:] != -100 (the logits at t predict labels[t + 1], so nothing predicts position 0), the same count the
+    trainer logs as label_tokens.
     """
 
     rows: int
@@ -201,7 +203,8 @@ _LOCAL_READERS: dict[str, Callable[[str], Iterable[tuple[str, Any]]]] = {
 
 
 def _load_local(path: str, samples: int, prompt_style: str) -> list[Example]:
-    """Validate every kept row up front: a bad row 40,000 lines in should fail now, not mid-epoch."""
+    """The first `samples` rows (0: all), each validated up front: a bad row 40,000 lines in should fail now, not
+    mid-epoch, while rows past the limit are never read."""
     reader = _LOCAL_READERS[os.path.splitext(path)[1].lower()]
     examples = []
     for where, row in reader(path):
@@ -332,10 +335,12 @@ DATASET_NAMES = tuple(_NAMED_DATASETS)
 
 
 def load_examples(dataset: str, *, samples: int = 0, prompt_style: str = "alpaca") -> list[Example]:
-    """Examples from a named dataset or a local alpaca-format file; samples > 0 keeps the first N rows."""
+    """Examples from a named dataset or a local alpaca-format file; samples > 0 keeps the first N rows.
+
+    The loader alone applies the limit (it reads only those rows, and knows whether a skipped row counts); the
+    config has already checked samples >= 0.
+    """
     _check_prompt_style(prompt_style)
-    if samples < 0:
-        raise UserError(f"--dataset_samples must be >= 0, got {samples}")
     loader = _NAMED_DATASETS.get(dataset)
     path = os.path.expanduser(dataset)
     if loader is not None:
@@ -351,8 +356,6 @@ def load_examples(dataset: str, *, samples: int = 0, prompt_style: str = "alpaca
             f"unknown dataset {dataset!r}; valid names: {', '.join(DATASET_NAMES)}, "
             f"or a local {'/'.join(LOCAL_SUFFIXES)} file in alpaca format"
         )
-    if samples:
-        examples = examples[:samples]
     if not examples:
         raise UserError(f"--dataset {dataset}: no rows to train on")
     return examples
@@ -369,11 +372,10 @@ def tokenize_examples(
     """Fixed-length rows (input_ids, labels, attention_mask), so every step has the same shape on every rank.
 
     Sequence = prompt + response + eos, cut to context_length from the right, then padded. Labels are -100 on
-    padding and, unless train_on_inputs, on the prompt. A row whose labels were all cut away is dropped: it would
-    add a loss over zero tokens (NaN in a mean).
+    padding and, unless train_on_inputs, on the prompt. The loss learns labels[1:] (nothing predicts position 0),
+    so a row with no label in labels[1:] after truncation is dropped: it would add a loss over zero tokens (NaN in
+    a mean). The config's --context_length minimum is the only one; a context too short for any row drops them all.
     """
-    if context_length < 2:
-        raise UserError(f"--context_length must be >= 2, got {context_length}")
     eos_id = tokenizer.eos_token_id
     if eos_id is None:
         raise UserError("the tokenizer has no eos token; the model cannot learn where a response ends")
@@ -392,11 +394,12 @@ def tokenize_examples(
         if len(ids) > context_length:
             truncated += 1
             ids, labels = ids[:context_length], labels[:context_length]
-        if all(label == IGNORE_INDEX for label in labels):
+        learned = sum(label != IGNORE_INDEX for label in labels[1:])
+        if not learned:
             dropped += 1
             continue
         n_pad = context_length - len(ids)
-        label_tokens += sum(label != IGNORE_INDEX for label in labels)
+        label_tokens += learned
         items.append(
             {
                 "input_ids": torch.tensor(ids + [pad_id] * n_pad, dtype=torch.long),
@@ -407,8 +410,8 @@ def tokenize_examples(
     stats = TokenizeStats(rows=len(examples), truncated=truncated, dropped=dropped, total_label_tokens=label_tokens)
     if not items:
         raise UserError(
-            f"all {len(examples)} rows were dropped: their prompts fill --context_length {context_length}, "
-            "leaving no response tokens to learn; use a larger --context_length"
+            f"all {len(examples)} rows were dropped: within --context_length {context_length} none has a token "
+            "the loss can learn (the prompts fill it); use a larger --context_length"
         )
     return items, stats
 

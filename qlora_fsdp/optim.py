@@ -54,5 +54,16 @@ def lr_factor(cfg: OptimConfig, total_steps: int) -> Callable[[int], float]:
     return factor
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int) -> LambdaLR:
-    return LambdaLR(optimizer, lr_factor(cfg, total_steps))
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int, *, start_step: int = 0
+) -> LambdaLR:
+    """The schedule from --lr and the schedule flags, positioned at `start_step` optimizer steps done.
+
+    A resumed run rebuilds it rather than restoring it, so the flags it was given (a new --lr, say) hold from the
+    resumed step on, exactly as if the run had always used them; unchanged flags give the uninterrupted run's rates.
+    """
+    for group in optimizer.param_groups:
+        # A restored optimizer carries the saved run's values; the schedule starts from this run's flags.
+        group["initial_lr"] = cfg.lr
+        group["weight_decay"] = cfg.wd
+    return LambdaLR(optimizer, lr_factor(cfg, total_steps), last_epoch=start_step - 1)

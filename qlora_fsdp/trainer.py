@@ -23,6 +23,9 @@ from qlora_fsdp.checkpoint import (
     check_resume_compatible,
     list_checkpoints,
     load_checkpoint,
+    model_identity,
+    output_dir_shared,
+    remove_checkpoints,
     resolve_resume,
     save_adapter,
     save_checkpoint,
@@ -107,10 +110,21 @@ def run(cfg: TrainConfig) -> TrainResult:
     env = init_distributed(device=cfg.dist.device, timeout_s=cfg.dist.dist_timeout_s)
     try:
         _preflight(cfg, env)
-        resume = resolve_resume(cfg.output.resume_from, Path(cfg.output.output_dir))
+        output_dir = Path(cfg.output.output_dir)
+        shared = output_dir_shared(output_dir, env)
+        if not shared and (cfg.output.save_steps or cfg.output.resume_from):
+            raise UserError(
+                f"--output_dir {output_dir} is not the same directory on every node (rank 0 writes there and some "
+                "rank cannot see it), so no checkpoint could be completed or resumed: point --output_dir at a "
+                "filesystem all nodes share, or drop --save_steps/--resume_from"
+            )
+        resume = resolve_resume(cfg.output.resume_from, output_dir)
+        changed: list[str] = []
         if resume is not None:
-            check_resume_compatible(resume, _resume_fingerprint(cfg), world_size=env.world_size)
-        result = _run(cfg, env, model_path, resume)
+            changed = check_resume_compatible(
+                resume, _settings(cfg, model_path), world_size=env.world_size, may_change=MAY_CHANGE_ON_RESUME
+            )
+        result = _run(cfg, env, model_path, resume, changed=changed, shared_output=shared)
         dist.barrier()  # every rank is done with the model before any leaves the group
         return result
     finally:
@@ -118,14 +132,25 @@ def run(cfg: TrainConfig) -> TrainResult:
             teardown()
 
 
-def _resume_fingerprint(cfg: TrainConfig) -> dict[str, object]:
-    """The settings a resumed run must share with the checkpoint for its data order and tensors to match."""
+# A resumed run must share these with its checkpoint: they fix the data order, the base weights and the layout and
+# meaning of the saved adapter and optimizer shards. Refused with the flag's name if they differ.
+MUST_MATCH_ON_RESUME = (
+    "dataset", "dataset_samples", "context_length", "batch_size", "gradient_accumulation_steps", "seed",
+    "prompt_style", "train_on_inputs", "train_type", "quant", "bnb_quant_type", "bnb_double_quant", "hqq_bits",
+    "hqq_group_size", "compute_dtype", "lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "precision",
+    "fsdp_version", "sharding_strategy", "shard_group_size", "optimizer",
+)  # fmt: skip
+# These may change on resume (a lower learning rate, a longer run): the new values apply from the resumed step on,
+# as if the schedule had always been the new one, and the log names each change.
+MAY_CHANGE_ON_RESUME = (
+    "lr", "wd", "lr_scheduler", "warmup_ratio", "cosine_min_lr_ratio", "max_steps", "num_epochs", "grad_norm",
+)  # fmt: skip
+
+
+def _settings(cfg: TrainConfig, model_path: Path) -> dict[str, object]:
+    """What a checkpoint records of its run, for check_resume_compatible."""
     flags = cfg.to_dict()
-    keys = (
-        "dataset", "dataset_samples", "context_length", "batch_size", "gradient_accumulation_steps", "seed",
-        "prompt_style", "train_on_inputs", "train_type", "quant", "lora_rank", "lora_target_modules", "precision",
-    )  # fmt: skip
-    return {k: flags[k] for k in keys}
+    return {"model": model_identity(model_path), **{k: flags[k] for k in MUST_MATCH_ON_RESUME + MAY_CHANGE_ON_RESUME}}
 
 
 @dataclass
@@ -139,9 +164,13 @@ class _Built:
     """Adapter leaf -> {parameter: PEFT key}; empty without adapters."""
     blocks: dict[nn.Module, str]
     """Llama-Pro block -> its name prefix; empty otherwise."""
+    trainable: int
+    """Parameters that train (counted before sharding, tied ones once)."""
 
 
-def _run(cfg: TrainConfig, env: DistEnv, model_path: Path, resume: Path | None) -> TrainResult:
+def _run(
+    cfg: TrainConfig, env: DistEnv, model_path: Path, resume: Path | None, *, changed: list[str], shared_output: bool
+) -> TrainResult:
     precision = PRECISIONS[cfg.fsdp.precision]
     torch.manual_seed(cfg.optim.seed)
     tokenizer = load_tokenizer(model_path)
@@ -151,15 +180,17 @@ def _run(cfg: TrainConfig, env: DistEnv, model_path: Path, resume: Path | None) 
     adapters = bool(built.keys)
 
     optimizer = build_optimizer(built.model.module.parameters(), cfg.optim)
-    scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
     scaler = ShardedGradScaler(device=env.device.type) if precision.grad_scaler else None
     output_dir = Path(cfg.output.output_dir)
-    state = TrainState(world_size=env.world_size, seed=cfg.optim.seed, settings=_resume_fingerprint(cfg))
+    state = TrainState(world_size=env.world_size, seed=cfg.optim.seed, settings=_settings(cfg, model_path))
     if resume is not None:
-        state = load_checkpoint(
-            resume, model=built.model, keys=built.keys, optimizer=optimizer, scheduler=scheduler, scaler=scaler, env=env
-        )
+        state = load_checkpoint(resume, model=built.model, keys=built.keys, optimizer=optimizer, scaler=scaler, env=env)
+        state.settings = _settings(cfg, model_path)
+    # The schedule is a function of the flags and the step: rebuilt, not restored, so changed flags take effect.
+    scheduler = build_scheduler(optimizer, cfg.optim, total_steps, start_step=state.step)
     if env.is_main:
+        if resume is None and cfg.output.overwrite:
+            remove_checkpoints(output_dir)  # or pruning and --resume_from auto would mix in the old run's
         output_dir.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     logger = MetricsLogger(
@@ -173,16 +204,23 @@ def _run(cfg: TrainConfig, env: DistEnv, model_path: Path, resume: Path | None) 
     profiler = _profiler(cfg.output, output_dir, env) if cfg.output.profile else None
     if resume is not None:
         logger.message(f"resumed from {resume} at step {state.step}")
+        for change in changed:
+            logger.message(f"resumed with {change}: applied from step {state.step + 1} on")
+    logger.message(f"trainable parameters: {built.trainable:,}")
     param_bytes = gather_ints(built.model.local_parameter_bytes(), env)
     logger.message(f"resident parameter bytes per rank after sharding: {param_bytes}")
 
     def checkpoint(at: TrainState) -> Path:
+        if not adapters or not shared_output:
+            why = "this --train_type keeps no resumable checkpoints" if not adapters else (
+                f"--output_dir {output_dir} is not shared by every node, so no checkpoint could be completed"
+            )  # fmt: skip
+            raise TrainingStopped(f"stopped by a signal after step {at.step}; {why}")
         return save_checkpoint(
             model=built.model,
             peft_model=built.unwrapped,
             keys=built.keys,
             optimizer=optimizer,
-            scheduler=scheduler,
             scaler=scaler,
             state=at,
             output_dir=output_dir,
@@ -205,11 +243,11 @@ def _run(cfg: TrainConfig, env: DistEnv, model_path: Path, resume: Path | None) 
                 total_steps=total_steps,
                 logger=logger,
                 save_steps=cfg.output.save_steps,
-                checkpoint=checkpoint if adapters else None,
+                checkpoint=checkpoint,
                 preempted=preempted,
                 activation_offload=cfg.fsdp.activation_offload,
                 profiler=profiler,
-                static_fields={"param_bytes_per_rank": param_bytes},
+                static_fields={"param_bytes_per_rank": param_bytes, "trainable_parameters": built.trainable},
             )
         if result.preempted_checkpoint is not None:
             logger.message(
@@ -261,6 +299,7 @@ def _build_model(cfg: TrainConfig, env: DistEnv, model_path: Path, precision: Pr
         # Reentrant checkpoints only backpropagate into a segment whose inputs require grad.
         unwrapped.enable_input_require_grads()
     in_layers = {id(m) for layer in skeleton.units.values() for m in lora_layers(layer)}
+    trainable = sum(p.numel() for p in unwrapped.parameters() if p.requires_grad)
 
     def shard_layer(name: str, layer: nn.Module) -> None:
         init_adapters(lora_layers(layer), seed=cfg.optim.seed, name=name)
@@ -271,7 +310,7 @@ def _build_model(cfg: TrainConfig, env: DistEnv, model_path: Path, precision: Pr
     init_adapters(outside, seed=cfg.optim.seed, name="")
     sharded = sharder.finish(unwrapped)
     verify_packed(sharded.module, sharder.reference)
-    return _Built(model=sharded, unwrapped=unwrapped, keys=keys, blocks=blocks)
+    return _Built(model=sharded, unwrapped=unwrapped, keys=keys, blocks=blocks, trainable=trainable)
 
 
 def _save_final(built: _Built, output_dir: Path, *, env: DistEnv) -> str:
@@ -410,15 +449,17 @@ def train_loop(
         if skipped:
             if scaler:
                 scaler.update()  # closes the unscale_ of this step; the next step may unscale again
-            optimizer.zero_grad(set_to_none=True)
+        elif scaler:
+            scale = scaler.get_scale()
+            scaler.step(optimizer)
+            scaler.update()
+            # The scaler skips a step whose gradients overflowed, and says so only by lowering its scale.
+            skipped = scaler.get_scale() < scale
         else:
-            if scaler:
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.step()
+        # The learning rate is a function of the step count, skipped steps included, so a resume can rebuild it.
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
 
         last_epoch, last_index, _ = micro[-1]
         state.step += 1
@@ -447,9 +488,7 @@ def train_loop(
             profiler.after_step(state.step)
         if totals[1].item() > 0:
             if checkpoint is None:
-                raise TrainingStopped(
-                    f"stopped by a signal after step {state.step}; this --train_type keeps no resumable checkpoints"
-                )
+                raise TrainingStopped(f"stopped by a signal after step {state.step}")
             result.preempted_checkpoint = checkpoint(state)
             break
         if checkpoint is not None and save_steps and state.step % save_steps == 0:

@@ -31,8 +31,6 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DATA = REPO_ROOT / "data" / "alpaca_tiny.jsonl"
 ARCHS = ("llama", "mistral", "qwen2")
 
-# 4-bit quantizers (NF4/FP4) work on 64-element blocks, so every linear dim must divide by it.
-QUANT_BLOCK = 64
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
 BOS_TOKEN = "<|bos|>"
@@ -65,7 +63,8 @@ def validate_sizes(
     num_shards: int,
     tie_word_embeddings: bool,
 ) -> None:
-    """Reject shapes that HF or the 4-bit quantizer cannot handle; raises ValueError with one line."""
+    """Reject shapes that HF cannot build; raises ValueError with one line. Any layer width quantizes: the
+    loader pads what does not split into whole 4-bit blocks or HQQ groups."""
     if arch not in ARCHS:
         raise ValueError(f"--arch must be one of {', '.join(ARCHS)}, got {arch!r}")
     for name, value in (
@@ -79,13 +78,6 @@ def validate_sizes(
     ):
         if value < 1:
             raise ValueError(f"--{name} must be >= 1, got {value}")
-    for name, value in (
-        ("hidden_size", hidden_size),
-        ("intermediate_size", intermediate_size),
-        ("vocab_size", vocab_size),
-    ):
-        if value % QUANT_BLOCK:
-            raise ValueError(f"--{name} must be a multiple of {QUANT_BLOCK} for 4-bit blocks, got {value}")
     if hidden_size % num_heads:
         raise ValueError(f"--hidden_size {hidden_size} must be divisible by --num_heads {num_heads}")
     if num_heads % num_kv_heads:
@@ -93,12 +85,6 @@ def validate_sizes(
     head_dim = hidden_size // num_heads
     if head_dim % 2:
         raise ValueError(f"head_dim {head_dim} (hidden_size / num_heads) must be even for rotary embeddings")
-    kv_dim = head_dim * num_kv_heads
-    if kv_dim % QUANT_BLOCK:
-        raise ValueError(
-            f"k/v projection dim {kv_dim} (head_dim {head_dim} x num_kv_heads {num_kv_heads}) "
-            f"must be a multiple of {QUANT_BLOCK}"
-        )
     min_vocab = BYTE_ALPHABET + len(SPECIAL_TOKENS)
     if vocab_size < min_vocab:
         raise ValueError(f"--vocab_size must be >= {min_vocab} (byte alphabet + special tokens), got {vocab_size}")
@@ -235,7 +221,7 @@ def build_tiny_model(
 ) -> Path:
     """Write a tiny random HF causal LM (config, sharded safetensors, tokenizer) to `output`.
 
-    Raises ValueError for shapes the quantizer or HF cannot handle. Returns the output path.
+    Raises ValueError for shapes HF cannot build. Returns the output path.
     """
     validate_sizes(
         arch=arch,

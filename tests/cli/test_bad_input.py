@@ -131,3 +131,13 @@ def test_hub_id_offline_names_the_problem(tmp_path: Path, monkeypatch: pytest.Mo
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
     code, errors, output = run_cli(["--model", "some-org/some-model", "--output_dir", str(tmp_path / "out")])
     assert_one_line_error(code, errors, output, "--model some-org/some-model", "hub", "local directory")
+
+
+@pytest.mark.parametrize("device", ["cpu", "auto"])
+def test_cpu_offload_on_a_cpu_run(tiny_model: Path, tmp_path: Path, device: str) -> None:
+    """Refused once the device is known: also when --device auto resolves to the CPU."""
+    out = tmp_path / "out"
+    args = ["--model", str(tiny_model), "--cpu_offload", "true", "--device", device, "--output_dir", str(out)]
+    code, errors, output = run_cli(args)
+    assert_one_line_error(code, errors, output, "--cpu_offload")
+    assert not out.exists()

@@ -1,7 +1,12 @@
 """Worker for test_options: many short trainings in one torchrun job (imports and process group paid once).
 
-python options_worker.py MODEL_DIR PRO_MODEL_DIR TIED_MODEL_DIR OUT_DIR SUITE FSDP_VERSION   (SUITE: two | four)
-Rank 0 writes OUT_DIR/results.json: {scenario: {"losses", "param_bytes", "error"}}.
+python options_worker.py MODEL_DIR PRO_MODEL_DIR TIED_MODEL_DIR ODD_MODEL_DIR OUT_DIR SUITE FSDP_VERSION
+(SUITE: two | four). Rank 0 writes OUT_DIR/results.json: {scenario: {"losses", "grad_norms", ..., "error"}}.
+
+Besides what each run logs, rank 0 computes a reference for the first step of every fp32 run: the same first
+global batch through the same model built without any sharding, in this one process, with PyTorch's own cross
+entropy and gradient norm. A sharded run must match it: that is what catches a wrong gradient normalisation, a
+broken tie or a misplaced shard, which a falling loss on memorised rows would not.
 """
 
 from __future__ import annotations
@@ -11,21 +16,33 @@ import sys
 import traceback
 from pathlib import Path
 
-from qlora_fsdp.config import PRECISIONS, build_config
-from qlora_fsdp.distributed import init_distributed, teardown
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from qlora_fsdp.config import PRECISIONS, TrainConfig, build_config
+from qlora_fsdp.data import build_dataloader
+from qlora_fsdp.distributed import DistEnv, init_distributed, teardown
+from qlora_fsdp.fsdp import DTYPES
+from qlora_fsdp.fsdp import PRECISIONS as MODES
+from qlora_fsdp.lora import init_adapters, inject_lora, lora_layers, prepare_full_finetune
 from qlora_fsdp.metrics import read_metrics
+from qlora_fsdp.model import build_skeleton, expanded_layer_prefixes, load_tokenizer, stream_weights
+from qlora_fsdp.quant import make_backend
 from qlora_fsdp.trainer import run
 
 DATASET = str(Path(__file__).resolve().parents[2] / "data" / "alpaca_tiny.jsonl")
-# Two rows per step, the same two every step: the loss must fall when anything trains.
+# Two rows per step, the same two every step (batch 1 on each of 2 ranks).
 OVERFIT = {
     "dataset": DATASET, "dataset_samples": 2, "batch_size": 1, "context_length": 64, "max_steps": 5,
     "lr": 0.01, "lora_rank": 8, "lora_alpha": 16, "lora_dropout": 0.0, "device": "cpu", "log_to": "stdout",
     "precision": "fp32", "quant": "bnb", "seed": 1,
 }  # fmt: skip
+# Scenarios whose step-1 activations are counted (gradient checkpointing and activation offload must show).
+MEASURED = ("ckpt-off", "ckpt-nonreentrant", "ckpt-reentrant", "activation-offload")
 
 
-def two_rank_scenarios(model: str, pro_model: str, tied_model: str) -> dict[str, dict]:
+def two_rank_scenarios(model: str, pro_model: str, tied_model: str, odd_model: str) -> dict[str, dict]:
     s: dict[str, dict] = {}
     for quant in ("bnb", "hqq"):
         for precision in PRECISIONS:
@@ -35,14 +52,18 @@ def two_rank_scenarios(model: str, pro_model: str, tied_model: str) -> dict[str,
     s["ckpt-off"] = {"gradient_checkpointing": False}
     s["ckpt-nonreentrant"] = {"gradient_checkpointing": True, "reentrant_checkpointing": False}
     s["ckpt-reentrant"] = {"gradient_checkpointing": True, "reentrant_checkpointing": True}
-    s["activation-offload"] = {"activation_offload": True}
+    s["activation-offload"] = {"activation_offload": True, "gradient_checkpointing": False}
     s["accum-2x1"] = {"gradient_accumulation_steps": 2, "dataset_samples": 4}
     s["accum-1x2"] = {"batch_size": 2, "dataset_samples": 4}
-    s["optimizer-adam"] = {"optimizer": "adam"}
-    s["optimizer-sgd"] = {"optimizer": "sgd", "lr": 1.0}
-    s["optimizer-adadelta"] = {"optimizer": "adadelta", "lr": 10.0}
+    # Each optimizer saves its state at step 5, so the test can see which optimizer really ran.
+    s["optimizer-adam"] = {"optimizer": "adam", "save_steps": 5}
+    s["optimizer-sgd"] = {"optimizer": "sgd", "lr": 1.0, "save_steps": 5}
+    s["optimizer-adadelta"] = {"optimizer": "adadelta", "lr": 10.0, "save_steps": 5}
+    s["optimizer-adamw"] = {"optimizer": "adamw", "wd": 0.1, "save_steps": 5}
     for quant in ("bnb", "hqq"):
         s[f"dora-{quant}"] = {"train_type": "dora", "quant": quant}
+        # Layer widths of 100: no multiple of HQQ's group size or bnb's block size.
+        s[f"odd-shapes-{quant}"] = {"model": odd_model, "quant": quant}
     s["full-finetune"] = {"train_type": "full", "quant": "none", "lr": 0.001}
     s["plain-lora"] = {"quant": "none"}
     s["llama-pro-hqq"] = {"model": pro_model, "train_type": "llama_pro", "quant": "hqq", "lr": 0.001}
@@ -70,31 +91,95 @@ def four_rank_scenarios(model: str) -> dict[str, dict]:
     }
 
 
+class SavedBytes:
+    """Bytes of tensors the forward pass saves for backward outside any inner saved-tensor hooks: a checkpointed
+    layer's activations are saved by the checkpoint's own hooks (or not at all), offloaded ones by save_on_cpu's.
+    Saves during backward (a reentrant checkpoint's recompute) are not kept from forward to backward: not counted."""
+
+    def __init__(self) -> None:
+        self.total = 0
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        if torch._C._current_graph_task_id() == -1:  # not inside a backward pass
+            self.total += tensor.numel() * tensor.element_size()
+        return tensor
+
+    @staticmethod
+    def unpack(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+
+def reference_first_step(cfg: TrainConfig, world_size: int) -> dict[str, float]:
+    """Loss and gradient norm of step 1 computed in this one process, with nothing sharded.
+
+    The first step's rows are what one rank with batch world x batch x accumulation draws first (the data design
+    every rank relies on), and its loss is the mean over all their label tokens.
+    """
+    env = DistEnv(0, 0, 1, 1, torch.device("cpu"), "gloo")
+    path = Path(cfg.model.model)
+    data = dict(vars(cfg.data), batch_size=cfg.data.batch_size * world_size * cfg.optim.gradient_accumulation_steps)
+    batch = next(iter(build_dataloader(type(cfg.data)(**data), load_tokenizer(path), env, seed=cfg.optim.seed)))
+    mode = MODES[cfg.fsdp.precision]
+    compute = mode.compute_dtype if cfg.quant.compute_dtype == "auto" else DTYPES[cfg.quant.compute_dtype]
+    backend = make_backend(cfg.quant, storage_dtype=torch.uint8, compute_dtype=compute)
+    new_blocks = expanded_layer_prefixes(path) if cfg.lora.train_type == "llama_pro" else ()
+    skeleton = build_skeleton(
+        cfg.model, backend=backend, param_dtype=mode.param_dtype, full_precision_prefixes=new_blocks
+    )
+    if cfg.lora.train_type in ("lora", "dora"):
+        model = inject_lora(skeleton.model, cfg.lora, dtype=mode.param_dtype)
+    else:
+        model = prepare_full_finetune(skeleton.model, only_prefixes=new_blocks)
+    in_layers = {id(m) for layer in skeleton.units.values() for m in lora_layers(layer)}
+    stream_weights(skeleton, backend=backend, device=env.device,
+                   on_unit_ready=lambda name, layer: init_adapters(lora_layers(layer), seed=cfg.optim.seed, name=name))
+    init_adapters([m for m in lora_layers(model) if id(m) not in in_layers], seed=cfg.optim.seed, name="")
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch["labels"][:, 1:].flatten(), ignore_index=-100)
+    loss.backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return {"loss": loss.item(), "grad_norm": torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item()}
+
+
 def main() -> None:
-    model, pro_model, tied_model, out, suite = sys.argv[1], sys.argv[2], sys.argv[3], Path(sys.argv[4]), sys.argv[5]
-    version = int(sys.argv[6])
+    model, pro_model, tied_model, odd_model = sys.argv[1:5]
+    out, suite, version = Path(sys.argv[5]), sys.argv[6], int(sys.argv[7])
     env = init_distributed(device="cpu", timeout_s=120)  # a scenario failing on one rank must not hang the rest
-    scenarios = two_rank_scenarios(model, pro_model, tied_model) if suite == "two" else four_rank_scenarios(model)
+    if suite == "two":
+        scenarios = two_rank_scenarios(model, pro_model, tied_model, odd_model)
+    else:
+        scenarios = four_rank_scenarios(model)
     results = {}
     for name, flags in scenarios.items():
         run_dir = out / name
         cfg = build_config({**OVERFIT, "fsdp_version": version, **flags, "output_dir": str(run_dir)}).validate()
+        saved = SavedBytes()
         try:
-            run(cfg)
+            with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+                run(cfg)
             records = read_metrics(run_dir) if env.rank == 0 else []
             results[name] = {
                 "losses": [r["loss"] for r in records],
+                "grad_norms": [r["grad_norm"] for r in records],
                 "lrs": [r["lr"] for r in records],
+                "skipped": [r["skipped"] for r in records],
                 "label_tokens": [r["label_tokens"] for r in records],
                 "tokens": [r["tokens"] for r in records],
                 "param_bytes": records[0]["param_bytes_per_rank"] if records else [],
-                "files": sorted(p.name for p in run_dir.rglob("*") if p.is_file()) if env.rank == 0 else [],
+                "trainable_parameters": records[0]["trainable_parameters"] if records else 0,
+                "saved_bytes_per_step": saved.total / cfg.optim.max_steps if name in MEASURED else None,
+                "files": sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.is_file())
+                if env.rank == 0
+                else [],
                 "output_dir": str(run_dir),
                 "error": None,
             }
+            if env.rank == 0 and cfg.fsdp.precision == "fp32" and suite == "two":
+                results[name]["reference"] = reference_first_step(cfg, env.world_size)
         except Exception as exc:  # report every scenario, not just the first failure
             results[name] = {"losses": [], "param_bytes": [], "files": [], "error": traceback.format_exc()[-2000:]}
             print(f"{name}: {exc}", file=sys.stderr)
+        dist.barrier()
     if env.rank == 0:
         (out / "results.json").write_text(json.dumps(results, indent=1))
     teardown()

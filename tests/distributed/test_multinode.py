@@ -60,10 +60,12 @@ def _train_args(model: Path, output_dir: Path) -> list[str]:
     ]  # fmt: skip
 
 
-def _run_all(jobs: list[tuple[list[str], dict[str, str], Path]]) -> None:
-    """Start every (command, extra env, log file) concurrently and wait for all of them to exit 0.
+def _run_all(jobs: list[tuple[list[str], dict[str, str], Path]], *, succeed: bool = True) -> list[int]:
+    """Start every (command, extra env, log file) concurrently and wait for all of them to exit (0 unless not
+    `succeed`); returns their exit codes.
 
-    Each runs in its own process group; all groups are killed if one fails or TIMEOUT_S passes.
+    Each runs in its own process group; all groups are killed if one fails (when they must succeed) or TIMEOUT_S
+    passes.
     """
     procs: list[subprocess.Popen] = []
     try:
@@ -78,7 +80,7 @@ def _run_all(jobs: list[tuple[list[str], dict[str, str], Path]]) -> None:
                 )
         deadline = time.monotonic() + TIMEOUT_S
         while any(p.poll() is None for p in procs):
-            if any(p.returncode not in (None, 0) for p in procs) or time.monotonic() > deadline:
+            if (succeed and any(p.returncode not in (None, 0) for p in procs)) or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
     finally:
@@ -87,10 +89,11 @@ def _run_all(jobs: list[tuple[list[str], dict[str, str], Path]]) -> None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
     codes = [p.returncode for p in procs]
-    if any(codes):
+    if succeed and any(codes):
         logs = sorted({path for _, _, log in jobs for path in log.parent.glob("*.log")})
         detail = "\n".join(f"--- {path.name} ---\n{path.read_text()[-4000:]}" for path in logs)
         raise AssertionError(f"not every launcher succeeded within {TIMEOUT_S}s: exit codes {codes}\n{detail}")
+    return codes
 
 
 def _rendezvous_env(**extra: str) -> dict[str, str]:
@@ -161,3 +164,20 @@ def test_sbatch_script_matches_one_node(one_node_losses: list[float], tiny_model
     assert "2 nodes x 1 ranks, rendezvous at 127.0.0.1:" in batch_log, batch_log
     printed = _check_same_run(tmp_path / "run", [tmp_path / "node0.log", tmp_path / "node1.log"], one_node_losses)
     assert printed == [True, False], "with RDZV_BACKEND=static, SLURM node 0 must hold global rank 0"
+
+
+def test_node_local_output_dirs_are_refused_when_checkpoints_are_asked_for(tiny_model: Path, tmp_path: Path) -> None:
+    """Two "nodes" whose --output_dir is not the same directory (node-local disks): every rank would write its
+    checkpoint shard where rank 0 never finalises it. Refused at start-up on every node, before any work."""
+    shared = _rendezvous_env(NNODES="2", NPROC_PER_NODE="1")
+    logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
+    jobs = []
+    for rank in (0, 1):
+        cmd = ["bash", str(LAUNCHER), *_train_args(tiny_model, tmp_path / f"disk{rank}" / "run"), "--save_steps", "2"]
+        jobs.append((cmd, {**shared, "NODE_RANK": str(rank)}, logs[rank]))
+    codes = _run_all(jobs, succeed=False)
+    assert all(codes), codes
+    for log in logs:
+        errors = [line for line in log.read_text().splitlines() if line.startswith("error:")]
+        assert errors and "is not the same directory on every node" in errors[0], log.read_text()[-3000:]
+    assert not list(tmp_path.glob("disk*/run/checkpoint-*")) and not list(tmp_path.glob("disk*/run/metrics.jsonl"))

@@ -1,18 +1,29 @@
-"""Every training option on real 2- and 4-rank CPU jobs (one torchrun job each, many short trainings inside)."""
+"""Every training option on real 2- and 4-rank CPU jobs (one torchrun job each, many short trainings inside), under
+both FSDP versions.
+
+Each fp32 run's first step is checked against the same step computed without sharding (options_worker's reference):
+loss and gradient norm. Other checks test what the option itself must do: a dtype, a checkpoint's optimizer state,
+fewer saved activations, a count of collectives, which parameters train.
+"""
 
 from __future__ import annotations
 
 import json
+import math
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from qlora_fsdp.config import PRECISIONS
 from tests.conftest import REPO_ROOT, launch
 
 pytestmark = pytest.mark.distributed
 WORKER = Path(__file__).with_name("options_worker.py")
+LORA_RANK = 8  # options_worker's OVERFIT
+LAYERS = 2  # the tiny models'
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +42,16 @@ def tied_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-tied"), tie_word_embeddings=True)
 
 
+@pytest.fixture(scope="module")
+def odd_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Widths 100 and 200, k/v 20: no weight splits into HQQ's 64-groups (nor, for most, bnb's 64-blocks)."""
+    from scripts.make_tiny_model import build_tiny_model
+
+    return build_tiny_model(
+        tmp_path_factory.mktemp("tiny-odd"), hidden_size=100, intermediate_size=200, num_heads=10, num_kv_heads=2
+    )
+
+
 def _suite(name: str, nproc: int, models: list[Path], out: Path, version: int) -> dict[str, dict]:
     result = launch(WORKER, [*map(str, models), str(out), name, str(version)], nproc=nproc, timeout=600)
     assert result.returncode == 0, result.stderr[-6000:]
@@ -47,44 +68,91 @@ def version(request: pytest.FixtureRequest) -> int:
 
 
 @pytest.fixture(scope="module")
-def two(
-    tiny_model: Path, pro_model: Path, tied_model: Path, tmp_path_factory: pytest.TempPathFactory, version: int
-) -> dict[str, dict]:
-    out = tmp_path_factory.mktemp(f"options-two-v{version}")
-    return _suite("two", 2, [tiny_model, pro_model, tied_model], out, version)
+def models(tiny_model: Path, pro_model: Path, tied_model: Path, odd_model: Path) -> list[Path]:
+    return [tiny_model, pro_model, tied_model, odd_model]
 
 
 @pytest.fixture(scope="module")
-def four(
-    tiny_model: Path, pro_model: Path, tied_model: Path, tmp_path_factory: pytest.TempPathFactory, version: int
-) -> dict[str, dict]:
-    out = tmp_path_factory.mktemp(f"options-four-v{version}")
-    return _suite("four", 4, [tiny_model, pro_model, tied_model], out, version)
+def two(models: list[Path], tmp_path_factory: pytest.TempPathFactory, version: int) -> dict[str, dict]:
+    return _suite("two", 2, models, tmp_path_factory.mktemp(f"options-two-v{version}"), version)
 
 
-def falls(losses: list[float]) -> bool:
-    return len(losses) == 5 and losses[-1] < losses[0] and min(losses[1:]) < losses[0]
+@pytest.fixture(scope="module")
+def four(models: list[Path], tmp_path_factory: pytest.TempPathFactory, version: int) -> dict[str, dict]:
+    return _suite("four", 4, models, tmp_path_factory.mktemp(f"options-four-v{version}"), version)
+
+
+def _checkpoint_tensors(model: Path) -> dict[str, torch.Tensor]:
+    return {k: v for f in sorted(model.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def _lora_parameters(model: Path) -> int:
+    """A and B of rank r on every projection: r x (in + out) each."""
+    return sum(LORA_RANK * sum(t.shape) for k, t in _checkpoint_tensors(model).items() if k.endswith("proj.weight"))
+
+
+REFERENCED = [name for name in (
+    "precision-fp32-bnb", "precision-fp32-hqq", "sharding-full_shard", "sharding-shard_grad_op", "sharding-no_shard",
+    "ckpt-off", "ckpt-nonreentrant", "ckpt-reentrant", "activation-offload", "accum-2x1", "accum-1x2",
+    "optimizer-adam", "optimizer-sgd", "optimizer-adadelta", "optimizer-adamw", "dora-bnb", "dora-hqq",
+    "odd-shapes-bnb", "odd-shapes-hqq", "full-finetune", "plain-lora", "llama-pro-hqq", "profile",
+    "tied-embeddings", "optimizer-sgd-clipped", "schedule-cosine", "train-on-inputs", "prompt-guanaco",
+    "prompt-qna", "dummy-dataset",
+)]  # fmt: skip
+
+
+@pytest.mark.parametrize("scenario", REFERENCED)
+def test_first_step_equals_the_unsharded_computation(two: dict, scenario: str) -> None:
+    """Loss and gradient norm of step 1 on 2 ranks = the same batch through the unsharded model in one process."""
+    r = two[scenario]
+    assert len(r["losses"]) == 5
+    assert r["losses"][0] == pytest.approx(r["reference"]["loss"], rel=1e-5), scenario
+    assert r["grad_norms"][0] == pytest.approx(r["reference"]["grad_norm"], rel=1e-4), scenario
+    assert r["losses"][-1] != r["losses"][0], "five steps changed nothing"
 
 
 @pytest.mark.parametrize("quant", ["bnb", "hqq"])
-@pytest.mark.parametrize("precision", PRECISIONS)
-def test_precision_mode_trains(two: dict, precision: str, quant: str) -> None:
-    """Each mode trains (the packed-storage check after wrapping runs inside every run and would have failed it)."""
-    r = two[f"precision-{precision}-{quant}"]
-    assert falls(r["losses"]), r["losses"]
+@pytest.mark.parametrize("precision", [p for p in PRECISIONS if p != "fp32"])
+def test_precision_mode_computes_close_to_fp32_in_its_own_dtype(two: dict, precision: str, quant: str) -> None:
+    r, fp32 = two[f"precision-{precision}-{quant}"], two[f"precision-fp32-{quant}"]
+    # Same model, same batch: half-precision compute moves the loss by well under 1%...
+    assert r["losses"][0] == pytest.approx(fp32["losses"][0], rel=1e-2)
+    # ...but does move it: the mode really computed in 16 bits.
+    assert r["losses"][0] != fp32["losses"][0]
+    if precision != "fp16_autocast":  # its scaler's first scale overflows (see the fp16 test)
+        assert r["grad_norms"][0] == pytest.approx(fp32["grad_norms"][0], rel=5e-2)
 
 
-def test_bf16_parameters_halve_resident_bytes(two: dict) -> None:
-    fp32, bf16 = two["precision-fp32-bnb"]["param_bytes"][0], two["precision-bf16-bnb"]["param_bytes"][0]
-    # Packed storage follows the parameter dtype in bytes per element but holds the same bits: only the
-    # unquantized parameters shrink, so the total shrinks but not by half.
-    assert bf16 < fp32
+def test_fp16_steps_the_scaler_skips_are_logged_as_skipped(two: dict) -> None:
+    r = two["precision-fp16_autocast-bnb"]
+    assert r["skipped"] == [not math.isfinite(g) for g in r["grad_norms"]]
+    assert r["skipped"][0], "the scaler's initial scale 65536 overflows the first step's fp16 gradients"
+    # The same two rows every step: a skipped step leaves the weights, hence the next loss, exactly as they were.
+    assert r["losses"][1] == r["losses"][0]
+    assert not r["skipped"][1] and r["losses"][2] != r["losses"][1]
+
+
+def test_fp16_nan_policy_skip_keeps_going(two: dict) -> None:
+    r = two["fp16-nan-skip"]
+    assert len(r["losses"]) == 5 and any(not math.isfinite(loss) for loss in r["losses"])
+    assert all(s for loss, s in zip(r["losses"], r["skipped"], strict=True) if not math.isfinite(loss))
+
+
+def test_bf16_halves_exactly_the_unquantized_bytes(two: dict, tiny_model: Path) -> None:
+    """Packed weights and their state are bytes either way; every other parameter (embeddings, head, norms, LoRA)
+    takes 2 bytes instead of 4. Per rank, with two ranks: fp32 - bf16 = (4 - 2) x floats / 2."""
+    floats = sum(t.numel() for k, t in _checkpoint_tensors(tiny_model).items() if not k.endswith("proj.weight"))
+    floats += _lora_parameters(tiny_model)
+    fp32, bf16 = two["precision-fp32-bnb"]["param_bytes"], two["precision-bf16-bnb"]["param_bytes"]
+    for rank in range(2):
+        assert fp32[rank] - bf16[rank] == pytest.approx(floats, rel=0.01)
 
 
 def test_sharding_strategies_agree_and_full_shard_shrinks_with_world_size(two: dict, four: dict) -> None:
-    reference = two["sharding-full_shard"]["losses"]
+    reference = two["sharding-full_shard"]
     for strategy in ("shard_grad_op", "no_shard"):
-        assert two[f"sharding-{strategy}"]["losses"] == pytest.approx(reference, rel=1e-3), strategy
+        for key in ("losses", "grad_norms"):
+            assert two[f"sharding-{strategy}"][key] == pytest.approx(reference[key], rel=1e-3), strategy
     whole = two["sharding-no_shard"]["param_bytes"][0]  # a full replica: what one rank holds alone
     at2 = two["sharding-full_shard"]["param_bytes"][0]
     at4 = four["four-full_shard"]["param_bytes"][0]
@@ -93,33 +161,55 @@ def test_sharding_strategies_agree_and_full_shard_shrinks_with_world_size(two: d
 
 
 def test_hybrid_sharding_on_four_ranks(four: dict) -> None:
-    reference = four["four-full_shard"]["losses"]
+    reference = four["four-full_shard"]
     for name in ("four-hybrid_shard", "four-hybrid_shard_zero2"):
-        assert four[name]["losses"] == pytest.approx(reference, rel=1e-3), name
+        for key in ("losses", "grad_norms"):
+            assert four[name][key] == pytest.approx(reference[key], rel=1e-3), name
         # 2 groups of 2: each rank holds half the model, twice what full sharding over 4 leaves it.
-        assert four[name]["param_bytes"][0] == pytest.approx(2 * four["four-full_shard"]["param_bytes"][0], rel=0.05)
+        assert four[name]["param_bytes"][0] == pytest.approx(2 * reference["param_bytes"][0], rel=0.05)
 
 
-def test_memory_savers_keep_losses(two: dict) -> None:
-    reference = two["ckpt-off"]["losses"]
+def test_memory_savers_save_fewer_activations_and_keep_the_losses(two: dict) -> None:
+    off = two["ckpt-off"]
     for name in ("ckpt-nonreentrant", "ckpt-reentrant", "activation-offload"):
-        assert two[name]["losses"] == pytest.approx(reference, rel=1e-3), name
+        assert two[name]["losses"] == pytest.approx(off["losses"], rel=1e-3), name
+    # What autograd keeps for backward outside the layers: with checkpointing only the layers' inputs and what
+    # lies outside them (embeddings, head); with offload everything goes through save_on_cpu's hooks.
+    for name in ("ckpt-nonreentrant", "ckpt-reentrant"):
+        assert two[name]["saved_bytes_per_step"] < 0.5 * off["saved_bytes_per_step"], name
+    assert two["activation-offload"]["saved_bytes_per_step"] < 0.1 * off["saved_bytes_per_step"]
 
 
 def test_accumulation_matches_larger_batch(two: dict) -> None:
-    assert two["accum-2x1"]["losses"] == pytest.approx(two["accum-1x2"]["losses"], rel=1e-3)
+    for key in ("losses", "grad_norms"):
+        assert two["accum-2x1"][key] == pytest.approx(two["accum-1x2"][key], rel=1e-3)
 
 
-@pytest.mark.parametrize("optimizer", ["adam", "sgd", "adadelta"])
-def test_optimizers_train(two: dict, optimizer: str) -> None:
-    assert falls(two[f"optimizer-{optimizer}"]["losses"]), two[f"optimizer-{optimizer}"]["losses"]
+def _optimizer_state(two: dict, name: str) -> dict:
+    return torch.load(Path(two[name]["output_dir"]) / "checkpoint-5" / "rank-0.pt", weights_only=True)["optimizer"]
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "state_keys", "decoupled"),
+    [("adam", {"step", "exp_avg", "exp_avg_sq"}, False), ("adamw", {"step", "exp_avg", "exp_avg_sq"}, True),
+     ("adadelta", {"step", "square_avg", "acc_delta"}, None), ("sgd", set(), None)],
+)  # fmt: skip
+def test_the_optimizer_asked_for_is_the_one_that_ran(
+    two: dict, optimizer: str, state_keys: set, decoupled: bool | None
+) -> None:
+    state = _optimizer_state(two, f"optimizer-{optimizer}")
+    kept = {k for s in state["state"].values() for k, v in s.items() if v is not None}
+    assert kept == state_keys, kept
+    group = state["param_groups"][0]
+    if decoupled is not None:
+        assert group["decoupled_weight_decay"] is decoupled
+    assert group["weight_decay"] == (0.1 if optimizer == "adamw" else 0.0)
 
 
 @pytest.mark.parametrize("quant", ["bnb", "hqq"])
 def test_dora_trains_on_quantized_base(two: dict, quant: str) -> None:
     dora, lora = two[f"dora-{quant}"]["losses"], two[f"precision-fp32-{quant}"]["losses"]
-    assert falls(dora), dora
-    # At step 1 DoRA's magnitude equals the column norms of the dequantized base weight and B is zero, so the
+    # At step 1 DoRA's magnitude equals the row norms of the dequantized base weight and B is zero, so the
     # model is the base model: equal to LoRA's first loss only if the weight DoRA dequantizes under FSDP is right.
     assert dora[0] == pytest.approx(lora[0], rel=1e-5)
     assert dora[1:] != pytest.approx(lora[1:], rel=1e-3), "DoRA trained exactly like LoRA: magnitude ignored?"
@@ -128,7 +218,6 @@ def test_dora_trains_on_quantized_base(two: dict, quant: str) -> None:
 @pytest.mark.parametrize("quant", ["bnb", "hqq"])
 def test_dora_adapter_loads_in_peft(two: dict, quant: str, tiny_model: Path) -> None:
     from peft import PeftModel, get_peft_model_state_dict
-    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     out = Path(two[f"dora-{quant}"]["output_dir"])
@@ -139,18 +228,58 @@ def test_dora_adapter_loads_in_peft(two: dict, quant: str, tiny_model: Path) -> 
     assert all(torch.equal(loaded[k].to(v.dtype), v) for k, v in saved.items())
 
 
-def test_llama_pro_trains_only_new_blocks(two: dict, tmp_path_factory: pytest.TempPathFactory) -> None:
+@pytest.mark.parametrize("quant", ["bnb", "hqq"])
+def test_odd_layer_widths_train_and_save_an_adapter_peft_loads(two: dict, quant: str, odd_model: Path) -> None:
+    from peft import PeftModel, get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    out = Path(two[f"odd-shapes-{quant}"]["output_dir"])
+    saved = load_file(out / "adapter_model.safetensors")
+    loaded = get_peft_model_state_dict(PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(odd_model), out))
+    assert set(loaded) == set(saved) and all(loaded[k].shape == v.shape for k, v in saved.items())
+    assert any(torch.count_nonzero(v) for k, v in saved.items() if "lora_B" in k), "nothing trained"
+
+
+def test_llama_pro_trains_only_the_new_block(two: dict, pro_model: Path) -> None:
     r = two["llama-pro-hqq"]
-    assert falls(r["losses"]), r["losses"]
+    original = _checkpoint_tensors(pro_model)
+    new_block = {k: t for k, t in original.items() if k.startswith("model.layers.2.")}
+    # Nothing but the added block trains: every old block and the embeddings stay frozen.
+    assert r["trainable_parameters"] == sum(t.numel() for t in new_block.values())
     assert "llama_pro_blocks.safetensors" in r["files"] and "adapter_model.safetensors" not in r["files"]
+    blocks = load_file(Path(r["output_dir"]) / "llama_pro_blocks.safetensors")
+    assert set(blocks) == set(new_block)
+    assert any(not torch.equal(blocks[k], new_block[k].to(blocks[k].dtype)) for k in blocks), "the block did not train"
 
 
-def test_profile_writes_chrome_traces(two: dict) -> None:
-    assert {"trace-rank0.json", "trace-rank1.json"} <= set(two["profile"]["files"])
+def test_lora_trains_exactly_the_adapters(two: dict, tiny_model: Path) -> None:
+    assert two["precision-fp32-bnb"]["trainable_parameters"] == _lora_parameters(tiny_model)
+
+
+def _collectives_per_step(trace: Path, steps: int) -> dict[str, float]:
+    names = Counter(e.get("name", "").split(" (")[0] for e in json.loads(trace.read_text())["traceEvents"])
+    return {
+        "fsdp_all_gathers": names["FSDP::all_gather"] / steps,
+        "fsdp_reduce_scatters": names["FSDP::post_backward_reduce"] / steps,
+        "gloo_all_gathers": names["gloo:all_gather"] / steps,
+    }
+
+
+def test_profile_traces_count_the_collectives_of_a_step(two: dict, version: int) -> None:
+    """--profile_steps 2,3 traces two steps on every rank; FSDP2 gathers each unit at most twice and reduces each
+    trainable unit once a step: at most 2L+1 all-gathers and L reduce-scatters for L decoder layers."""
+    r = two["profile"]
+    assert {"profile/trace-rank0.json", "profile/trace-rank1.json"} <= set(r["files"])
+    counts = _collectives_per_step(Path(r["output_dir"]) / "profile" / "trace-rank0.json", steps=2)
+    if version == 2:
+        assert 0 < counts["fsdp_all_gathers"] <= 2 * LAYERS + 1, counts
+        assert counts["fsdp_reduce_scatters"] == LAYERS, counts
+    else:
+        # FSDP1's units: a layer, each quantized module and each adapter leaf; its gathers show as gloo's.
+        assert counts["gloo_all_gathers"] > 2 * LAYERS + 1, counts
 
 
 def test_block_expansion_keeps_outputs(tiny_model: Path, pro_model: Path) -> None:
-    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     original = AutoModelForCausalLM.from_pretrained(tiny_model)
@@ -160,23 +289,14 @@ def test_block_expansion_keeps_outputs(tiny_model: Path, pro_model: Path) -> Non
     ids = torch.arange(3, 40).view(1, -1)
     with torch.no_grad():
         assert torch.equal(original(ids).logits, expanded(ids).logits)
-    state = {}
-    for shard in pro_model.glob("*.safetensors"):
-        state.update(load_file(shard))
+    state = _checkpoint_tensors(pro_model)
     assert torch.count_nonzero(state["model.layers.2.self_attn.o_proj.weight"]) == 0
     assert torch.equal(state["model.layers.2.self_attn.q_proj.weight"], state["model.layers.1.self_attn.q_proj.weight"])
 
 
-def test_tied_embeddings_train_on_two_ranks(two: dict) -> None:
-    """A tied input/output embedding is one tensor with two owners: synced once, trained, saved."""
-    r = two["tied-embeddings"]
-    assert falls(r["losses"]), r["losses"]
-    assert "adapter_model.safetensors" in r["files"]
-
-
-def test_fp16_skip_policy_survives_non_finite_steps(two: dict) -> None:
-    r = two["fp16-nan-skip"]
-    assert len(r["losses"]) == 5 and any(loss != loss for loss in r["losses"])  # NaN != NaN
+def test_tied_embeddings_train_and_save(two: dict) -> None:
+    """A tied input/output embedding is one tensor with two owners: filled once, sharded once, matched step 1."""
+    assert "adapter_model.safetensors" in two["tied-embeddings"]["files"]
 
 
 def test_gradient_clipping_limits_the_update(two: dict) -> None:
@@ -188,8 +308,6 @@ def test_gradient_clipping_limits_the_update(two: dict) -> None:
 
 @pytest.mark.parametrize("schedule", ["cosine", "linear"])
 def test_logged_learning_rates_follow_the_schedule(two: dict, schedule: str) -> None:
-    import math
-
     total, warmup, peak, floor = 5, 1, 0.01, 0.1  # warmup = ceil(0.2 * 5)
     expected = []
     for step in range(total):
@@ -207,35 +325,31 @@ def test_logged_learning_rates_follow_the_schedule(two: dict, schedule: str) -> 
 def test_train_on_inputs_puts_prompt_tokens_in_the_loss(two: dict) -> None:
     base, full = two["precision-fp32-bnb"]["label_tokens"], two["train-on-inputs"]["label_tokens"]
     assert all(f > 2 * b for f, b in zip(full, base, strict=True)), (full, base)
-    assert falls(two["train-on-inputs"]["losses"])
 
 
 @pytest.mark.parametrize("style", ["guanaco", "qna"])
-def test_prompt_styles_train(two: dict, style: str) -> None:
-    r = two[f"prompt-{style}"]
-    assert falls(r["losses"]), r["losses"]
+def test_prompt_styles_change_the_prompt(two: dict, style: str) -> None:
+    r, alpaca = two[f"prompt-{style}"], two["precision-fp32-bnb"]
     # Same rows, other template: other prompt tokens, so another first loss than the alpaca template's.
-    assert r["losses"][0] != pytest.approx(two["precision-fp32-bnb"]["losses"][0], rel=1e-4)
+    assert r["losses"][0] != pytest.approx(alpaca["losses"][0], rel=1e-4)
+    assert r["tokens"] != alpaca["tokens"]
 
 
 def test_dummy_dataset_fills_the_context(two: dict) -> None:
-    r = two["dummy-dataset"]
     # 2 rows per step, each long enough to be truncated to the 64-token context: no padding at all.
-    assert r["tokens"] == [2 * 64] * 5, r["tokens"]
-    assert falls(r["losses"]), r["losses"]
+    assert two["dummy-dataset"]["tokens"] == [2 * 64] * 5
 
 
-def test_full_finetune_saves_a_loadable_model(two: dict, tiny_model: Path) -> None:
+def test_full_finetune_trains_every_weight_and_saves_a_loadable_model(two: dict, tiny_model: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     r = two["full-finetune"]
-    assert falls(r["losses"]), r["losses"]
+    assert r["trainable_parameters"] == sum(t.numel() for t in _checkpoint_tensors(tiny_model).values())
     trained = AutoModelForCausalLM.from_pretrained(r["output_dir"])
     original = AutoModelForCausalLM.from_pretrained(tiny_model)
     changed = [n for n, p in trained.named_parameters() if not torch.equal(p, original.get_parameter(n))]
     assert len(changed) == len(list(original.parameters())), "full fine-tuning left weights untouched"
 
 
-def test_plain_lora_without_quantization(two: dict) -> None:
-    r = two["plain-lora"]
-    assert falls(r["losses"]) and "adapter_model.safetensors" in r["files"]
+def test_plain_lora_saves_an_adapter(two: dict) -> None:
+    assert "adapter_model.safetensors" in two["plain-lora"]["files"]

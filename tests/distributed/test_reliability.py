@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import signal
 import subprocess
@@ -76,9 +77,9 @@ def kill_job(job: subprocess.Popen) -> None:
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("quant", ["bnb", "hqq"])
-def test_sigkill_then_resume_matches_uninterrupted(quant: str, tiny_model: Path, tmp_path: Path) -> None:
-    args = ["--model", str(tiny_model), "--quant", quant, *RESUME_ARGS]
+@pytest.mark.parametrize(("quant", "version"), [("bnb", 2), ("hqq", 2), ("bnb", 1)])
+def test_sigkill_then_resume_matches_uninterrupted(quant: str, version: int, tiny_model: Path, tmp_path: Path) -> None:
+    args = ["--model", str(tiny_model), "--quant", quant, "--fsdp_version", str(version), *RESUME_ARGS]
     reference = tmp_path / "reference"
     train([*args, "--output_dir", str(reference), "--save_model", "false"], nproc=2)
     expected = [r["loss"] for r in read_metrics(reference)]
@@ -203,3 +204,28 @@ def test_nan_policy_skip_leaves_weights_untouched(tiny_model: Path, tmp_path: Pa
     final = load_file(out / "adapter_model.safetensors")
     assert set(last_good) == set(final)
     assert all(torch.equal(last_good[k], final[k]) for k in final)
+
+
+def test_overwrite_removes_the_previous_runs_checkpoints(tiny_model: Path, tmp_path: Path) -> None:
+    """Left behind, they would be pruned together with the new run's, and --resume_from auto could pick them."""
+    out = tmp_path / "run"
+    args = ["--model", str(tiny_model), "--quant", "bnb", *RESUME_ARGS, "--output_dir", str(out)]
+    train([*args, "--max_steps", "6", "--save_steps", "3", "--save_model", "false"], nproc=0)
+    assert [p.name for p in list_checkpoints(out)] == ["checkpoint-3", "checkpoint-6"]
+    train([*args, "--max_steps", "2", "--save_steps", "1", "--overwrite", "true"], nproc=0)
+    assert [p.name for p in list_checkpoints(out)] == ["checkpoint-1", "checkpoint-2"]
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+
+
+def test_resume_with_another_learning_rate_applies_it_and_says_so(tiny_model: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    args = ["--model", str(tiny_model), "--quant", "bnb", *RESUME_ARGS, "--output_dir", str(out), "--save_steps", "2"]
+    train([*args, "--max_steps", "4", "--save_model", "false"], nproc=0)
+    result = train([*args, "--max_steps", "6", "--lr", "0.005", "--resume_from", "auto"], nproc=0)
+    log = result.stdout + result.stderr
+    assert "resumed with --lr 0.01 -> 0.005: applied from step 5 on" in log
+    assert "resumed with --max_steps 4 -> 6: applied from step 5 on" in log
+    # The new schedule from step 5: cosine over 6 steps with warmup ceil(0.1 x 6) = 1, floor 0.1, peak 0.005.
+    lrs = [r["lr"] for r in read_metrics(out)]
+    expected = [0.005 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - 1) / 5))) for step in (4, 5)]
+    assert lrs[4:] == pytest.approx(expected, rel=1e-9)

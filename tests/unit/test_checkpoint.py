@@ -51,3 +51,84 @@ def test_resume_must_match_world_size_and_settings(tmp_path: Path) -> None:
         check_resume_compatible(ckpt, {"batch_size": 2}, world_size=4)
     with pytest.raises(UserError, match=r"--batch_size 2 -> 4; --lora_rank 8 -> 16"):
         check_resume_compatible(ckpt, {"batch_size": 4, "lora_rank": 16, "dataset": "a.jsonl"}, world_size=2)
+
+
+def test_changes_that_may_happen_on_resume_are_returned_not_refused(tmp_path: Path) -> None:
+    ckpt = make_checkpoint(tmp_path, 3, lr=0.01, max_steps=10, lora_rank=8)
+    changes = check_resume_compatible(
+        ckpt, {"lr": 0.005, "max_steps": 10, "lora_rank": 8}, world_size=2, may_change=("lr", "max_steps")
+    )
+    assert changes == ["--lr 0.01 -> 0.005"]
+    with pytest.raises(UserError, match=r"--lora_rank 8 -> 4"):
+        check_resume_compatible(ckpt, {"lr": 0.005, "lora_rank": 4}, world_size=2, may_change=("lr",))
+
+
+def _settings(model: Path, **flags: object) -> dict[str, object]:
+    """What the trainer records in a checkpoint for these flags."""
+    from qlora_fsdp.config import build_config
+    from qlora_fsdp.trainer import _settings
+
+    return _settings(build_config({"model": str(model), **flags}).validate(), model)
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [("quant", "hqq"), ("hqq_bits", 3), ("hqq_group_size", 32), ("bnb_quant_type", "fp4"), ("bnb_double_quant", False),
+     ("lora_alpha", 8.0), ("lora_dropout", 0.0), ("lora_target_modules", "q_proj"), ("lora_rank", 4),
+     ("train_type", "dora"), ("optimizer", "sgd"), ("fsdp_version", 1), ("precision", "fp32"),
+     ("compute_dtype", "fp32"), ("sharding_strategy", "shard_grad_op")],
+)  # fmt: skip
+def test_a_resume_that_changes_the_base_adapters_or_shards_is_refused_naming_the_flag(
+    tiny_model: Path, tmp_path: Path, flag: str, value: object
+) -> None:
+    from qlora_fsdp.trainer import MAY_CHANGE_ON_RESUME
+
+    ckpt = make_checkpoint(tmp_path, 3, **_settings(tiny_model))
+    with pytest.raises(UserError, match=rf"--{flag} \S+ -> "):
+        check_resume_compatible(
+            ckpt, _settings(tiny_model, **{flag: value}), world_size=2, may_change=MAY_CHANGE_ON_RESUME
+        )
+
+
+def test_a_resume_on_another_base_model_is_refused(tiny_model: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from qlora_fsdp.checkpoint import model_identity
+
+    # The same model under another name is the same model; other weights under the same name are not.
+    renamed = tmp_path / "renamed"
+    shutil.copytree(tiny_model, renamed)
+    assert model_identity(renamed) == model_identity(tiny_model)
+    other = tmp_path / "other"
+    shutil.copytree(tiny_model, other)
+    shard = sorted(other.glob("*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    data[8 + int.from_bytes(data[:8], "little") + 10] ^= 0xFF  # one byte of the first tensor's weights
+    shard.write_bytes(bytes(data))
+    assert model_identity(other) != model_identity(tiny_model)
+    ckpt = make_checkpoint(tmp_path / "run", 3, model=model_identity(tiny_model))
+    with pytest.raises(UserError, match=r"--model 'config and weights \w+' -> 'config and weights \w+'"):
+        check_resume_compatible(ckpt, {"model": model_identity(other)}, world_size=2)
+
+
+@pytest.mark.parametrize(("flag", "value"), [("lr", 0.001), ("max_steps", 99), ("lr_scheduler", "cosine"), ("wd", 0.1)])
+def test_schedule_flags_may_change_on_resume(tiny_model: Path, tmp_path: Path, flag: str, value: object) -> None:
+    from qlora_fsdp.trainer import MAY_CHANGE_ON_RESUME
+
+    ckpt = make_checkpoint(tmp_path, 3, **_settings(tiny_model))
+    changes = check_resume_compatible(
+        ckpt, _settings(tiny_model, **{flag: value}), world_size=2, may_change=MAY_CHANGE_ON_RESUME
+    )
+    assert len(changes) == 1 and changes[0].startswith(f"--{flag} ")
+
+
+def test_remove_checkpoints_takes_complete_and_unfinished_ones_only(tmp_path: Path) -> None:
+    from qlora_fsdp.checkpoint import remove_checkpoints
+
+    make_checkpoint(tmp_path, 3)
+    make_checkpoint(tmp_path, 6, complete=False)
+    (tmp_path / ".checkpoint-9.tmp").mkdir()
+    (tmp_path / "adapter_model.safetensors").write_text("x")
+    (tmp_path / "notes").mkdir()
+    remove_checkpoints(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter_model.safetensors", "notes"]

@@ -412,7 +412,6 @@ def test_empty_yaml_value_keeps_the_default(tmp_path) -> None:
     [
         ({"train_type": "full", "quant": "none", "save_steps": 5}, "--save_steps/--resume_from need"),
         ({"train_type": "llama_pro", "resume_from": "auto"}, "--save_steps/--resume_from need"),
-        ({"cpu_offload": True, "device": "cpu"}, "--cpu_offload"),
         (
             {"train_type": "dora", "precision": "mp_bf16", "fsdp_version": 1},
             "--precision mp_bf16 with --train_type dora needs --fsdp_version 2",

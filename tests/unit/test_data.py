@@ -11,7 +11,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from qlora_fsdp.config import DataConfig
+from qlora_fsdp import data
+from qlora_fsdp.config import ConfigError, DataConfig, build_config
 from qlora_fsdp.data import (
     DATASET_NAMES,
     IGNORE_INDEX,
@@ -75,6 +76,12 @@ def _write_parquet(path: Path, rows: list[dict]) -> Path:
     return path
 
 
+def _split_rows(rows: list[dict], split: str) -> list[dict]:
+    """What datasets.load_dataset returns for `split`: all rows, or the first N for "train[:N]"."""
+    limit = split.partition("[:")[2].rstrip("]")
+    return rows[: int(limit)] if limit else rows
+
+
 def _ids(tokenizer: PreTrainedTokenizerFast, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -103,6 +110,23 @@ def test_samples_keeps_first_rows(tmp_path: Path) -> None:
     path = _write_jsonl(tmp_path / "d.jsonl", rows)
     assert [e.response for e in load_examples(str(path), samples=3)] == ["a0", "a1", "a2"]
     assert len(load_examples(str(path), samples=0)) == 10
+
+
+def test_load_examples_leaves_the_sample_limit_to_the_loader(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--dataset_samples is validated by the config and applied by the loader alone (it knows whether it counts rows
+    or examples): load_examples hands the value over and returns the loader's examples as they are."""
+    asked: list[int] = []
+
+    def loader(samples: int, prompt_style: str) -> list[Example]:
+        asked.append(samples)
+        return [Example(f"q{i}", f"a{i}") for i in range(5)]
+
+    monkeypatch.setitem(data._NAMED_DATASETS, "stub", loader)
+    assert len(load_examples("stub", samples=3)) == 5  # not cut a second time
+    assert len(load_examples("stub", samples=-1)) == 5  # not validated a second time
+    assert asked == [3, -1]
+    with pytest.raises(ConfigError, match="--dataset_samples must be >= 0"):
+        build_config({"model": "m", "dataset_samples": -1}).validate()
 
 
 def test_samples_stops_before_bad_rows(tmp_path: Path) -> None:
@@ -249,7 +273,7 @@ def test_hub_loaders_map_rows_to_examples(monkeypatch: pytest.MonkeyPatch) -> No
 
     def fake_load_dataset(repo: str, *, split: str) -> list[dict]:
         calls.append((repo, split))
-        return hub[repo]
+        return _split_rows(hub[repo], split)
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
     assert load_examples("alpaca_sample") == [Example(ALPACA_NO_INPUT, "Blue."), Example(ALPACA_WITH_INPUT, "5")]
@@ -269,6 +293,22 @@ def test_hub_loaders_map_rows_to_examples(monkeypatch: pytest.MonkeyPatch) -> No
         ("knowrohit07/know_sql", "validation"),
         ("microsoft/orca-math-word-problems-200k", "train"),
     ]
+
+
+def test_guanaco_samples_counts_rows_not_examples(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--dataset_samples N reads the first N hub rows; a row without an Assistant turn is skipped, not replaced."""
+    import datasets
+
+    rows = [
+        {"text": "### Human: A### Assistant: 1"},
+        {"text": "no assistant turn here"},
+        {"text": "### Human: B### Assistant: 2"},
+        {"text": "### Human: C### Assistant: 3"},
+    ]
+
+    monkeypatch.setattr(datasets, "load_dataset", lambda repo, *, split: _split_rows(rows, split))
+    assert [e.response for e in load_examples("guanaco", samples=3)] == ["1", "2"]
+    assert [e.response for e in load_examples("guanaco")] == ["1", "2", "3"]
 
 
 def test_hub_row_with_wrong_type_is_a_user_error(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -338,7 +378,7 @@ def test_prompt_tokens_and_padding_are_masked(tokenizer: PreTrainedTokenizerFast
     assert item["labels"].tolist() == [IGNORE_INDEX] * n_prompt + response_ids + [eos] + [IGNORE_INDEX] * 5
     assert item["attention_mask"].tolist() == [1] * n_real + [0] * 5
     assert stats.rows == 1 and stats.truncated == 0 and stats.dropped == 0
-    assert stats.total_label_tokens == len(response_ids) + 1
+    assert stats.total_label_tokens == len(response_ids) + 1  # position 0 is a prompt token: unlabelled anyway
 
 
 def test_train_on_inputs_labels_prompt_tokens(tokenizer: PreTrainedTokenizerFast) -> None:
@@ -347,7 +387,20 @@ def test_train_on_inputs_labels_prompt_tokens(tokenizer: PreTrainedTokenizerFast
     n_real = int(item["attention_mask"].sum())
     assert item["labels"][:n_real].tolist() == item["input_ids"][:n_real].tolist()
     assert (item["labels"][n_real:] == IGNORE_INDEX).all()
-    assert stats.total_label_tokens == n_real
+    assert stats.total_label_tokens == n_real - 1  # nothing predicts position 0
+
+
+def test_label_tokens_are_the_tokens_the_loss_is_computed_on(tokenizer: PreTrainedTokenizerFast) -> None:
+    """The logits at t predict labels[t + 1] (the trainer's labels[:, 1:]), so a labelled position 0 is never learned:
+    the data log's count must match the trainer's label_tokens, and a row labelled only there has nothing to learn."""
+    examples = [Example("Q: ", "A"), Example("Question: hi\nAnswer: ", "Blue."), Example("", "")]
+    for train_on_inputs in (True, False):
+        items, stats = tokenize_examples(examples, tokenizer, context_length=32, train_on_inputs=train_on_inputs)
+        assert (stats.rows, stats.dropped, len(items)) == (3, 1, 2)  # Example("", "") is eos alone, at position 0
+        batch = next(iter(torch.utils.data.DataLoader(items, batch_size=len(items))))
+        assert stats.total_label_tokens == int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+        # With train_on_inputs position 0 is labelled, so counting every label would over-count by one per row.
+        assert (batch["labels"][:, 0] != IGNORE_INDEX).all() == train_on_inputs
 
 
 def test_truncation_counts_and_drops_rows_with_nothing_to_learn(tokenizer: PreTrainedTokenizerFast) -> None:
@@ -369,7 +422,7 @@ def test_truncation_counts_and_drops_rows_with_nothing_to_learn(tokenizer: PreTr
         cut["input_ids"].tolist()
         == (_ids(tokenizer, long_response.prompt) + _ids(tokenizer, long_response.response))[:length]
     )
-    assert stats.total_label_tokens == sum(int((it["labels"] != IGNORE_INDEX).sum()) for it in items)
+    assert stats.total_label_tokens == sum(int((it["labels"][1:] != IGNORE_INDEX).sum()) for it in items)
 
     # The same long-prompt row is kept when the prompt is learned too.
     _, stats_inputs = tokenize_examples([long_prompt], tokenizer, context_length=length, train_on_inputs=True)
@@ -380,6 +433,15 @@ def test_all_rows_dropped_suggests_longer_context(tokenizer: PreTrainedTokenizer
     ex = Example("Question: " + "row number one two three " * 20, "Blue.")
     with pytest.raises(UserError, match="--context_length"):
         tokenize_examples([ex], tokenizer, context_length=16, train_on_inputs=False)
+
+
+def test_context_length_minimum_is_the_configs_rule(tokenizer: PreTrainedTokenizerFast) -> None:
+    """The config rejects --context_length < 8 before any work; tokenization has no threshold of its own, and a
+    context too short to hold a learnable token drops every row, with the usual advice."""
+    with pytest.raises(ConfigError, match="--context_length must be >= 8"):
+        build_config({"model": "m", "context_length": 7}).validate()
+    with pytest.raises(UserError, match=r"all 1 rows were dropped.*larger --context_length"):
+        tokenize_examples([Example("", "Blue.")], tokenizer, context_length=1, train_on_inputs=True)
 
 
 def test_missing_pad_token_pads_with_eos(tokenizer: PreTrainedTokenizerFast) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from qlora_fsdp.data import Example, format_prompt, load_examples
 from scripts.make_dataset import generate_rows
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -28,6 +29,12 @@ def test_shipped_file_parses_with_alpaca_fields(rows: list[dict]) -> None:
         assert set(row) == {"instruction", "input", "output"}, i
         assert all(isinstance(row[k], str) for k in row), i
         assert row["instruction"].strip() and row["output"].strip(), i
+
+
+def test_dataset_samples_takes_the_first_rows(rows: list[dict]) -> None:
+    """--dataset_samples 3 on the shipped file trains on exactly its first 3 rows, in file order."""
+    examples = load_examples(str(DATA), samples=3)
+    assert examples == [Example(format_prompt(r["instruction"], r["input"]), r["output"]) for r in rows[:3]]
 
 
 def test_rows_mix_inputs_and_stay_short_ascii(rows: list[dict]) -> None:

@@ -150,7 +150,7 @@ def test_bad_size_exits_nonzero_with_one_line_error(tmp_path: Path) -> None:
     out = tmp_path / "bad"
     script = REPO_ROOT / "scripts" / "make_tiny_model.py"
     proc = subprocess.run(
-        [sys.executable, str(script), "--output", str(out), "--hidden_size", "100"],
+        [sys.executable, str(script), "--output", str(out), "--hidden_size", "100", "--num_heads", "3"],
         check=False,
         capture_output=True,
         text=True,
@@ -159,19 +159,17 @@ def test_bad_size_exits_nonzero_with_one_line_error(tmp_path: Path) -> None:
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
-    assert "hidden_size" in lines[0]
-    assert "64" in lines[0]
+    assert "hidden_size" in lines[0] and "num_heads" in lines[0]
     assert not out.exists(), "validation must happen before anything is written"
 
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"hidden_size": 100}, "hidden_size"),
-        ({"intermediate_size": 200}, "intermediate_size"),
-        ({"vocab_size": 500}, "vocab_size"),
-        ({"vocab_size": 256}, "byte alphabet"),  # multiple of 64 but too small for 256 bytes + specials
-        ({"num_kv_heads": 1}, "k/v projection dim 32"),  # 32 is not a multiple of 64
+        ({"hidden_size": 100, "num_heads": 3}, "divisible by --num_heads"),
+        ({"hidden_size": 100, "num_heads": 20, "num_kv_heads": 4}, "must be even for rotary"),  # head_dim 5
+        ({"intermediate_size": 0}, "intermediate_size"),
+        ({"vocab_size": 256}, "byte alphabet"),  # too small for 256 bytes + specials
         ({"num_heads": 3, "hidden_size": 192, "num_kv_heads": 2}, "divisible by --num_kv_heads"),
         ({"num_shards": 0}, "num_shards"),
         ({"num_shards": 1000}, "exceeds the number of tensors"),
