@@ -83,6 +83,8 @@ class CpuPlan:
     retries: int = 1
     launch_timeout_s: float = 600.0
     quick: bool = False
+    precision: str = "bf16"
+    """Both sides' parameter, storage and compute dtype: bf16, or fp32 on a CPU without native bf16 matmuls."""
     large: bool = False
     """The loading section alone, on a 1.1B model (--suite cpu-large)."""
 
@@ -113,8 +115,22 @@ LARGE_MODEL = dict(
 )
 
 
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 matrices in hardware; without it PyTorch's bf16 matmul is ~100x slower than
+    fp32 (seen: 0.5 s against 5 ms for 64 x 2816 x 1024), which would measure that path instead of either side."""
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = cpuinfo.read_text() if cpuinfo.is_file() else ""
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def plan(
-    *, quick: bool, threads: int, reps: int | None, idle_wait_s: float | None, large: bool = False
+    *,
+    quick: bool,
+    threads: int,
+    reps: int | None,
+    idle_wait_s: float | None,
+    large: bool = False,
+    precision: str | None = None,
 ) -> CpuPlan:
     """The full suite (about 12 minutes on 2 cores), the --quick one the test runs (small model, one rep), or the
     large loading suite (about 5 minutes, one rep, plus 1-2 minutes to build the model once)."""
@@ -126,6 +142,7 @@ def plan(
     else:
         p = CpuPlan(FULL_MODEL, reps=3, batch_size=4, context_length=256, warmup_steps=2, measured_steps=3)
     p.threads = threads
+    p.precision = precision or ("bf16" if native_bf16() else "fp32")
     if reps is not None:
         p.reps = reps
     if idle_wait_s is not None:
@@ -244,7 +261,7 @@ class Runner:
             "model": model,
             "quant": quant,
             "fsdp_version": version,
-            "precision": "bf16",
+            "precision": p.precision,
             "dataset": "dummy",
             "dataset_samples": p.batch_size * (p.warmup_steps + p.measured_steps),
             "context_length": p.context_length,
@@ -323,14 +340,17 @@ def run_cpu_suite(
         },
         "settings": {
             **asdict(plan),
-            "precision": "bf16 parameters, storage and compute (ours --precision bf16; peer dtype=bfloat16)",
+            "precision": f"{plan.precision} parameters, storage and compute (ours --precision {plan.precision}; "
+            f"peer dtype and bnb compute/storage {plan.precision})"
+            + ("" if plan.precision == "bf16" else "; this CPU has no native bf16 matmul (AVX512-BF16/AMX)"),
             "quantization": "bnb nf4 + double quant, blocksize 64 (both sides) unless a row says otherwise",
             "threads": (
                 f"OMP_NUM_THREADS={plan.threads} for one-process runs (ours and peer); "
                 f"{max(1, plan.threads // 2)} per rank for 2-rank jobs, {max(1, plan.threads // 4)} per rank for 4"
             ),
             "our_training": "the real CLI: python train.py / torchrun train.py --max_steps, metrics.jsonl tokens_per_s",
-            "adapters": "ours: LoRA weights in bf16 (qlora-fsdp casts them to --precision); peer: PEFT default fp32",
+            "adapters": f"ours: LoRA weights in {plan.precision} (qlora-fsdp stores them in --precision); "
+            "peer: PEFT default fp32",
         },
         "rows": rows,
         "details": details,
@@ -358,10 +378,11 @@ def _loading(runner: Runner, model: Path, rows: list, details: dict) -> dict[int
     peer_runs = []
     for rep in range(runner.plan.reps):
         for version in LOAD_VERSIONS:
-            args = {"model": str(model), "fsdp_version": version, "quant": "bnb"}
+            args = {"model": str(model), "fsdp_version": version, "quant": "bnb", "precision": runner.plan.precision}
             ours[version].append(runner.worker(f"load ours FSDP{version} 2 ranks (rep {rep + 1})", "load_ours", args,
                                                nproc=2))  # fmt: skip
-        peer_runs.append(runner.worker(f"load peer (rep {rep + 1})", "load_peer", {"model": str(model)})[0])
+        peer_args = {"model": str(model), "precision": runner.plan.precision}
+        peer_runs.append(runner.worker(f"load peer (rep {rep + 1})", "load_peer", peer_args)[0])
     ours_model = ours[LOAD_VERSIONS[0]][0][0]["quantized_model_bytes"]
     peer_model = peer_runs[0]["quantized_model_bytes"]
     details["parameters"] = _parameters(model)
@@ -393,7 +414,7 @@ def _loading(runner: Runner, model: Path, rows: list, details: dict) -> dict[int
     rows.append(row("loading", "quantized_model_bytes",
                     "quantized model bytes (packed + quant state + unquantized weights)", "bytes", "lower",
                     [ours_model], [peer_model["total"]],
-                    ours_label="qlora-fsdp, bnb nf4, bf16", peer_label=PEER_LOAD))  # fmt: skip
+                    ours_label=f"qlora-fsdp, bnb nf4, {runner.plan.precision}", peer_label=PEER_LOAD))  # fmt: skip
     return ours
 
 
@@ -410,8 +431,10 @@ def _world_sizes(runner: Runner, model: Path, loads: dict[int, list], rows: list
                 by_world[n] = loads[version][0]  # the loading runs are this very measurement
             else:
                 args = {"model": str(model), "fsdp_version": version, "quant": quant}
+                args["precision"] = runner.plan.precision
                 by_world[n] = runner.worker(f"load {slug} {n} rank(s)", "load_ours", args, nproc=n)
-        kw = {"ours_label": f"qlora-fsdp FSDP{version} full_shard, {quant}, bf16", "peer_label": PEER_REPLICATED}
+        label = f"qlora-fsdp FSDP{version} full_shard, {quant}, {runner.plan.precision}"
+        kw = {"ours_label": label, "peer_label": PEER_REPLICATED}
         one = {key: max(r[key] for r in by_world[1]) for key in ("param_shard_bytes", "resident_bytes")}
         for n, ranks in by_world.items():
             params = max(r["param_shard_bytes"] for r in ranks)
@@ -443,6 +466,7 @@ def _training(runner: Runner, model: Path, rows: list, details: dict) -> None:
     ours_rss: dict[str, list[float]] = {key: [] for key, *_ in TRAIN_RUNS}
     peer_args = {
         "model": str(model),
+        "precision": p.precision,
         "lora_rank": p.lora_rank,
         "lora_alpha": p.lora_alpha,
         "batch_size": p.batch_size,
@@ -505,7 +529,7 @@ def _quality(runner: Runner, model: Path, config: dict[str, Any], rows: list, de
                     "lower",
                     [sides["ours"][metric]],
                     [sides["reference"][metric]],
-                    ours_label="qlora_fsdp.quant backend, bf16 storage",
+                    ours_label="qlora_fsdp.quant backend, uint8 storage, bf16 compute",
                     peer_label=PEER_LIBRARY,
                     note=f"{record['matrices']} matrices of layers {layers}, {record['params']:,} weights",
                 )

@@ -17,7 +17,12 @@ from typing import Any
 
 from benchmarks.common import current_rss_bytes, maxrss_bytes, peak_rss_bytes, write_json
 
-BF16 = "bf16"  # --precision bf16: bf16 parameters and compute
+
+def _dtype(precision: str) -> Any:
+    """The peer's dtype for our --precision (bf16 or fp32: parameters, storage and compute alike)."""
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
 
 
 def _quiet() -> None:
@@ -53,7 +58,7 @@ def load_ours(args: dict[str, Any]) -> None:
     importlib.import_module(f"qlora_fsdp.quant.{args['quant']}")  # not inside the timed region
 
     baseline = current_rss_bytes()
-    precision = PRECISIONS[BF16]
+    precision = PRECISIONS[args["precision"]]
     dist.barrier()
     start = time.perf_counter()
     sharder = make_sharder(
@@ -109,7 +114,7 @@ def load_peer(args: dict[str, Any]) -> None:
     preimport(args["model"])
     baseline = current_rss_bytes()
     start = time.perf_counter()
-    model = hf_load(args["model"], device="cpu")
+    model = hf_load(args["model"], device="cpu", dtype=_dtype(args["precision"]))
     load_s = time.perf_counter() - start
     write_json(
         args["result"],
@@ -130,7 +135,7 @@ def train_peer(args: dict[str, Any]) -> None:
 
     from benchmarks.peer import add_lora, dummy_batches, load_peer, train_steps
 
-    model = load_peer(args["model"], device="cpu")
+    model = load_peer(args["model"], device="cpu", dtype=_dtype(args["precision"]))
     model = add_lora(
         model, rank=args["lora_rank"], alpha=args["lora_alpha"], dropout=0.0, checkpointing=args["checkpointing"]
     )

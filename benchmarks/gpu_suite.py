@@ -254,11 +254,11 @@ def write_model(args: dict[str, Any]) -> None:
     config.save_pretrained(out)
     tokenizer.save_pretrained(out)
     device = torch.device(args["device"])
-    skeleton = meta_model(out, dtype=torch.bfloat16, trust_remote_code=False)
+    model = meta_model(out, dtype=torch.bfloat16, trust_remote_code=False)
     generator = torch.Generator(device=device).manual_seed(0)
     state = {}
     start = time.perf_counter()
-    for name, param in skeleton.named_parameters():
+    for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
             value = torch.ones(param.shape, dtype=torch.bfloat16, device=device)
         else:

@@ -19,25 +19,26 @@ from torch import nn
 LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def bnb_config(*, quant_type: str = "nf4", double_quant: bool = True):  # -> BitsAndBytesConfig
-    """The issue's peer configuration, plus double quantization so both sides store the same bytes."""
+def bnb_config(*, quant_type: str = "nf4", double_quant: bool = True, dtype: torch.dtype = torch.bfloat16):
+    """The issue's peer configuration, plus double quantization so both sides store the same bytes; `dtype` is the
+    storage and compute dtype (bf16, or fp32 on a CPU without native bf16 matmuls)."""
     from transformers import BitsAndBytesConfig
 
     return BitsAndBytesConfig(
         load_in_4bit=True,
-        bnb_4bit_quant_storage=torch.bfloat16,
+        bnb_4bit_quant_storage=dtype,
         bnb_4bit_quant_type=quant_type,
-        bnb_4bit_compute_dtype=torch.bfloat16,
+        bnb_4bit_compute_dtype=dtype,
         bnb_4bit_use_double_quant=double_quant,
     )
 
 
-def load_peer(path: str | Path, *, device: str) -> nn.Module:
-    """HF's own 4-bit loading onto `device` ("cpu" or "cuda"), bf16 for the unquantized weights."""
+def load_peer(path: str | Path, *, device: str, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+    """HF's own 4-bit loading onto `device` ("cpu" or "cuda"), `dtype` for the unquantized weights and compute."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
-        path, quantization_config=bnb_config(), device_map=device, dtype=torch.bfloat16
+        path, quantization_config=bnb_config(dtype=dtype), device_map=device, dtype=dtype
     )
     model.config.use_cache = False
     return model

@@ -39,6 +39,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=Path(os.environ.get("TMPDIR", "/tmp")) / "qlora-fsdp-bench",
         help="where built models are kept between runs",
     )
+    p.add_argument(
+        "--precision",
+        choices=("bf16", "fp32"),
+        default=None,
+        help="CPU suites: both sides' dtype (default: bf16 where the CPU has native bf16 matmuls, else fp32)",
+    )
     p.add_argument("--dry-run", dest="dry_run", action="store_true", help="GPU suite: tiny shapes on the CPU")
     p.add_argument("--peak_flops", type=float, default=989e12, help="GPU suite: the device's dense bf16 peak FLOP/s")
     p.add_argument("--budget_s", type=float, default=None, help="GPU suite: seconds for all GPU work (default 400)")
@@ -68,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             reps=args.reps,
             idle_wait_s=args.idle_wait,
             large=args.suite == "cpu-large",
+            precision=args.precision,
         )
         results = run_cpu_suite(cpu_plan, model=args.model, cache=args.cache)
         results["machine"] = machine_info()

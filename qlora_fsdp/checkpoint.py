@@ -57,9 +57,7 @@ class TrainState:
     """The flags a resume must share with the run that saved the checkpoint (data order, tensor shapes)."""
 
 
-def gather_adapter(
-    model: ShardedModel, keys: dict[nn.Module, dict[str, str]], *, env: DistEnv
-) -> dict[str, torch.Tensor]:
+def gather_adapter(model: ShardedModel, keys: dict[nn.Module, dict[str, str]]) -> dict[str, torch.Tensor]:
     """Full adapter tensors on rank 0 (empty elsewhere), keyed as PEFT saves them (see lora.adapter_keys)."""
     state: dict[str, torch.Tensor] = {}
     for module, tensors in model.gather(list(keys)):
@@ -79,7 +77,7 @@ def save_adapter(
     model: ShardedModel, peft_model: nn.Module, keys: dict[nn.Module, dict[str, str]], out: Path, *, env: DistEnv
 ) -> None:
     """Write adapter_model.safetensors + adapter_config.json that `PeftModel.from_pretrained` loads."""
-    state = gather_adapter(model, keys, env=env)
+    state = gather_adapter(model, keys)
     if env.is_main:
         out.mkdir(parents=True, exist_ok=True)
         save_file({k: v.contiguous() for k, v in state.items()}, str(out / ADAPTER_WEIGHTS))

@@ -55,7 +55,9 @@ def init_distributed(*, device: str = "auto", timeout_s: int = 600) -> DistEnv:
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     dev = resolve_device(device, local_rank)
-    backend = "nccl" if dev.type == "cuda" else "gloo"
+    # CUDA tensors go over NCCL; CPU tensors (FSDP2's CPU-offloaded shards, gradient norms, small control
+    # messages) over gloo, in the same process group.
+    backend = "cuda:nccl,cpu:gloo" if dev.type == "cuda" else "gloo"
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if not dist.is_initialized():
@@ -88,7 +90,7 @@ def broadcast_object(obj: object, env: DistEnv) -> object:
     if env.world_size == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0, device=env.device if env.backend == "nccl" else None)
+    dist.broadcast_object_list(box, src=0, device=env.device)
     return box[0]
 
 

@@ -48,10 +48,6 @@ class Precision:
             return self.autocast_dtype
         return self.mixed_precision[0] if self.mixed_precision else self.param_dtype
 
-    @property
-    def casts_parameters(self) -> bool:
-        """True when FSDP's policy gives the forward parameters in another dtype than they are stored in."""
-        return self.mixed_precision is not None and self.mixed_precision[0] != self.param_dtype
 
 
 _FP32, _BF16, _FP16 = torch.float32, torch.bfloat16, torch.float16
@@ -163,7 +159,13 @@ def make_sharder(
     """The sharder for `--fsdp_version`. `ignore` and `adapters_own_units` only matter to FSDP1, which flattens
     each unit into one tensor: quantized layers must stay out of a casting unit, and frozen and trainable
     parameters cannot share one."""
-    module = importlib.import_module(f"qlora_fsdp.fsdp{cfg.fsdp_version}")
+    try:
+        module = importlib.import_module(f"qlora_fsdp.fsdp{cfg.fsdp_version}")
+    except ImportError as exc:  # torch before 2.6 has no public fully_shard
+        raise UserError(
+            f"--fsdp_version {cfg.fsdp_version} needs a newer PyTorch than {torch.__version__} ({exc}); "
+            "use --fsdp_version 1 or PyTorch 2.12+"
+        ) from None
     return module.SHARDER(cfg, env=env, precision=precision, ignore=ignore, adapters_own_units=adapters_own_units)
 
 
@@ -172,8 +174,9 @@ def make_sharder(
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _checksum(data: torch.Tensor, chunk: int = 1 << 24) -> int:
-    """A checksum of uint8 bytes: crc32 on CPU; on GPU a position-weighted sum, so nothing is copied to the host.
+def _checksum(data: torch.Tensor, chunk: int = 1 << 22) -> int:
+    """A checksum of uint8 bytes: crc32 on CPU; on GPU a sum of bytes times a hash of their position, so nothing
+    is copied to the host and moved or rewritten bytes change it.
 
     crc32 reads copies of chunks: a numpy view of a parameter would make its storage unresizable, which FSDP2
     needs it to be (it frees unsharded parameters by resizing their storage to zero).
@@ -186,8 +189,8 @@ def _checksum(data: torch.Tensor, chunk: int = 1 << 24) -> int:
     total = 0
     for start in range(0, data.numel(), chunk):
         part = data[start : start + chunk].to(torch.int64)
-        weights = torch.arange(start, start + part.numel(), device=data.device, dtype=torch.int64) % 65521 + 1
-        total += int((part * weights).sum())
+        position = torch.arange(start, start + part.numel(), device=data.device, dtype=torch.int64) % (1 << 31)
+        total += int((part * (position * 2654435761 % 2147483647 + 1)).sum())  # Knuth's multiplicative hash
     return total
 
 
@@ -205,7 +208,8 @@ def packed_digest(module: QuantizedLinear) -> tuple:
 
 
 def _check_same_on_every_rank(reference: dict[int, tuple[str, tuple]], env: DistEnv) -> None:
-    """Every rank quantized every weight itself: their packed bytes and state must agree bit for bit."""
+    """Every rank holds the whole of each layer before sharding it (quantized by itself, or, for bnb, gathered from
+    the parts every rank quantized): their packed bytes and state must agree bit for bit."""
     if env.world_size == 1:
         return
     mine = zlib.crc32(repr(sorted(reference.values())).encode())

@@ -101,7 +101,9 @@ class Fsdp1Sharder(Sharder):
         # Units of their own outside the decoder layers: an adapter on the head, say.
         for name, module in self._leftover_units(model):
             parent_name, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent_name), child, FSDP(module, **self.options))
+            # Auto-wrapping gives ignored classes units without mixed precision; a unit made by hand must say so.
+            options = {**self.options, "mixed_precision": None} if isinstance(module, self.ignore) else self.options
+            setattr(model.get_submodule(parent_name), child, FSDP(module, **options))
         # Every unit below the root is wrapped already; FSDP refuses auto-wrapping over existing units.
         return Fsdp1Model(FSDP(model, **{**self.options, "auto_wrap_policy": None}), env=self.env)
 

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from qlora_fsdp.config import FSDPConfig
 from qlora_fsdp.distributed import DistEnv
+from qlora_fsdp.errors import UserError
 from qlora_fsdp.fsdp import Precision, ShardedModel, Sharder
 
 # shard_grad_op keeps gathered parameters from forward to backward (ZeRO-2); no_shard is a shard group of one.
@@ -59,6 +60,7 @@ class Fsdp2Sharder(Sharder):
             mp_policy=mp,
             offload_policy=CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy(),
         )
+        _check_integer_parameters(self.options["mesh"])
 
     @property
     def storage_dtype(self) -> torch.dtype:
@@ -71,6 +73,23 @@ class Fsdp2Sharder(Sharder):
         # The root (embeddings, norm, head) is the last module forward uses and the first backward needs: keeping
         # it gathered saves one all-gather a step (2L+1 in all for L layers).
         return Fsdp2Model(fully_shard(model, **{**self.options, "reshard_after_forward": False}))
+
+
+def _check_integer_parameters(mesh: DeviceMesh) -> None:
+    """Refuse, with the fix, a PyTorch whose FSDP2 cannot shard a uint8 parameter.
+
+    Before PyTorch 2.12 fully_shard made every sharded parameter require gradients, which a non-floating one cannot
+    (and cast it under a mixed-precision policy). Probed on a meta parameter: no memory, no communication.
+    """
+    probe = nn.Module()
+    probe.packed = nn.Parameter(torch.empty(mesh.size(), dtype=torch.uint8, device="meta"), requires_grad=False)
+    try:
+        fully_shard(probe, mesh=mesh)
+    except RuntimeError as exc:
+        raise UserError(
+            f"--fsdp_version 2 keeps packed weights as uint8 parameters, which the FSDP2 of torch {torch.__version__} "
+            f"cannot shard ({str(exc).splitlines()[0]}); use --fsdp_version 1 or PyTorch 2.12+"
+        ) from None
 
 
 def _full(param: torch.Tensor) -> torch.Tensor:
@@ -126,11 +145,19 @@ class Fsdp2Model(ShardedModel):
         for param, param_state in optimizer.state.items():
             if not isinstance(param, DTensor):
                 continue
+            local = param.to_local()
             for name, value in param_state.items():
-                if isinstance(value, torch.Tensor) and value.shape == param.to_local().shape and value.dim():
-                    param_state[name] = DTensor.from_local(
-                        value, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
+                if not isinstance(value, torch.Tensor) or not value.dim():  # a step count
+                    continue
+                if value.shape != local.shape:
+                    raise UserError(
+                        f"--resume_from: a saved optimizer shard is {list(value.shape)}, this rank's parameter shard "
+                        f"{list(local.shape)}: the ranks are grouped otherwise than when it was saved; resume with "
+                        "the same number of nodes and processes per node"
                     )
+                param_state[name] = DTensor.from_local(
+                    value, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
+                )
 
     def local_parameter_bytes(self) -> int:
         total = 0

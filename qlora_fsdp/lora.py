@@ -66,8 +66,9 @@ def init_adapters(layers: list[nn.Module], *, seed: int, name: str) -> None:
     """PEFT's default initialisation (A: Kaiming-uniform, B: zero; DoRA magnitude: the base weight's row norms),
     drawn on the CPU from a generator seeded by (`seed`, `name`).
 
-    So every rank, world size and device gets the same adapters without communication, and without touching the
-    global RNG that dropout draws from. Call it once the layer's base weights are loaded (DoRA reads them).
+    So every rank, world size and device gets the same A and B without communication, and without touching the
+    global RNG that dropout draws from. Call it once the layer's base weights are loaded: DoRA's magnitude is
+    computed from them, on their device.
     """
     generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
     with torch.no_grad():

@@ -96,11 +96,14 @@ def _read_safetensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
     resident set until the file is closed, which would put a whole shard into each rank's peak. Plain reads go
     through the page cache, which is the machine's, not the process's.
     """
+    file_size = file.stat().st_size
     with open(file, "rb", buffering=0) as fh:
         size = int.from_bytes(fh.read(8), "little")
         try:
+            if not 0 < size <= file_size - 8:
+                raise ValueError
             header = json.loads(fh.read(size))
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError):
             raise UserError(f"--model: {file} is not a safetensors file (unreadable header); re-download it") from None
         header.pop("__metadata__", None)
         for name, info in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
@@ -109,6 +112,9 @@ def _read_safetensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 raise UserError(f"--model: {file} stores {name} as {info['dtype']}, which this loader cannot read")
             begin, end = info["data_offsets"]
             tensor = torch.empty(info["shape"], dtype=dtype)
+            # The bytes are read straight into the tensor: they must be exactly its size and inside the file.
+            if not 0 <= begin <= end <= file_size - 8 - size or end - begin != tensor.numel() * tensor.element_size():
+                raise UserError(f"--model: {file} has a corrupt header ({name}'s offsets do not fit); re-download it")
             fh.seek(8 + size + begin)
             # Read straight into the tensor's memory (a numpy view would make its storage unresizable for FSDP2),
             # in several reads where one read(2) returns less (Linux stops at 2 GiB).

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -34,7 +35,7 @@ from qlora_fsdp.checkpoint import (
 )
 from qlora_fsdp.config import OptimConfig, OutputConfig, TrainConfig, profile_window
 from qlora_fsdp.data import IGNORE_INDEX, build_dataloader
-from qlora_fsdp.distributed import DistEnv, gather_ints, init_distributed, teardown
+from qlora_fsdp.distributed import DistEnv, broadcast_object, gather_ints, init_distributed, teardown
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.fsdp import DTYPES, PRECISIONS, Precision, ShardedModel, make_sharder, verify_packed
 from qlora_fsdp.lora import adapter_keys, init_adapters, inject_lora, lora_layers, prepare_full_finetune
@@ -51,6 +52,7 @@ from qlora_fsdp.quant import make_backend
 from qlora_fsdp.quant.base import QuantizedLinear
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 FINISHED_MARKERS = ("adapter_model.safetensors", "model.safetensors", TRAINED_BLOCKS, METRICS_FILE)
 
 
@@ -110,6 +112,8 @@ def run(cfg: TrainConfig) -> TrainResult:
     env = init_distributed(device=cfg.dist.device, timeout_s=cfg.dist.dist_timeout_s)
     try:
         _preflight(cfg, env)
+        if not cfg.model.low_memory and env.is_main:
+            log.warning("--low_memory false is ignored: every rank streams each layer into its shards")
         output_dir = Path(cfg.output.output_dir)
         shared = output_dir_shared(output_dir, env)
         if not shared and (cfg.output.save_steps or cfg.output.resume_from):
@@ -118,13 +122,21 @@ def run(cfg: TrainConfig) -> TrainResult:
                 "rank cannot see it), so no checkpoint could be completed or resumed: point --output_dir at a "
                 "filesystem all nodes share, or drop --save_steps/--resume_from"
             )
-        resume = resolve_resume(cfg.output.resume_from, output_dir)
-        changed: list[str] = []
-        if resume is not None:
+        settings = _settings(cfg, model_path, env)
+
+        def choose_resume() -> tuple[Path | None, list[str]]:
+            resume = resolve_resume(cfg.output.resume_from, output_dir)
+            if resume is None:
+                return None, []
             changed = check_resume_compatible(
-                resume, _settings(cfg, model_path), world_size=env.world_size, may_change=MAY_CHANGE_ON_RESUME
+                resume, settings, world_size=env.world_size, may_change=MAY_CHANGE_ON_RESUME
             )
-        result = _run(cfg, env, model_path, resume, changed=changed, shared_output=shared)
+            return resume, changed
+
+        # Decided once, on rank 0: ranks that looked at the files themselves could disagree (a lagging shared
+        # filesystem) and one refusing alone would leave the others waiting in a collective.
+        resume, changed = _on_rank0(choose_resume, env)
+        result = _run(cfg, env, model_path, resume, changed=changed, shared_output=shared, settings=settings)
         dist.barrier()  # every rank is done with the model before any leaves the group
         return result
     finally:
@@ -147,10 +159,29 @@ MAY_CHANGE_ON_RESUME = (
 )  # fmt: skip
 
 
-def _settings(cfg: TrainConfig, model_path: Path) -> dict[str, object]:
+def _settings(cfg: TrainConfig, model_path: Path, env: DistEnv) -> dict[str, object]:
     """What a checkpoint records of its run, for check_resume_compatible."""
     flags = cfg.to_dict()
-    return {"model": model_identity(model_path), **{k: flags[k] for k in MUST_MATCH_ON_RESUME + MAY_CHANGE_ON_RESUME}}
+    settings = {k: flags[k] for k in MUST_MATCH_ON_RESUME + MAY_CHANGE_ON_RESUME}
+    settings["model"] = model_identity(model_path)
+    if cfg.fsdp.sharding_strategy.startswith("hybrid"):
+        # 0 means "a node": the shards' shapes follow the node size, which another job layout may change.
+        settings["shard_group_size"] = cfg.fsdp.shard_group_size or env.local_world_size
+    return settings
+
+
+def _on_rank0(decide: Callable[[], T], env: DistEnv) -> T:
+    """`decide()` run on rank 0; its result, or the UserError it raised, on every rank."""
+    outcome: tuple[bool, object] = (True, None)
+    if env.is_main:
+        try:
+            outcome = (True, decide())
+        except UserError as exc:
+            outcome = (False, str(exc))
+    ok, value = broadcast_object(outcome, env)
+    if not ok:
+        raise UserError(str(value))
+    return value  # type: ignore[return-value]
 
 
 @dataclass
@@ -169,7 +200,14 @@ class _Built:
 
 
 def _run(
-    cfg: TrainConfig, env: DistEnv, model_path: Path, resume: Path | None, *, changed: list[str], shared_output: bool
+    cfg: TrainConfig,
+    env: DistEnv,
+    model_path: Path,
+    resume: Path | None,
+    *,
+    changed: list[str],
+    shared_output: bool,
+    settings: dict[str, object],
 ) -> TrainResult:
     precision = PRECISIONS[cfg.fsdp.precision]
     torch.manual_seed(cfg.optim.seed)
@@ -182,10 +220,10 @@ def _run(
     optimizer = build_optimizer(built.model.module.parameters(), cfg.optim)
     scaler = ShardedGradScaler(device=env.device.type) if precision.grad_scaler else None
     output_dir = Path(cfg.output.output_dir)
-    state = TrainState(world_size=env.world_size, seed=cfg.optim.seed, settings=_settings(cfg, model_path))
+    state = TrainState(world_size=env.world_size, seed=cfg.optim.seed, settings=settings)
     if resume is not None:
         state = load_checkpoint(resume, model=built.model, keys=built.keys, optimizer=optimizer, scaler=scaler, env=env)
-        state.settings = _settings(cfg, model_path)
+        state.settings = settings
     # The schedule is a function of the flags and the step: rebuilt, not restored, so changed flags take effect.
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps, start_step=state.step)
     if env.is_main:

@@ -1,8 +1,8 @@
 """The interface every quantization backend implements, so loading, sharding and checks stay backend-agnostic.
 
-A backend swaps `nn.Linear` layers of a meta-device skeleton for its `QuantizedLinear` subclass, quantizes weights
-into them as they stream in, and names the class FSDP1's MixedPrecision must leave alone. How the packed bytes are
-stored is not the backend's business: `storage_dtype`, chosen by the FSDP version, decides it for every backend.
+A backend swaps `nn.Linear` layers of a meta-device skeleton for its `QuantizedLinear` subclass and quantizes weights
+into them as they stream in. How the packed bytes are stored is not the backend's business: `storage_dtype`, chosen
+by the FSDP version, decides it for every backend, and FSDP1's MixedPrecision ignores every `QuantizedLinear`.
 """
 
 from __future__ import annotations
@@ -154,13 +154,8 @@ class QuantBackend(ABC):
         process quantizing the whole weight. A backend that cannot split its work ignores `env`.
         """
 
-    @property
-    def module_classes(self) -> tuple[type[nn.Module], ...]:
-        """Quantized module classes: FSDP1's MixedPrecision ignores them so packed storage is never cast."""
-        return (self.module_class,)
-
     def is_quantized(self, module: nn.Module) -> bool:
-        return isinstance(module, self.module_classes)
+        return isinstance(module, self.module_class)
 
     def load_weight(
         self, module: QuantizedLinear, weight: torch.Tensor, *, device: torch.device, env: DistEnv | None = None

@@ -153,6 +153,8 @@ def _quantize_blocks(flat: torch.Tensor, quant_type: str) -> tuple[torch.Tensor,
     this computes the same thing (bucket = how many midpoints lie below the value) in cache-sized chunks, about
     2x faster, and is checked bit for bit against it by the tests. Other devices use bitsandbytes' own kernel.
     """
+    if not flat.numel():  # a rank with no blocks of a small weight
+        return torch.empty(0, dtype=torch.uint8, device=flat.device), torch.empty(0, device=flat.device)
     if flat.device.type != "cpu":
         packed, absmax = torch.ops.bitsandbytes.quantize_4bit.default(flat, BLOCKSIZE, quant_type, torch.uint8)
         return packed.view(-1), absmax.view(-1).float()
@@ -179,8 +181,6 @@ def _quantize_blocks(flat: torch.Tensor, quant_type: str) -> tuple[torch.Tensor,
             bucket = order.to(torch.uint8)[bucket.long()]
         packed.append((bucket[::2] << 4) | bucket[1::2])
         absmax.append(part_absmax)
-    if not packed:
-        return torch.empty(0, dtype=torch.uint8), torch.empty(0)
     return torch.cat(packed), torch.cat(absmax)
 
 

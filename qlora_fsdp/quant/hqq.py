@@ -35,8 +35,7 @@ class HqqLinear(QuantizedLinear):
         return _dequantize(self._packed_ints(), self._hqq_meta(), self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        inputs = (x.to(self.compute_dtype), self._packed_ints(), self.state_tensor("scale"), self.state_tensor("zero"))
-        out = _DequantizeMatmul.apply(*inputs, self.meta, (self.out_features, self.in_features))
+        out = _DequantizeMatmul.apply(x.to(self.compute_dtype), self)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out.to(x.dtype)
@@ -52,21 +51,19 @@ def _dequantize(packed: torch.Tensor, meta: dict[str, Any], rows: int, cols: int
 class _DequantizeMatmul(torch.autograd.Function):
     """x @ W.T with W dequantized in forward and again in backward, so no dequantized weight is kept for backward.
 
-    Only the packed ints, scale and zero are saved: under FSDP these are the unsharded parameters' storage, which
-    FSDP refills before this layer's backward runs.
+    Nothing is saved for backward: the layer itself is kept, and its packed weights are read again when backward
+    runs, by which time FSDP has gathered them back. Saving them would hand the whole packed layer to saved-tensor
+    hooks such as --activation_offload's, which would copy it to host memory at every step.
     """
 
     @staticmethod
-    def forward(ctx: Any, x, packed, scale, zero, meta, shape):  # type: ignore[override]
-        ctx.save_for_backward(packed, scale, zero)
-        ctx.meta, ctx.shape = meta, shape
-        return x @ _dequantize(packed, {**meta, "scale": scale, "zero": zero}, *shape).t()
+    def forward(ctx: Any, x: torch.Tensor, layer: HqqLinear) -> torch.Tensor:  # type: ignore[override]
+        ctx.layer = layer
+        return x @ layer.dequantize().t()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):  # type: ignore[override]
-        packed, scale, zero = ctx.saved_tensors
-        weight = _dequantize(packed, {**ctx.meta, "scale": scale, "zero": zero}, *ctx.shape)
-        return grad @ weight.to(grad.dtype), None, None, None, None, None
+        return grad @ ctx.layer.dequantize().to(grad.dtype), None
 
 
 class HqqBackend(QuantBackend):

@@ -65,10 +65,14 @@ def test_changes_that_may_happen_on_resume_are_returned_not_refused(tmp_path: Pa
 
 def _settings(model: Path, **flags: object) -> dict[str, object]:
     """What the trainer records in a checkpoint for these flags."""
+    import torch
+
     from qlora_fsdp.config import build_config
+    from qlora_fsdp.distributed import DistEnv
     from qlora_fsdp.trainer import _settings
 
-    return _settings(build_config({"model": str(model), **flags}).validate(), model)
+    env = DistEnv(0, 0, 8, 4, torch.device("cpu"), "gloo")  # 2 nodes x 4
+    return _settings(build_config({"model": str(model), **flags}).validate(), model, env)
 
 
 @pytest.mark.parametrize(
@@ -132,3 +136,19 @@ def test_remove_checkpoints_takes_complete_and_unfinished_ones_only(tmp_path: Pa
     (tmp_path / "notes").mkdir()
     remove_checkpoints(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter_model.safetensors", "notes"]
+
+
+def test_hybrid_sharding_records_the_shard_group_it_really_used(tiny_model: Path, tmp_path: Path) -> None:
+    """--shard_group_size 0 means one node: 2 nodes x 4 and 1 node x 8 shard differently under the same flags."""
+    import torch
+
+    from qlora_fsdp.config import build_config
+    from qlora_fsdp.distributed import DistEnv
+    from qlora_fsdp.trainer import MAY_CHANGE_ON_RESUME, _settings
+
+    cfg = build_config({"model": str(tiny_model), "sharding_strategy": "hybrid_shard"}).validate()
+    two_nodes = _settings(cfg, tiny_model, DistEnv(0, 0, 8, 4, torch.device("cpu"), "gloo"))
+    one_node = _settings(cfg, tiny_model, DistEnv(0, 0, 8, 8, torch.device("cpu"), "gloo"))
+    ckpt = make_checkpoint(tmp_path, 3, **two_nodes)
+    with pytest.raises(UserError, match="--shard_group_size 4 -> 8"):
+        check_resume_compatible(ckpt, one_node, world_size=2, may_change=MAY_CHANGE_ON_RESUME)

@@ -19,9 +19,10 @@ def test_every_precision_flag_has_a_mode() -> None:
 def test_mp_bf16_is_fp32_storage_cast_to_bf16_with_fp32_reduction() -> None:
     mode = PRECISIONS["mp_bf16"]
     assert mode.param_dtype == torch.float32 and mode.mixed_precision == (torch.bfloat16, torch.float32, torch.float32)
-    assert mode.casts_parameters and mode.compute_dtype == torch.bfloat16 and mode.autocast_dtype is None
+    assert mode.compute_dtype == torch.bfloat16 and mode.autocast_dtype is None
     # The other modes never cast a stored parameter: only mp_bf16 makes the quantized-layer exclusion necessary.
-    assert [name for name, m in PRECISIONS.items() if m.casts_parameters] == ["mp_bf16"]
+    casting = [name for name, m in PRECISIONS.items() if m.mixed_precision and m.mixed_precision[0] != m.param_dtype]
+    assert casting == ["mp_bf16"]
 
 
 def guarded(quant: str, storage: torch.dtype) -> nn.Sequential:

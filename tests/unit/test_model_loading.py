@@ -621,3 +621,19 @@ def test_tokenizer_without_pad_pads_with_eos(tiny_model: Path, tmp_path: Path) -
     assert tokenizer.pad_token_id is not None
     assert tokenizer.pad_token_id == tokenizer.eos_token_id
     assert tokenizer.pad_token == "<|endoftext|>"
+
+
+@pytest.mark.parametrize(
+    "offsets", [[0, 10**9], [0, 8], [4, 0]], ids=["beyond-the-file", "more-bytes-than-the-tensor", "reversed"]
+)
+def test_a_header_whose_offsets_do_not_fit_is_refused_before_any_read(tmp_path: Path, offsets: list[int]) -> None:
+    """The reader fills each tensor's memory straight from the file: a header must never make it write past it."""
+    import json as _json
+
+    from qlora_fsdp.model import _read_safetensors
+
+    header = _json.dumps({"w": {"dtype": "F32", "shape": [1], "data_offsets": offsets}}).encode()
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(len(header).to_bytes(8, "little") + header + bytes(16))
+    with pytest.raises(UserError, match="corrupt header"):
+        list(_read_safetensors(path))

@@ -443,9 +443,10 @@ def test_input_gradient_flows_through_the_frozen_layer(quant: str, storage: torc
         assert not param.requires_grad and param.grad is None, name
 
 
-def test_hqq_forward_keeps_no_dequantized_weight_for_backward() -> None:
-    """HQQ's forward dequantizes again in backward: what autograd saves is the packed ints, scale and zero (under
-    FSDP, the unsharded parameters' storage), never an [out, in] float weight."""
+def test_hqq_forward_saves_nothing_for_backward() -> None:
+    """HQQ's forward dequantizes again in backward from the layer's own (by then re-gathered) packed weights: it
+    hands nothing to saved-tensor hooks, so --activation_offload never copies a layer's packed weights to the host
+    and no [out, in] float weight is kept."""
     _, module = quantized("hqq", source_weight(), storage=torch.uint8)
     saved: list[torch.Tensor] = []
 
@@ -456,10 +457,7 @@ def test_hqq_forward_keeps_no_dequantized_weight_for_backward() -> None:
     x = torch.randn(3, IN, generator=torch.Generator().manual_seed(9), requires_grad=True)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = module(x)
-    assert saved, "precondition: the forward saves something for backward"
-    for t in saved:
-        assert not (t.is_floating_point() and t.numel() >= OUT * IN), (t.shape, t.dtype)
-    assert sum(t.numel() * t.element_size() for t in saved) < OUT * IN * 4 // 2
+    assert saved == []
     grad = torch.randn(3, OUT, generator=torch.Generator().manual_seed(10))
     out.backward(grad)
     torch.testing.assert_close(x.grad, grad @ module.dequantize(), rtol=1e-4, atol=1e-5)
