@@ -49,7 +49,6 @@ class Precision:
         return self.mixed_precision[0] if self.mixed_precision else self.param_dtype
 
 
-
 _FP32, _BF16, _FP16 = torch.float32, torch.bfloat16, torch.float16
 PRECISIONS = {
     "fp32": Precision(_FP32),

@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffload, FullStateDictConfig, MixedPrecision, ShardingStrategy, StateDictType
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp._runtime_utils import _lazy_init
 from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
 
 from qlora_fsdp.config import FSDPConfig
@@ -151,6 +152,9 @@ class Fsdp1Model(ShardedModel):
                     yield id(inner), {n: p.detach().clone().cpu() for n, p in inner.named_parameters()}
 
     def load(self, module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+        # FSDP1 sets up its unit tree from whichever unit is used first; a resume loads adapters before any forward,
+        # and summoning a child unit then would make it a root, which the real root's first forward refuses.
+        _lazy_init(self.module, self.module)
         for unit, inner in self._units_of([module]):
             with FSDP.summon_full_params(unit, recurse=False, writeback=True), torch.no_grad():
                 for name, param in inner.named_parameters():

@@ -5,4 +5,6 @@ cd "$(dirname "$0")/.."
 bash scripts/install_cpu.sh
 VENV=${VENV:-.venv}
 "$VENV/bin/ruff" check .
-"$VENV/bin/python" -m pytest -q "$@"
+# Two workers, each taking whole test files (module fixtures build once): the multi-process tests leave cores idle
+# while processes start and ranks wait on each other, which the other worker fills. PYTEST_WORKERS=0: one process.
+"$VENV/bin/python" -m pytest -q -n "${PYTEST_WORKERS:-2}" --dist loadfile "$@"

@@ -131,8 +131,12 @@ def reference_first_step(cfg: TrainConfig, world_size: int) -> dict[str, float]:
     else:
         model = prepare_full_finetune(skeleton.model, only_prefixes=new_blocks)
     in_layers = {id(m) for layer in skeleton.units.values() for m in lora_layers(layer)}
-    stream_weights(skeleton, backend=backend, device=env.device,
-                   on_unit_ready=lambda name, layer: init_adapters(lora_layers(layer), seed=cfg.optim.seed, name=name))
+    stream_weights(
+        skeleton,
+        backend=backend,
+        device=env.device,
+        on_unit_ready=lambda name, layer: init_adapters(lora_layers(layer), seed=cfg.optim.seed, name=name),
+    )
     init_adapters([m for m in lora_layers(model) if id(m) not in in_layers], seed=cfg.optim.seed, name="")
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch["labels"][:, 1:].flatten(), ignore_index=-100)
