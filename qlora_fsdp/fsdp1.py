@@ -133,7 +133,13 @@ class Fsdp1Model(ShardedModel):
         return float(self.module.clip_grad_norm_(max_norm))
 
     def _units_of(self, modules: list[nn.Module]) -> Iterator[tuple[FSDP, nn.Module]]:
-        """(unit, module) for each wanted module that is a unit's whole content, in the units' (rank-fixed) order."""
+        """(unit, module) for each wanted module that is a unit's whole content, in the units' (rank-fixed) order.
+
+        FSDP1 sets up its unit tree from whichever unit is used first: summoning a child before any forward (a
+        resume loads adapters then) would make it a root, which the real root's first forward refuses. So the root
+        is set up first (a no-op once it is).
+        """
+        _lazy_init(self.module, self.module)
         wanted = {id(m) for m in modules}
         for unit in FSDP.fsdp_modules(self.module):
             (inner,) = unwrapped([unit.module])
@@ -152,9 +158,6 @@ class Fsdp1Model(ShardedModel):
                     yield id(inner), {n: p.detach().clone().cpu() for n, p in inner.named_parameters()}
 
     def load(self, module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-        # FSDP1 sets up its unit tree from whichever unit is used first; a resume loads adapters before any forward,
-        # and summoning a child unit then would make it a root, which the real root's first forward refuses.
-        _lazy_init(self.module, self.module)
         for unit, inner in self._units_of([module]):
             with FSDP.summon_full_params(unit, recurse=False, writeback=True), torch.no_grad():
                 for name, param in inner.named_parameters():

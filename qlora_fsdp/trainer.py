@@ -429,8 +429,8 @@ def train_loop(
     optim: OptimConfig,
     total_steps: int,
     logger: MetricsLogger,
+    checkpoint: Callable[[TrainState], Path],
     save_steps: int = 0,
-    checkpoint: Callable[[TrainState], Path] | None = None,
     preempted: _Flag | None = None,
     activation_offload: bool = False,
     profiler: _StepProfiler | None = None,
@@ -525,11 +525,9 @@ def train_loop(
         if profiler is not None:
             profiler.after_step(state.step)
         if totals[1].item() > 0:
-            if checkpoint is None:
-                raise TrainingStopped(f"stopped by a signal after step {state.step}")
-            result.preempted_checkpoint = checkpoint(state)
+            result.preempted_checkpoint = checkpoint(state)  # or TrainingStopped where no checkpoint can be made
             break
-        if checkpoint is not None and save_steps and state.step % save_steps == 0:
+        if save_steps and state.step % save_steps == 0:
             started = time.perf_counter()
             path = checkpoint(state)
             logger.message(f"checkpoint saved to {path} in {time.perf_counter() - started:.2f}s")
