@@ -101,8 +101,8 @@ class FSDPConfig:
     activation_offload: bool = False
     """Keep activations saved for backward in host memory (GPU memory for PCIe traffic)."""
     compile: bool = False
-    """torch.compile each decoder layer (with --fsdp_version 2), as it is sharded: fused kernels for the
-    dequantization, LoRA and attention glue. The first steps pay the compilation."""
+    """torch.compile each decoder layer (with --fsdp_version 2) after the first step: fused kernels for the
+    dequantization, LoRA and attention glue. The second step pays the compilation."""
     loss_chunk_tokens: int = 512
     """Label tokens per chunk of the output head and cross-entropy: peak memory grows with the chunk, not with
     batch x sequence x vocabulary (0: whole logits at once)."""

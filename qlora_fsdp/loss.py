@@ -37,9 +37,9 @@ LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 class CausalLMLoss(nn.Module):
     """Wraps a causal LM (a PeftModel or a transformers model) as what FSDP shards as its root.
 
-    Called with labels it returns the fp32 sum of the next-token cross-entropy over label tokens (labels align with
-    input_ids and are shifted here; IGNORE_INDEX marks positions without one); the caller divides by the label-token
-    count of the whole step. Without labels it returns the logits (evaluation and tests).
+    Returns the fp32 sum of the next-token cross-entropy over label tokens (labels align with input_ids and are
+    shifted here; IGNORE_INDEX marks positions without one); the caller divides by the label-token count of the
+    whole step, over every rank.
     """
 
     def __init__(self, lm: nn.Module, *, chunk_tokens: int) -> None:
@@ -52,16 +52,15 @@ class CausalLMLoss(nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,
+        labels: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
-        labels: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         inputs: dict[str, Any] = dict(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         )
-        if labels is None or not self.chunked:
-            logits = self.lm(**inputs).logits
-            return logits if labels is None else full_loss_sum(logits, labels)
+        if not self.chunked:
+            return full_loss_sum(self.lm(**inputs).logits, labels)
         hidden = self.lm.get_decoder()(**inputs).last_hidden_state
         return chunked_loss_sum(hidden, self.lm.get_output_embeddings(), labels, chunk_tokens=self.chunk_tokens)
 

@@ -524,6 +524,7 @@ def train_loop(
         )
         if profiler is not None:
             profiler.after_step(state.step)
+        model.compile_units()  # --compile: from the second step on
         if totals[1].item() > 0:
             result.preempted_checkpoint = checkpoint(state)  # or TrainingStopped where no checkpoint can be made
             break

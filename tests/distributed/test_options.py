@@ -120,16 +120,15 @@ def test_chunked_loss_equals_whole_logits_on_two_ranks(two: dict) -> None:
 
 
 @pytest.mark.parametrize("quant", ["bnb", "hqq"])
-def test_compiled_layers_compute_the_unsharded_first_step(two: dict, version: int, quant: str) -> None:
-    """--compile true: dynamo really compiled graphs, and the compiled layers compute what eager PyTorch does."""
+def test_compiled_layers_compute_what_eager_layers_do(two: dict, version: int, quant: str) -> None:
+    """--compile true: dynamo really compiled the layers (from step 2 on), and they train as the eager ones do."""
     if version == 1:
         pytest.skip("FSDP1 refuses --compile (tests/unit/test_config.py checks the refusal)")
-    r = two[f"compile-{quant}"]
-    assert r["compiled_graphs"] > 0
-    assert two[f"precision-fp32-{quant}"]["compiled_graphs"] == 0
-    assert r["losses"][0] == pytest.approx(r["reference"]["loss"], rel=1e-5)
-    assert r["grad_norms"][0] == pytest.approx(r["reference"]["grad_norm"], rel=1e-4)
-    assert r["losses"][-1] < r["losses"][0]
+    compiled, eager = two[f"compile-{quant}"], two[f"precision-fp32-{quant}"]
+    assert compiled["compiled_graphs"] > 0 and eager["compiled_graphs"] == 0
+    # Steps 2-5 run compiled code (kernels fused by inductor): equal up to float reassociation.
+    assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-4)
+    assert compiled["grad_norms"] == pytest.approx(eager["grad_norms"], rel=1e-3)
 
 
 def test_lora_on_the_head_trains_the_head(two: dict) -> None:
