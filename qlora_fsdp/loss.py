@@ -122,21 +122,27 @@ class _LinearHeadLoss(torch.autograd.Function):
         for start in range(0, states.shape[0], chunk_tokens):
             chunk = slice(start, start + chunk_tokens)
             low = F.linear(states[chunk], weight, bias)  # the head's own dtype (or autocast's), as the model computes
+            compute_dtype = low.dtype
             logits = low.float()
+            del low  # the chunk's one buffer from here on is the fp32 `logits`, rewritten in place below
             target = targets[chunk]
-            lse = torch.logsumexp(logits, dim=-1)
-            total += (lse - logits.gather(1, target[:, None]).squeeze(1)).sum()
+            target_logit = logits.gather(1, target[:, None]).squeeze(1)
+            peak = logits.amax(dim=-1, keepdim=True)
+            probs = logits.sub_(peak).exp_()
+            sums = probs.sum(dim=-1, keepdim=True)
+            total += (peak + sums.log() - target_logit[:, None]).sum()  # logsumexp(z) - z[target]
             if grad_states is None and grad_weight is None and grad_bias is None:
                 continue
-            probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place over the chunk's one fp32 buffer
+            probs.div_(sums)  # softmax
             probs[torch.arange(probs.shape[0], device=probs.device), target] -= 1.0
+            grad = probs.to(compute_dtype)
             if grad_states is not None:
-                grad_states[chunk] = probs.to(low.dtype) @ weight.to(low.dtype)
+                grad_states[chunk] = grad @ weight.to(compute_dtype)
             if grad_weight is not None:
-                grad_weight += (probs.to(low.dtype).T @ states[chunk].to(low.dtype)).float()
+                grad_weight += (grad.T @ states[chunk].to(compute_dtype)).float()
             if grad_bias is not None:
                 grad_bias += probs.sum(0)
-            del low, logits, probs
+            del logits, probs, grad
         ctx.save_for_backward(grad_states, grad_weight, grad_bias)
         ctx.dtypes = (states.dtype, weight.dtype, None if bias is None else bias.dtype)
         return total
