@@ -71,12 +71,7 @@ def run_cli() -> None:
 class _OneLineParser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         """One line and status 2, like every other error of this tool (argparse would print the usage too)."""
-        raise SystemExit(_fail(message))
-
-
-def _fail(message: str) -> int:
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    return 2
+        raise UserError(f"{message} (--help lists the options)")
 
 
 def run_tool(tool: type, run: Callable[[Any, Any], None], argv: list[str] | None = None) -> int:
@@ -87,12 +82,13 @@ def run_tool(tool: type, run: Callable[[Any, Any], None], argv: list[str] | None
         # Booleans take an optional value: `--chat` and `--overwrite true` both work, as with train.py.
         extra: dict[str, Any] = {"nargs": "?", "const": "true"} if typ is bool else {}
         parser.add_argument(f"--{flag}", default=None, help=f"{doc} (default: {default!r})", **extra)
-    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     _quiet_known_noise()
     try:
+        args = parser.parse_args(argv)
         cfg, options = build_tool_config(tool, {k: v for k, v in vars(args).items() if v is not None})
         run(cfg, options)
     except UserError as exc:
-        return _fail(str(exc))
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
     return 0
