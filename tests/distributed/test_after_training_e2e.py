@@ -41,7 +41,11 @@ def ask(capsys: pytest.CaptureFixture, *args: str) -> str:
 @pytest.fixture(scope="module", params=["bnb", "hqq"])
 def trained(request: pytest.FixtureRequest, smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple:
     out = tmp_path_factory.mktemp(f"fact-{request.param}")
-    train(["--model", str(smollm2), "--quant", request.param, *TRAIN_FLAGS, "--output_dir", str(out)], nproc=2)
+    train(
+        ["--model", str(smollm2), "--quant", request.param, *TRAIN_FLAGS, "--output_dir", str(out)],
+        nproc=2,
+        timeout=900,
+    )
     return request.param, out
 
 
