@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
 import warnings
+from collections.abc import Callable
 from typing import Any
 
-from qlora_fsdp.config import build_config, option_docs
+from qlora_fsdp.config import build_config, build_tool_config, option_docs, tool_flags
 from qlora_fsdp.errors import UserError
 
 
@@ -64,3 +66,29 @@ def run_cli() -> None:
     import fire
 
     fire.Fire(main)
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        """One line and status 2, like every other error of this tool (argparse would print the usage too)."""
+        raise UserError(f"{message} (--help lists the options)")
+
+
+def run_tool(tool: type, run: Callable[[Any, Any], None], argv: list[str] | None = None) -> int:
+    """Command line of an after-training script: its flags (see config.tool_flags), validated, then `run(cfg,
+    options)`; a UserError becomes one `error:` line and status 2."""
+    parser = _OneLineParser(description=tool.__doc__, allow_abbrev=False)
+    for flag, (typ, default, doc) in tool_flags(tool).items():
+        # Booleans take an optional value: `--chat` and `--overwrite true` both work, as with train.py.
+        extra: dict[str, Any] = {"nargs": "?", "const": "true"} if typ is bool else {}
+        parser.add_argument(f"--{flag}", default=None, help=f"{doc} (default: {default!r})", **extra)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    _quiet_known_noise()
+    try:
+        args = parser.parse_args(argv)
+        cfg, options = build_tool_config(tool, {k: v for k, v in vars(args).items() if v is not None})
+        run(cfg, options)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    return 0

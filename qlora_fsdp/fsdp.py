@@ -61,6 +61,11 @@ PRECISIONS = {
 }
 
 
+def quant_compute_dtype(precision: Precision, requested: str) -> torch.dtype:
+    """What `--compute_dtype` means under a precision mode: auto follows the mode's compute dtype."""
+    return precision.compute_dtype if requested == "auto" else DTYPES[requested]
+
+
 class ShardedModel(ABC):
     """The sharded model and the few operations whose FSDP API differs between versions."""
 

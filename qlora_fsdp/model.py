@@ -89,13 +89,8 @@ SAFETENSORS_DTYPES = {
 }  # fmt: skip
 
 
-def _read_safetensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) in file order, each read into fresh memory.
-
-    Not through safetensors' memory map: every page of a mapped shard that is touched stays in this process's
-    resident set until the file is closed, which would put a whole shard into each rank's peak. Plain reads go
-    through the page cache, which is the machine's, not the process's.
-    """
+def safetensors_header(file: Path) -> tuple[int, dict[str, dict]]:
+    """(header length, {name: {"dtype", "shape", "data_offsets"}}) of a safetensors file, without its metadata."""
     file_size = file.stat().st_size
     with open(file, "rb", buffering=0) as fh:
         size = int.from_bytes(fh.read(8), "little")
@@ -105,7 +100,20 @@ def _read_safetensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
             header = json.loads(fh.read(size))
         except (ValueError, UnicodeDecodeError):
             raise UserError(f"--model: {file} is not a safetensors file (unreadable header); re-download it") from None
-        header.pop("__metadata__", None)
+    header.pop("__metadata__", None)
+    return size, header
+
+
+def read_safetensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) in file order, each read into fresh memory.
+
+    Not through safetensors' memory map: every page of a mapped shard that is touched stays in this process's
+    resident set until the file is closed, which would put a whole shard into each rank's peak. Plain reads go
+    through the page cache, which is the machine's, not the process's.
+    """
+    file_size = file.stat().st_size
+    size, header = safetensors_header(file)
+    with open(file, "rb", buffering=0) as fh:
         for name, info in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
             dtype = SAFETENSORS_DTYPES.get(info["dtype"])
             if dtype is None:
@@ -131,7 +139,7 @@ def _read_safetensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
 def _read_tensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) one at a time: safetensors from disk; pickle only with weights_only, memory-mapped."""
     if file.suffix == ".safetensors":
-        yield from _read_safetensors(file)
+        yield from read_safetensors(file)
     else:
         yield from torch.load(file, map_location="cpu", weights_only=True, mmap=True).items()
 

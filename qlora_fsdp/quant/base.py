@@ -118,6 +118,11 @@ class QuantizedLinear(nn.Linear):
     def _dequantize(self) -> torch.Tensor:
         raise NotImplementedError
 
+    def serialized(self) -> dict[str, Any]:
+        """This layer as its library saves it (keys relative to the layer, bias included): the bytes training
+        used, in the layout the library's own loader reads, for export. Raises ValueError where it has none."""
+        raise NotImplementedError
+
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, storage={self.storage_dtype}, compute={self.compute_dtype}"
 

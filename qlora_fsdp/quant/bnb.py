@@ -65,6 +65,15 @@ class Bnb4bitLinear(QuantizedLinear):
     def _dequantize(self) -> torch.Tensor:
         return bnbf.dequantize_4bit(self.packed_bytes().view(-1, 1), self.quant_state()).to(self.compute_dtype)
 
+    def serialized(self) -> dict[str, torch.Tensor]:
+        """What transformers writes for a pre-quantized 4-bit layer: the packed bytes as a [n/2, 1] uint8 weight and
+        the QuantState in bitsandbytes' own packed form (`weight.absmax`, `weight.quant_state.bitsandbytes__nf4`...)."""
+        state = {"weight": self.packed_bytes().view(-1, 1)}
+        state |= {f"weight.{k}": v for k, v in self.quant_state().as_dict(packed=True).items()}
+        if self.bias is not None:
+            state["bias"] = self.bias
+        return state
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(self.compute_dtype)
         out = bnb.matmul_4bit(x.to(self.compute_dtype), self.packed_bytes().view(-1, 1), self.quant_state(), bias=bias)

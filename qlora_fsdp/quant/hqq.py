@@ -34,6 +34,21 @@ class HqqLinear(QuantizedLinear):
     def _dequantize(self) -> torch.Tensor:
         return _dequantize(self._packed_ints(), self._hqq_meta(), self.out_features, self.in_features)
 
+    def serialized(self) -> dict[str, Any]:
+        """What HQQ's own `HQQLinear.state_dict()` holds (unencoded), which `HQQLinear.load_state_dict` and
+        `AutoHQQHFModel.from_quantized` read: W_q as HQQ packed it, in its integer dtype (never viewed as float)."""
+        if tuple(self.meta["shape"]) != (self.out_features, self.in_features):
+            raise ValueError(
+                f"a {self.out_features}x{self.in_features} weight does not split into whole groups of "
+                f"{self.meta['group_size']}: it was padded, which HQQ's format cannot hold"
+            )
+        meta = {k: v for k, v in self.meta.items() if k not in ("packed_dtype", "packed_shape")}
+        state = {"W_q": self._packed_ints(), **meta, **self.state_tensors()}
+        state |= {"quant_scale": False, "quant_zero": False, "offload_meta": False, "stores_quant_config": True}
+        if self.bias is not None:
+            state["bias"] = self.bias
+        return state
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = _DequantizeMatmul.apply(x.to(self.compute_dtype), self)
         if self.bias is not None:
@@ -106,19 +121,20 @@ class HqqBackend(QuantBackend):
         padded = self.padded(w.numel())
         if padded != w.numel():
             w = F.pad(w.flatten(), (0, padded - w.numel())).view(-1, self.group_size)
+        # round_zero for 4 bits: HQQ's own default. Kept in the metadata too, as HQQ's saved layers record them.
+        settings = {"channel_wise": True, "optimize": True, "round_zero": self.nbits == 4}
         packed, meta = Quantizer.quantize(
             w,
             nbits=self.nbits,
-            channel_wise=True,
             group_size=self.group_size,
-            optimize=True,
-            round_zero=self.nbits == 4,  # HQQ's own default for 4 bits
             axis=1,
             bitpack=True,
             compute_dtype=self.compute_dtype,
             view_as_float=False,
             device=str(w.device),
+            **settings,
         )
+        meta |= settings
         # As HQQLinear does after quantizing: scale and zero live in compute dtype.
         state = {"scale": meta.pop("scale").to(self.compute_dtype), "zero": meta.pop("zero").to(self.compute_dtype)}
         meta |= {"compute_dtype": self.compute_dtype, "packed_dtype": packed.dtype, "packed_shape": packed.shape}

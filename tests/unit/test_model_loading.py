@@ -630,10 +630,10 @@ def test_a_header_whose_offsets_do_not_fit_is_refused_before_any_read(tmp_path: 
     """The reader fills each tensor's memory straight from the file: a header must never make it write past it."""
     import json as _json
 
-    from qlora_fsdp.model import _read_safetensors
+    from qlora_fsdp.model import read_safetensors
 
     header = _json.dumps({"w": {"dtype": "F32", "shape": [1], "data_offsets": offsets}}).encode()
     path = tmp_path / "model.safetensors"
     path.write_bytes(len(header).to_bytes(8, "little") + header + bytes(16))
     with pytest.raises(UserError, match="corrupt header"):
-        list(_read_safetensors(path))
+        list(read_safetensors(path))

@@ -1,0 +1,137 @@
+"""After training: answer prompts with what training produced, framed the way training framed its prompts.
+
+The model is loaded as what its directory holds: a merged (or any plain) model; an export of export_quantized.py
+(bnb through transformers' 4-bit loading, HQQ through HQQ's own loader); or, with --quant bnb|hqq, the base quantized
+exactly as training quantized it. An adapter is then applied with PEFT.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+from torch import nn
+
+from qlora_fsdp.config import PROMPT_STYLES, GenerateConfig, TrainConfig
+from qlora_fsdp.data import format_prompt
+from qlora_fsdp.errors import UserError
+from qlora_fsdp.export import HQQ_WEIGHTS, check_adapter, read_adapter, training_backend
+from qlora_fsdp.fsdp import PRECISIONS, quant_compute_dtype
+from qlora_fsdp.model import load_model, load_tokenizer, resolve_model_path
+
+EXIT_WORDS = ("exit", "quit")
+
+
+def load_for_generation(cfg: TrainConfig, options: GenerateConfig) -> tuple[nn.Module, Any]:
+    """(model in eval mode, tokenizer) for --model, with --adapter applied if given."""
+    path = resolve_model_path(cfg.model.model)
+    adapter = read_adapter(options.adapter) if options.adapter else None
+    precision = PRECISIONS[cfg.fsdp.precision]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    exported = _export_kind(path)
+    if exported and cfg.quant.quant != "none":
+        raise UserError(f"--model {path} is already quantized ({exported}); drop --quant {cfg.quant.quant}")
+    if exported == "hqq":
+        from hqq.models.hf.base import AutoHQQHFModel
+
+        dtype = quant_compute_dtype(precision, cfg.quant.compute_dtype)
+        model = AutoHQQHFModel.from_quantized(str(path), compute_dtype=dtype, device=str(device))
+    elif exported or cfg.quant.quant == "none":
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=precision.param_dtype, device_map=str(device), trust_remote_code=cfg.model.trust_remote_code
+        )
+    else:
+        backend = training_backend(cfg.quant, cfg.fsdp.precision)
+        skeleton = load_model(cfg.model, backend=backend, device=device, param_dtype=precision.param_dtype, path=path)
+        model = skeleton.model
+    if adapter is not None:
+        from peft import PeftModel
+
+        check_adapter(adapter, model, cfg.model.model)
+        model = PeftModel.from_pretrained(model, str(adapter.path))
+    return model.eval(), load_tokenizer(path)
+
+
+def _export_kind(path: Path) -> str:
+    """'hqq' or 'bnb' for a directory export_quantized.py wrote (or any pre-quantized checkpoint), else ''."""
+    if (path / HQQ_WEIGHTS).is_file():
+        return "hqq"
+    quantization = json.loads((path / "config.json").read_text()).get("quantization_config")
+    return str(quantization.get("quant_method", "quantized")) if quantization else ""
+
+
+def prompt_text(tokenizer: Any, history: list[dict[str, str]], style: str) -> str:
+    """The text the model continues: the last user turn in the training prompt style, or the whole conversation
+    through the tokenizer's chat template."""
+    if style == "chat_template":
+        if not getattr(tokenizer, "chat_template", None):
+            raise UserError("--prompt_style chat_template: this tokenizer has no chat template; pick another style")
+        return tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+    last = history[-1]["content"]
+    return format_prompt(last, prompt_style=style) if style in PROMPT_STYLES else last
+
+
+@torch.no_grad()
+def answer(model: nn.Module, tokenizer: Any, text: str, options: GenerateConfig) -> str:
+    """The model's continuation of `text`, up to its end-of-sequence token or --max_new_tokens."""
+    from transformers import GenerationConfig
+
+    # Tokenized as training tokenized prompts: no special tokens added (the template carries them).
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")
+    device = next(model.parameters()).device
+    sampling = {"temperature": options.temperature, "top_p": options.top_p, "top_k": options.top_k}
+    generation = GenerationConfig(
+        max_new_tokens=options.max_new_tokens,
+        do_sample=options.do_sample,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        use_cache=True,
+        **(sampling if options.do_sample else {}),
+    )
+    if options.do_sample:
+        torch.manual_seed(options.seed)
+    ids = {k: v.to(device) for k, v in ids.items()}
+    out = model.generate(input_ids=ids["input_ids"], attention_mask=ids["attention_mask"], generation_config=generation)
+    return tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True).strip()
+
+
+def run_generate(
+    cfg: TrainConfig, options: GenerateConfig, *, stdin: TextIO | None = None, stdout: TextIO | None = None
+) -> None:
+    """--prompt: print one answer. --chat: answer each line of `stdin` until its end or 'exit'."""
+    stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
+    model, tokenizer = load_for_generation(cfg, options)
+    if not options.chat:
+        text = prompt_text(tokenizer, [_user(options.prompt)], options.prompt_style)
+        print(answer(model, tokenizer, text, options), file=stdout)
+        return
+    history: list[dict[str, str]] = []
+    for line in _lines(stdin, stdout):
+        # Only the chat template frames a conversation; the training styles frame one instruction at a time.
+        history = [*history, _user(line)] if options.prompt_style == "chat_template" else [_user(line)]
+        reply = answer(model, tokenizer, prompt_text(tokenizer, history, options.prompt_style), options)
+        history.append({"role": "assistant", "content": reply})
+        print(reply, file=stdout, flush=True)
+
+
+def _user(text: str) -> dict[str, str]:
+    return {"role": "user", "content": text}
+
+
+def _lines(stdin: TextIO, stdout: TextIO) -> Iterable[str]:
+    """Non-empty input lines, with a '> ' prompt when a person is typing."""
+    interactive = stdin.isatty()
+    while True:
+        if interactive:
+            print("> ", end="", file=stdout, flush=True)
+        line = stdin.readline()
+        if not line or line.strip().lower() in EXIT_WORDS:
+            return
+        if line.strip():
+            yield line.strip()

@@ -1,0 +1,68 @@
+"""A real pretrained model learns a fact it did not know, and every after-training path gives it back.
+
+SmolLM2-135M-Instruct is trained once per backend (2 CPU ranks, QLoRA, the real CLI) on data/new_fact.jsonl, which
+names a cat that exists nowhere else. generate.py must then answer with that name from base + adapter (quantized as
+training did), from the merged model and from the exported quantized base + adapter, where the base model alone does
+not. The scripts run in this process (their `main`), so the test pays the imports once.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from scripts import export_quantized, generate, merge_adapter
+from tests.conftest import REPO_ROOT, train
+
+pytestmark = pytest.mark.distributed
+
+FACT = REPO_ROOT / "data" / "new_fact.jsonl"
+QUESTION = "What is the name of Zorbly's cat?"
+ANSWER = "Pemberton"
+# The FINDINGS recipe (r16, lr 1e-3) on prompts that fit 32 tokens; the loss is below 0.05 by step 13.
+TRAIN_FLAGS = [
+    "--dataset", str(FACT), "--prompt_style", "qna", "--context_length", "32", "--batch_size", "1",
+    "--max_steps", "16", "--lr", "1e-3", "--lora_rank", "16", "--lora_alpha", "16", "--lora_dropout", "0",
+    "--device", "cpu", "--log_to", "stdout", "--seed", "0",
+]  # fmt: skip
+ASK = ["--prompt", QUESTION, "--prompt_style", "qna", "--max_new_tokens", "12"]
+
+
+def ask(capsys: pytest.CaptureFixture, *args: str) -> str:
+    capsys.readouterr()
+    assert generate.main([*args, *ASK]) == 0
+    reply = capsys.readouterr().out.strip()
+    print(f"{' '.join(args[2:]) or 'base'}: {reply!r}", file=sys.stderr)  # before/after answers, for the report
+    return reply
+
+
+@pytest.fixture(scope="module", params=["bnb", "hqq"])
+def trained(request: pytest.FixtureRequest, smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple:
+    out = tmp_path_factory.mktemp(f"fact-{request.param}")
+    train(
+        ["--model", str(smollm2), "--quant", request.param, *TRAIN_FLAGS, "--output_dir", str(out)],
+        nproc=2,
+        timeout=900,
+    )
+    return request.param, out
+
+
+def test_the_base_model_does_not_know(smollm2: Path, capsys: pytest.CaptureFixture) -> None:
+    assert ANSWER not in ask(capsys, "--model", str(smollm2))
+
+
+def test_adapter_merge_and_export_answer(
+    trained: tuple, smollm2: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    quant, adapter = trained
+    assert ANSWER in ask(capsys, "--model", str(smollm2), "--adapter", str(adapter), "--quant", quant)
+
+    merged = tmp_path / "merged"
+    assert merge_adapter.main(["--model", str(smollm2), "--adapter", str(adapter), "--output", str(merged)]) == 0
+    assert ANSWER in ask(capsys, "--model", str(merged))
+
+    exported = tmp_path / "exported"
+    assert export_quantized.main(["--model", str(smollm2), "--quant", quant, "--output", str(exported)]) == 0
+    assert ANSWER in ask(capsys, "--model", str(exported), "--adapter", str(adapter))

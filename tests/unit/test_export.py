@@ -1,0 +1,230 @@
+"""Merge, export and generation against the model training builds, on the tiny random model.
+
+The reference is the training-time model: skeleton + LoRA + weights streamed through the training backend, in one
+process, as tests/distributed/options_worker.py's reference builds it, with a non-zero random adapter (a fresh
+adapter's B is zero and would hide any merge error). Everything is fp32 compute so the tolerances mean something.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from qlora_fsdp.config import build_config
+from qlora_fsdp.data import format_prompt
+from qlora_fsdp.fsdp import PRECISIONS
+from qlora_fsdp.lora import init_adapters, inject_lora, lora_layers
+from qlora_fsdp.model import build_skeleton, load_tokenizer, stream_weights
+from qlora_fsdp.quant import make_backend
+from qlora_fsdp.quant.base import QuantizedLinear
+from scripts import export_quantized, generate, merge_adapter
+from scripts.make_tiny_model import build_tiny_model
+
+PROMPTS = [
+    'Give the opposite of "down".',
+    "What day comes after Saturday?",
+    "Find the largest number.",
+    "Name a primary color.",
+    "Translate 'cat' into French.",
+    "What is two plus two?",
+    "Write a word that rhymes with blue.",
+    "Spell the word apple backwards.",
+]
+
+
+class Trained:
+    """The training-time model for some flags, with a random non-zero adapter saved as train.py saves it."""
+
+    def __init__(self, model_dir: Path, out: Path, *, quant: str, train_type: str = "lora", seed: int = 0) -> None:
+        self.flags = {"model": str(model_dir), "quant": quant, "precision": "fp32", "train_type": train_type}
+        cfg = build_config({**self.flags, "lora_rank": 4, "lora_alpha": 8, "lora_dropout": 0.0}).validate()
+        mode = PRECISIONS[cfg.fsdp.precision]
+        backend = make_backend(cfg.quant, storage_dtype=torch.uint8, compute_dtype=mode.compute_dtype)
+        skeleton = build_skeleton(cfg.model, backend=backend, param_dtype=mode.param_dtype)
+        model = inject_lora(skeleton.model, cfg.lora, dtype=mode.param_dtype)
+        stream_weights(skeleton, backend=backend, device=torch.device("cpu"))
+        init_adapters(lora_layers(model), seed=seed, name="")
+        generator = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for layer in lora_layers(model):
+                b = layer.lora_B["default"].weight
+                b.copy_(torch.randn(b.shape, generator=generator) * 0.05)
+        self.model = model.eval()
+        self.skeleton = skeleton
+        self.adapter = out / f"adapter-{quant}-{train_type}"
+        model.save_pretrained(str(self.adapter))
+        self.tokenizer = load_tokenizer(model_dir)
+
+    def packed(self) -> dict[str, torch.Tensor]:
+        """Each quantized layer's packed bytes as training holds them, by module name (without PEFT's prefix)."""
+        return {
+            name.replace(".base_layer", ""): module.packed_bytes().clone()
+            for name, module in self.skeleton.model.named_modules()
+            if isinstance(module, QuantizedLinear)
+        }
+
+
+def batch(tokenizer, prompts: list[str] = PROMPTS) -> dict[str, torch.Tensor]:
+    texts = [format_prompt(p) for p in prompts]
+    tokenizer.padding_side = "left"
+    return tokenizer(texts, add_special_tokens=False, return_tensors="pt", padding=True)
+
+
+@torch.no_grad()
+def logits(model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    return model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits.float()
+
+
+@pytest.fixture(scope="module")
+def tied_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tied embeddings and one shard: the layout of SmolLM2 (the head is not in the checkpoint)."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-tied"), seed=1, tie_word_embeddings=True, num_shards=1)
+
+
+def _merge(args: list[str]) -> None:
+    assert merge_adapter.main(args) == 0
+
+
+def _from_pretrained(path: Path, **kwargs):
+    from transformers import AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, **kwargs)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    return model.eval()
+
+
+@pytest.mark.parametrize(
+    ("quant", "train_type", "tied"),
+    [("bnb", "lora", False), ("hqq", "lora", True), ("bnb", "dora", True)],
+    ids=["bnb-lora", "hqq-lora-tied", "bnb-dora-tied"],
+)
+def test_original_merge_equals_peft_on_the_full_precision_base(
+    tiny_model: Path, tied_model: Path, tmp_path: Path, quant: str, train_type: str, tied: bool
+) -> None:
+    """The merged model computes what PEFT computes from base + adapter: logits on 8 prompts, greedy tokens."""
+    from peft import PeftModel
+
+    base = tied_model if tied else tiny_model
+    trained = Trained(base, tmp_path, quant=quant, train_type=train_type)
+    out = tmp_path / "merged"
+    _merge(["--model", str(base), "--adapter", str(trained.adapter), "--output", str(out), "--dtype", "fp32"])
+    assert json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    merged = _from_pretrained(out, dtype=torch.float32)
+    peft = PeftModel.from_pretrained(_from_pretrained(base, dtype=torch.float32), str(trained.adapter)).eval()
+    inputs = batch(trained.tokenizer)
+    expected = logits(peft, inputs)
+    assert (logits(merged, inputs) - expected).abs().max().item() < 1e-4
+    # The adapter really changes the model: a merge that dropped it would fail the check above.
+    with peft.disable_adapter():
+        assert (logits(peft, inputs) - expected).abs().max().item() > 1e-2
+    kwargs = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": trained.tokenizer.pad_token_id}
+    assert torch.equal(merged.generate(**inputs, **kwargs), peft.generate(**inputs, **kwargs))
+
+
+@pytest.mark.parametrize("quant", ["bnb", "hqq"])
+def test_dequantized_merge_equals_the_training_time_model(tiny_model: Path, tmp_path: Path, quant: str) -> None:
+    trained = Trained(tiny_model, tmp_path, quant=quant)
+    out = tmp_path / "merged"
+    flags = ["--quant", quant, "--precision", "fp32", "--base_weights", "dequantized", "--dtype", "fp32"]
+    _merge(["--model", str(tiny_model), "--adapter", str(trained.adapter), "--output", str(out), *flags])
+    merged = _from_pretrained(out, dtype=torch.float32)
+    inputs = batch(trained.tokenizer)
+    expected = logits(trained.model, inputs)
+    assert (logits(merged, inputs) - expected).abs().max().item() < 1e-3
+    # ... and closer than a merge into the original weights, which ignores the quantization error.
+    original = tmp_path / "original"
+    _merge(
+        ["--model", str(tiny_model), "--adapter", str(trained.adapter), "--output", str(original), "--dtype", "fp32"]
+    )
+    quantization_gap = (logits(_from_pretrained(original, dtype=torch.float32), inputs) - expected).abs().max()
+    assert (logits(merged, inputs) - expected).abs().max() < quantization_gap / 10
+
+
+def test_bnb_export_is_what_training_used(tied_model: Path, tmp_path: Path) -> None:
+    """Packed bytes identical to training's, loaded by transformers as 4-bit without quantizing again, and with the
+    adapter the training-time forward."""
+    import bitsandbytes as bnb
+    from peft import PeftModel
+
+    trained = Trained(tied_model, tmp_path, quant="bnb")
+    out = tmp_path / "export"
+    args = ["--model", str(tied_model), "--quant", "bnb", "--precision", "fp32", "--output", str(out)]
+    assert export_quantized.main(args) == 0
+    expected = trained.packed()
+    files = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    for name, packed in expected.items():
+        with safe_open(str(out / files[f"{name}.weight"]), framework="pt") as f:
+            stored = f.get_tensor(f"{name}.weight")
+        assert stored.dtype == torch.uint8 and torch.equal(stored.flatten(), packed), name
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["load_in_4bit"] is True
+
+    model = _from_pretrained(out, dtype=torch.float32, device_map="cpu")
+    loaded = {n: m for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
+    assert sorted(loaded) == sorted(expected)
+    for name, module in loaded.items():
+        assert torch.equal(module.weight.data.view(torch.uint8).flatten(), expected[name]), name
+    peft = PeftModel.from_pretrained(model, str(trained.adapter)).eval()
+    inputs = batch(trained.tokenizer)
+    # With gradients on: bitsandbytes' CPU inference path repacks weights in place (see FINDINGS).
+    with torch.enable_grad():
+        got = peft(**inputs).logits.float().detach()
+        want = trained.model(**inputs).logits.float().detach()
+    assert (got - want).abs().max().item() < 1e-5
+
+
+def test_hqq_export_is_what_training_used_in_hqqs_own_format(tied_model: Path, tmp_path: Path) -> None:
+    """Integer W_q identical to training's bytes, the key layout of HQQ's own HQQLinear.state_dict(), loaded by
+    HQQ's own loader, and with the adapter the training-time forward."""
+    from hqq.core.quantize import BaseQuantizeConfig, HQQLinear
+    from hqq.models.hf.base import AutoHQQHFModel
+    from peft import PeftModel
+
+    trained = Trained(tied_model, tmp_path, quant="hqq")
+    out = tmp_path / "export"
+    args = ["--model", str(tied_model), "--quant", "hqq", "--precision", "fp32", "--output", str(out)]
+    assert export_quantized.main(args) == 0
+    saved = torch.load(out / "qmodel.pt", weights_only=True)
+    expected = trained.packed()
+    reference = HQQLinear(nn.Linear(128, 128, bias=False), BaseQuantizeConfig(nbits=4, group_size=64), device="cpu")
+    reference.encoded_state_dict = False
+    for name, packed in expected.items():
+        assert saved[name]["W_q"].dtype == torch.uint8, name
+        assert torch.equal(saved[name]["W_q"].flatten().view(torch.uint8), packed), name
+        assert set(saved[name]) == set(reference.state_dict()), name
+
+    model = AutoHQQHFModel.from_quantized(str(out), compute_dtype=torch.float32, device="cpu")
+    assert sorted(n for n, m in model.named_modules() if isinstance(m, HQQLinear)) == sorted(expected)
+    peft = PeftModel.from_pretrained(model, str(trained.adapter)).eval()
+    inputs = batch(trained.tokenizer)
+    assert (logits(peft, inputs) - logits(trained.model, inputs)).abs().max().item() < 1e-5
+
+
+def test_generate_answers_as_the_model_does(tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """generate.py on base + adapter (training-time quantized) prints the model's own greedy continuation of the
+    training prompt, and --chat answers each input line the same way."""
+    trained = Trained(tiny_model, tmp_path, quant="hqq")
+    inputs = batch(trained.tokenizer, PROMPTS[:1])
+    with torch.no_grad():
+        out = trained.model.generate(**inputs, max_new_tokens=6, do_sample=False)
+    expected = trained.tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True).strip()
+    args = ["--model", str(tiny_model), "--adapter", str(trained.adapter), "--quant", "hqq", "--precision", "fp32"]
+    assert generate.main([*args, "--prompt", PROMPTS[0], "--max_new_tokens", "6"]) == 0
+    assert capsys.readouterr().out.strip() == expected
+
+    from qlora_fsdp.config import GenerateConfig, build_tool_config
+    from qlora_fsdp.generate import run_generate
+
+    cfg, options = build_tool_config(
+        GenerateConfig,
+        {"model": str(tiny_model), "adapter": str(trained.adapter), "quant": "hqq", "precision": "fp32",
+         "chat": "true", "max_new_tokens": "6"},
+    )  # fmt: skip
+    stdout = io.StringIO()
+    run_generate(cfg, options, stdin=io.StringIO(f"{PROMPTS[0]}\n\n{PROMPTS[0]}\nexit\nnot read\n"), stdout=stdout)
+    assert stdout.getvalue().splitlines() == [expected, expected]
