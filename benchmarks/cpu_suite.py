@@ -1,4 +1,5 @@
-"""The CPU suite: loading, per-rank memory vs world size, training throughput, quantization quality and size.
+"""The CPU suite: loading, per-rank memory vs world size, training throughput, quantization quality and size;
+and the loss suite (--suite cpu-loss): chunked against whole-logit cross-entropy, in step memory and speed.
 
 Every measurement is a fresh process (or a fresh job of processes); ours and the peer's runs alternate, so slow
 phases of a shared machine hit both sides alike, and every launch records the CPU other processes took meanwhile.
@@ -12,7 +13,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +90,8 @@ class CpuPlan:
     """Both sides' parameter, storage and compute dtype: bf16, or fp32 on a CPU without native bf16 matmuls."""
     large: bool = False
     """The loading section alone, on a 1.1B model (--suite cpu-large)."""
+    loss: bool = False
+    """The loss section alone (--suite cpu-loss)."""
 
 
 # About 171M parameters in 3 shards: 12 Llama layers of 12.6M (mostly quantized linears) + 8192-token embeddings.
@@ -117,6 +120,13 @@ LARGE_MODEL = dict(
 )
 
 
+# The loss suite's memory models: one decoder too small to matter, so the head and its logits decide the peak.
+LOSS_MODEL = dict(hidden_size=256, num_layers=2, intermediate_size=512, num_heads=4, num_kv_heads=4, num_shards=1)
+LOSS_VOCABS = (512, 128256)  # a toy vocabulary, and Llama 3's
+LOSS_SHAPE = {"batch_size": 1, "context_length": 2048}
+LOSS_CHUNK = 512  # --loss_chunk_tokens' default
+
+
 def native_bf16() -> bool:
     """Whether this CPU multiplies bf16 matrices in hardware; without it PyTorch's bf16 matmul is ~100x slower than
     fp32 (seen: 0.5 s against 5 ms for 64 x 2816 x 1024), which would measure that path instead of either side."""
@@ -132,11 +142,16 @@ def plan(
     reps: int | None,
     idle_wait_s: float | None,
     large: bool = False,
+    loss: bool = False,
     precision: str | None = None,
 ) -> CpuPlan:
     """The full suite (about 12 minutes on 2 cores), the --quick one the test runs (small model, one rep), or the
     large loading suite (about 5 minutes, one rep, plus 1-2 minutes to build the model once)."""
-    if large:
+    if loss:
+        # Speed on the suite's model (the quick one with --quick); memory on LOSS_MODEL at LOSS_SHAPE.
+        p = CpuPlan(QUICK_MODEL if quick else FULL_MODEL, reps=1 if quick else 3, batch_size=4, context_length=256,
+                    warmup_steps=2, measured_steps=3, loss=True, quick=quick)  # fmt: skip
+    elif large:
         p = CpuPlan(LARGE_MODEL, reps=1, batch_size=1, context_length=64, warmup_steps=0, measured_steps=0, large=True)
     elif quick:
         p = CpuPlan(QUICK_MODEL, reps=1, batch_size=2, context_length=64, warmup_steps=1, measured_steps=2, quick=True)
@@ -252,16 +267,18 @@ class Runner:
         return [read_json(f"{result}.rank{r}.json") for r in range(nproc)]
 
     def train_cli(
-        self, what: str, model: Path, quant: str, *, nproc: int, version: int
+        self, what: str, model: Path, quant: str, *, nproc: int, version: int, flags: dict[str, Any] | None = None
     ) -> tuple[list[dict[str, Any]], list[int]]:
         """Our real CLI (train.py; torchrun for several ranks) with --max_steps.
 
         Returns metrics.jsonl's records and each rank's peak RSS (VmHWM, written by benchmarks/cli_probe.py).
+        `flags` overrides the plan's.
         """
         p = self.plan
         out = Path(self.result_path(f"train-{quant}-{nproc}-fsdp{version}"))
         if p.batch_size % nproc:
             raise ValueError(f"batch {p.batch_size} does not split over {nproc} ranks")
+        overrides = flags or {}
         flags = {
             "model": model,
             "quant": quant,
@@ -283,6 +300,7 @@ class Runner:
             "save_model": "false",
             "device": "cpu",
             "output_dir": out,
+            **overrides,
         }
         args = ["-m", "benchmarks.cli_probe", str(REPO_ROOT / "train.py")] + [f"--{k}={v}" for k, v in flags.items()]
         if nproc == 1:
@@ -323,19 +341,23 @@ def run_cpu_suite(
     details: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="bench-cpu-") as tmp:
         runner = Runner(plan, Path(tmp), log)
-        log("1/4 loading (ours: 2 ranks, streaming, FSDP2 and FSDP1; peer: HF from_pretrained)")
-        loads = _loading(runner, model_dir, rows, details)
-        if not plan.large:
-            log("2/4 per-rank memory vs world size")
-            _world_sizes(runner, model_dir, loads, rows, details)
-            log("3/4 training throughput")
-            _training(runner, model_dir, rows, details)
-            log("4/4 quantization quality and size")
-            _quality(runner, model_dir, config, rows, details)
+        if plan.loss:
+            log("loss: --loss_chunk_tokens 512 against 0 (whole logits), step memory and tokens/s")
+            _loss(runner, model_dir, cache, rows, details)
+        else:
+            log("1/4 loading (ours: 2 ranks, streaming, FSDP2 and FSDP1; peer: HF from_pretrained)")
+            loads = _loading(runner, model_dir, rows, details)
+            if not plan.large:
+                log("2/4 per-rank memory vs world size")
+                _world_sizes(runner, model_dir, loads, rows, details)
+                log("3/4 training throughput")
+                _training(runner, model_dir, rows, details)
+                log("4/4 quantization quality and size")
+                _quality(runner, model_dir, config, rows, details)
         launches = runner.launches
     foreign = [entry["foreign_cores"] for entry in launches if not entry["discarded"]]
     return {
-        "suite": "cpu-large" if plan.large else "cpu",
+        "suite": "cpu-large" if plan.large else "cpu-loss" if plan.loss else "cpu",
         "quick": plan.quick,
         "model": {
             "path": str(model_dir),
@@ -503,6 +525,47 @@ def _training(runner: Runner, model: Path, rows: list, details: dict) -> None:
                         f"peak RSS while training (largest rank), {kind}, {layout}, FSDP{version}", "bytes", "lower",
                         ours_rss[key], peer_rss, **kw))  # fmt: skip
     details["training"] = {"peer_tokens_per_s_runs": peer_tps, "ours_tokens_per_s_runs": ours}
+
+
+def _loss(runner: Runner, model: Path, cache: Path, rows: list, details: dict) -> None:
+    """--suite cpu-loss: the chunked loss (ours) against whole logits (--loss_chunk_tokens 0, the previous loss).
+
+    Memory: peak RSS of one process training LOSS_MODEL at LOSS_SHAPE, at vocabulary 128256 minus at 512, so what
+    grows is what the vocabulary costs (head, embeddings, logits). Speed: tokens/s on the suite's model, bnb.
+    """
+    p = runner.plan
+    details["parameters"] = _parameters(model)
+    peaks: dict[tuple[int, int], list[int]] = {}
+    speed: dict[int, list[float]] = {LOSS_CHUNK: [], 0: []}
+    for rep in range(p.reps):
+        for vocab in LOSS_VOCABS:
+            small = ensure_model(replace(p, model={**LOSS_MODEL, "vocab_size": vocab}), cache)
+            for chunk in (LOSS_CHUNK, 0):
+                what = f"loss memory, vocabulary {vocab}, --loss_chunk_tokens {chunk} (rep {rep + 1})"
+                flags = {**LOSS_SHAPE, "loss_chunk_tokens": chunk}
+                _, rss = runner.train_cli(what, small, "bnb", nproc=1, version=2, flags=flags)
+                peaks.setdefault((vocab, chunk), []).append(rss[0])
+        for chunk in (LOSS_CHUNK, 0):
+            what = f"loss speed, --loss_chunk_tokens {chunk} (rep {rep + 1})"
+            metrics, _ = runner.train_cli(what, model, "bnb", nproc=1, version=2, flags={"loss_chunk_tokens": chunk})
+            speed[chunk].append(median([m["tokens_per_s"] for m in metrics[p.warmup_steps :]]))
+    small_vocab, large_vocab = LOSS_VOCABS
+    growth = {
+        chunk: [big - base for big, base in zip(peaks[(large_vocab, chunk)], peaks[(small_vocab, chunk)], strict=True)]
+        for chunk in (LOSS_CHUNK, 0)
+    }
+    shape = f"hidden {LOSS_MODEL['hidden_size']}, {LOSS_MODEL['num_layers']} layers, batch 1 x 2048, 1 process, bnb"
+    labels = {"ours_label": f"--loss_chunk_tokens {LOSS_CHUNK}", "peer_label": "--loss_chunk_tokens 0 (whole logits)"}
+    rows.append(row("loss", "loss_peak_rss_growth_bytes",
+                    f"peak RSS at vocabulary {large_vocab} minus at {small_vocab} ({shape})", "bytes", "lower",
+                    growth[LOSS_CHUNK], growth[0], **labels))  # fmt: skip
+    for vocab in LOSS_VOCABS:
+        rows.append(row("loss", f"loss_peak_rss_vocab{vocab}_bytes", f"peak RSS at vocabulary {vocab} ({shape})",
+                        "bytes", "lower", peaks[(vocab, LOSS_CHUNK)], peaks[(vocab, 0)], **labels))  # fmt: skip
+    layout = f"batch {p.batch_size} x {p.context_length}, 1 process x {p.threads} threads, bnb"
+    rows.append(row("loss", "loss_tokens_per_s", f"tokens/s on the suite's model ({layout})", "tokens/s", "higher",
+                    speed[LOSS_CHUNK], speed[0], **labels))  # fmt: skip
+    details["loss"] = {"peak_rss": {f"{v}/{c}": r for (v, c), r in peaks.items()}, "tokens_per_s": speed}
 
 
 def _quality(runner: Runner, model: Path, config: dict[str, Any], rows: list, details: dict) -> None:

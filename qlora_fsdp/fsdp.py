@@ -66,6 +66,18 @@ class ShardedModel(ABC):
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
+        self.uncompiled: list[nn.Module] = []
+        """Decoder-layer units that --compile will compile once the first step has run (see compile_units)."""
+
+    def compile_units(self) -> None:
+        """Compile the units --compile asked for, in place (names, state dict and FSDP's hooks stay the module's).
+
+        Not before the first forward has run: verify_packed's one-time hooks, which remove themselves there, are
+        what dynamo cannot trace (it would run the layers eagerly for good).
+        """
+        for unit in self.uncompiled:
+            unit.compile()
+        self.uncompiled = []
 
     @abstractmethod
     def no_sync(self) -> contextlib.AbstractContextManager:
@@ -88,7 +100,7 @@ class ShardedModel(ABC):
 
     @abstractmethod
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model's state dict as full CPU tensors on rank 0 (empty elsewhere), under the original names."""
+        """The whole model's state dict as full CPU tensors on rank 0 (empty elsewhere), under the root's names."""
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
         """This rank's optimizer state in a form torch.save/torch.load(weights_only=True) round-trips."""
@@ -110,6 +122,8 @@ class Sharder(ABC):
         self.env = env
         self.precision = precision
         self.reference: dict[int, tuple[str, tuple]] = {}
+        self.units: list[nn.Module] = []
+        """The sharded decoder-layer units, in loading order."""
         """id(quantized layer) -> (its name, digest of what loading produced), for verify_packed."""
 
     @property
@@ -132,14 +146,19 @@ class Sharder(ABC):
             impl = CheckpointImpl.REENTRANT if self.cfg.reentrant_checkpointing else CheckpointImpl.NO_REENTRANT
             unit = checkpoint_wrapper(layer, checkpoint_impl=impl)
         parent_name, _, child = name.rpartition(".")
-        setattr(root.get_submodule(parent_name), child, self._shard(unit))
+        sharded = self._shard(unit)
+        self.units.append(sharded)
+        setattr(root.get_submodule(parent_name), child, sharded)
 
     def finish(self, model: nn.Module) -> ShardedModel:
         """Shard what is left (embeddings, norm, head) as the root, once every rank has checked that all ranks
         quantized the same bytes."""
         self._remember(model, prefix="")
         _check_same_on_every_rank(self.reference, self.env)
-        return self._shard_root(model)
+        sharded = self._shard_root(model)
+        if self.cfg.compile:
+            sharded.uncompiled = list(self.units)
+        return sharded
 
     def _remember(self, module: nn.Module, *, prefix: str) -> None:
         for name, sub in module.named_modules():

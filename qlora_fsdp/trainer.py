@@ -14,7 +14,6 @@ from typing import TypeVar
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
@@ -39,6 +38,7 @@ from qlora_fsdp.distributed import DistEnv, broadcast_object, gather_ints, init_
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.fsdp import DTYPES, PRECISIONS, Precision, ShardedModel, make_sharder, verify_packed
 from qlora_fsdp.lora import adapter_keys, init_adapters, inject_lora, lora_layers, prepare_full_finetune
+from qlora_fsdp.loss import CausalLMLoss
 from qlora_fsdp.metrics import METRICS_FILE, MetricsLogger, peak_memory_bytes
 from qlora_fsdp.model import (
     build_skeleton,
@@ -346,7 +346,7 @@ def _build_model(cfg: TrainConfig, env: DistEnv, model_path: Path, precision: Pr
     stream_weights(skeleton, backend=backend, device=env.device, on_unit_ready=shard_layer, env=env)
     outside = [m for m in lora_layers(unwrapped) if id(m) not in in_layers]
     init_adapters(outside, seed=cfg.optim.seed, name="")
-    sharded = sharder.finish(unwrapped)
+    sharded = sharder.finish(CausalLMLoss(unwrapped, chunk_tokens=cfg.fsdp.loss_chunk_tokens))
     verify_packed(sharded.module, sharder.reference)
     return _Built(model=sharded, unwrapped=unwrapped, keys=keys, blocks=blocks, trainable=trainable)
 
@@ -524,6 +524,7 @@ def train_loop(
         )
         if profiler is not None:
             profiler.after_step(state.step)
+        model.compile_units()  # --compile: from the second step on
         if totals[1].item() > 0:
             result.preempted_checkpoint = checkpoint(state)  # or TrainingStopped where no checkpoint can be made
             break
@@ -598,10 +599,7 @@ def _handle_non_finite(policy: str, step: int, loss: float, norm: float, *, is_m
 def _forward_loss_sum(
     model: nn.Module, batch: dict[str, torch.Tensor], *, env: DistEnv, precision: Precision
 ) -> torch.Tensor:
-    input_ids = batch["input_ids"].to(env.device)
-    labels = batch["labels"].to(env.device)
+    """The batch's summed loss over its label tokens, from the root (CausalLMLoss) that FSDP wraps."""
+    inputs = {k: batch[k].to(env.device) for k in ("input_ids", "attention_mask", "labels")}
     with _autocast(precision, env.device):
-        logits = model(input_ids=input_ids, attention_mask=batch["attention_mask"].to(env.device)).logits
-    return F.cross_entropy(
-        logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
+        return model(**inputs)
