@@ -161,11 +161,10 @@ def _reply_spans(conv: Conversation, text: str, tokenizer: Any) -> list[tuple[in
                 "loss mask cannot be placed; pass a template that does with --chat_template FILE.jinja"
             )
         before, _, after = probe.partition(_PLACEHOLDER)
-        # Capped at the template's own text around the placeholder: a reply that starts or ends like the
+        # Compared with the template's text around the placeholder only, so a reply that starts or ends like the
         # placeholder keeps those characters.
-        begin = min(_shared_prefix(text, probe), len(before))
-        same_tail = min(_shared_prefix(text[::-1], probe[::-1]), len(after))
-        end = max(len(text) - same_tail, begin)
+        begin = _shared_prefix(text, before)
+        end = max(len(text) - _shared_prefix(text[::-1], after[::-1]), begin)
         # The end-of-turn token, if the template writes one after the reply (whitespace between is learned too).
         after_space = len(text) - len(text[end:].lstrip())
         eot = next((tok for tok in specials if text.startswith(tok, after_space)), None)
@@ -173,6 +172,8 @@ def _reply_spans(conv: Conversation, text: str, tokenizer: Any) -> list[tuple[in
     return spans
 
 
-def _shared_prefix(a: str, b: str) -> int:
-    """How many leading characters `a` and `b` have in common."""
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+def _shared_prefix(text: str, start: str) -> int:
+    """How many leading characters `text` shares with `start` (all of them, in the usual case, checked first)."""
+    if text.startswith(start):
+        return len(start)
+    return next(i for i, (x, y) in enumerate(zip(text, start, strict=False)) if x != y)

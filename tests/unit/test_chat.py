@@ -139,6 +139,23 @@ def test_train_on_inputs_labels_every_real_token(smollm2: Path, template: str) -
     assert stats.total_label_tokens == n_real - 1  # nothing predicts position 0
 
 
+def test_template_text_built_from_the_reply_is_learned_with_it(smollm2: Path) -> None:
+    """A template that moves the reply's reasoning into its own block (as Qwen3's does for the last turn): the block's
+    fixed opening is the template's, the reasoning and the answer are the reply's."""
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    tok.chat_template = (
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}"
+        "{% if m['role'] == 'assistant' %}{% set parts = m['content'].split('</think>') %}"
+        "{% set thought = parts[0].split('<think>')[-1].strip() if parts | length > 1 else '' %}"
+        "{{ '<think>\\n' + thought + '\\n</think>\\n\\n' + parts[-1].strip() }}"
+        "{% else %}{{ m['content'] }}{% endif %}{{ '<|im_end|>\\n' }}{% endfor %}"
+    )
+    conv = Conversation((("user", "What is 2+2?"), ("assistant", "<think>Two and two.</think>Four.")))
+    (item,), _ = tokenize_examples([conv], tok, context_length=96, train_on_inputs=False)
+    assert "<|im_start|>assistant\n<think>\nTwo and two.\n</think>\n\nFour.<|im_end|>" in tok.decode(item["input_ids"])
+    assert [tok.decode(run) for run in _labelled_runs(item)] == ["Two and two.\n</think>\n\nFour.<|im_end|>"]
+
+
 def test_truncated_reply_keeps_the_labels_that_fit(chatml) -> None:
     conv = Conversation((("user", "Count."), ("assistant", "one two three four five six seven eight nine ten")))
     (full,), _ = tokenize_examples([conv], chatml, context_length=128, train_on_inputs=False)
