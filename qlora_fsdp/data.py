@@ -143,7 +143,7 @@ def _field(row: Any, name: str, where: str, *, optional: bool = False, hint: str
     return value
 
 
-def _alpaca_example(row: Any, where: str, prompt_style: str) -> Example | Conversation:
+def _alpaca_example(row: Any, where: str, prompt_style: str) -> AnyExample:
     instruction = _field(row, "instruction", where)
     output = _field(row, "output", where)
     inp = _field(row, "input", where, optional=True)
@@ -152,7 +152,7 @@ def _alpaca_example(row: Any, where: str, prompt_style: str) -> Example | Conver
     return Example(format_prompt(instruction, inp, prompt_style=prompt_style), output)
 
 
-def _row_example(row: Any, where: str, prompt_style: str) -> Example | Conversation:
+def _row_example(row: Any, where: str, prompt_style: str) -> AnyExample:
     """A chat row (recognised by its `messages`/`conversations` list, whatever the style) or an instruction row."""
     if is_chat_row(row):
         return conversation_from_row(row, where)
@@ -229,7 +229,7 @@ _LOCAL_READERS: dict[str, Callable[[str], Iterable[tuple[str, Any]]]] = {
 }
 
 
-def _load_local(path: str, samples: int, prompt_style: str) -> list[Example | Conversation]:
+def _load_local(path: str, samples: int, prompt_style: str) -> list[AnyExample]:
     """The first `samples` rows (0: all), each validated up front: a bad row 40,000 lines in should fail now, not
     mid-epoch, while rows past the limit are never read."""
     reader = _LOCAL_READERS[os.path.splitext(path)[1].lower()]
