@@ -176,4 +176,4 @@ def _shared_prefix(text: str, start: str) -> int:
     """How many leading characters `text` shares with `start` (all of them, in the usual case, checked first)."""
     if text.startswith(start):
         return len(start)
-    return next(i for i, (x, y) in enumerate(zip(text, start, strict=False)) if x != y)
+    return next((i for i, (x, y) in enumerate(zip(text, start, strict=False)) if x != y), len(text))
