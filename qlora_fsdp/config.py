@@ -32,7 +32,7 @@ OPTIMIZERS = ("adamw", "adam", "sgd", "adadelta")
 HQQ_BITS = (1, 2, 3, 4, 8)
 LOG_TARGETS = ("tqdm", "stdout", "wandb")
 DEVICES = ("auto", "cpu", "cuda")
-PROMPT_STYLES = ("alpaca", "guanaco", "qna")  # kept in step with qlora_fsdp.data by a unit test
+PROMPT_STYLES = ("alpaca", "guanaco", "qna", "chat")  # kept in step with qlora_fsdp.data by a unit test
 COMPUTE_DTYPES = ("auto", "bf16", "fp16", "fp32")
 
 
@@ -111,17 +111,21 @@ class FSDPConfig:
 @dataclass
 class DataConfig:
     dataset: str = "alpaca_sample"
-    """alpaca, alpaca_sample, guanaco, sql, orca_math, dummy, or a local .json/.jsonl/.parquet file in alpaca format."""
+    """alpaca, alpaca_sample, guanaco, sql, orca_math, dummy, or a local .json/.jsonl/.parquet file of alpaca rows
+    or chat rows (OpenAI 'messages' or ShareGPT 'conversations'); several, comma-separated, are concatenated."""
     dataset_samples: int = 0
-    """Use only the first N rows (0: all)."""
+    """Use only the first N rows of each dataset (0: all)."""
     context_length: int = 512
     """Tokens per sample: longer rows are truncated, shorter ones padded."""
     batch_size: int = 1
     """Samples per rank per micro-step."""
     train_on_inputs: bool = False
-    """Also compute the loss on the prompt tokens (default: only on the response)."""
+    """Also compute the loss on the prompt tokens (default: only on the response, or on assistant turns in chat)."""
     prompt_style: str = "alpaca"
-    """Prompt template for alpaca-format data (local files, alpaca*): alpaca, guanaco or qna."""
+    """Prompt template for alpaca-format data (local files, alpaca*): alpaca, guanaco, qna, or chat (a user and an
+    assistant turn in the tokenizer's chat template). Chat rows always use the chat template."""
+    chat_template: str = ""
+    """Jinja chat template file for chat data, replacing the tokenizer's own (needed when it has none)."""
 
 
 @dataclass

@@ -17,6 +17,14 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from qlora_fsdp.chat import (
+    Conversation,
+    conversation_from_pair,
+    conversation_from_row,
+    encode_conversation,
+    is_chat_row,
+    load_chat_template,
+)
 from qlora_fsdp.config import DataConfig
 from qlora_fsdp.distributed import DistEnv
 from qlora_fsdp.errors import UserError
@@ -27,7 +35,9 @@ IGNORE_INDEX = -100
 """Label value the cross-entropy loss skips (prompt and padding positions)."""
 
 LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet")
-_ROW_HELP = "each row needs string 'instruction' and 'output', optional 'input'"
+_ROW_HELP = (
+    "each row needs string 'instruction' and 'output', optional 'input', or a chat list 'messages' or 'conversations'"
+)
 
 
 @dataclass(frozen=True)
@@ -36,6 +46,10 @@ class Example:
 
     prompt: str
     response: str
+
+
+AnyExample = Example | Conversation
+"""An instruction example (prompt, response) or a chat conversation."""
 
 
 @dataclass(frozen=True)
@@ -91,17 +105,21 @@ _PROMPT_FORMATTERS: dict[str, Callable[[str, str], str]] = {
     "guanaco": _guanaco_prompt,
     "qna": _qna_prompt,
 }
-PROMPT_STYLES = tuple(_PROMPT_FORMATTERS)
+CHAT_STYLE = "chat"
+"""Instruction rows become a user and an assistant turn, rendered with the tokenizer's chat template."""
+PROMPT_STYLES = (*_PROMPT_FORMATTERS, CHAT_STYLE)
 
 
 def _check_prompt_style(prompt_style: str) -> None:
-    if prompt_style not in _PROMPT_FORMATTERS:
+    if prompt_style not in PROMPT_STYLES:
         raise UserError(f"unknown prompt style {prompt_style!r}; valid styles: {', '.join(PROMPT_STYLES)}")
 
 
 def format_prompt(instruction: str, inp: str = "", *, prompt_style: str = "alpaca") -> str:
     """The prompt text for an alpaca-format row in the given style (the response follows it verbatim)."""
     _check_prompt_style(prompt_style)
+    if prompt_style == CHAT_STYLE:
+        raise UserError("--prompt_style chat has no prompt text of its own: the tokenizer's chat template writes it")
     return _PROMPT_FORMATTERS[prompt_style](instruction, inp)
 
 
@@ -125,11 +143,20 @@ def _field(row: Any, name: str, where: str, *, optional: bool = False, hint: str
     return value
 
 
-def _alpaca_example(row: Any, where: str, prompt_style: str) -> Example:
+def _alpaca_example(row: Any, where: str, prompt_style: str) -> AnyExample:
     instruction = _field(row, "instruction", where)
     output = _field(row, "output", where)
     inp = _field(row, "input", where, optional=True)
+    if prompt_style == CHAT_STYLE:
+        return conversation_from_pair(f"{instruction}\n\n{inp}" if inp else instruction, output, where)
     return Example(format_prompt(instruction, inp, prompt_style=prompt_style), output)
+
+
+def _row_example(row: Any, where: str, prompt_style: str) -> AnyExample:
+    """A chat row (recognised by its `messages`/`conversations` list, whatever the style) or an instruction row."""
+    if is_chat_row(row):
+        return conversation_from_row(row, where)
+    return _alpaca_example(row, where, prompt_style)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -202,7 +229,7 @@ _LOCAL_READERS: dict[str, Callable[[str], Iterable[tuple[str, Any]]]] = {
 }
 
 
-def _load_local(path: str, samples: int, prompt_style: str) -> list[Example]:
+def _load_local(path: str, samples: int, prompt_style: str) -> list[AnyExample]:
     """The first `samples` rows (0: all), each validated up front: a bad row 40,000 lines in should fail now, not
     mid-epoch, while rows past the limit are never read."""
     reader = _LOCAL_READERS[os.path.splitext(path)[1].lower()]
@@ -210,7 +237,7 @@ def _load_local(path: str, samples: int, prompt_style: str) -> list[Example]:
     for where, row in reader(path):
         if samples and len(examples) >= samples:
             break
-        examples.append(_alpaca_example(row, where, prompt_style))
+        examples.append(_row_example(row, where, prompt_style))
     return examples
 
 
@@ -241,12 +268,12 @@ def _hub_rows(name: str, repo: str, split: str, limit: int) -> list[dict[str, An
     return list(ds)
 
 
-def _load_alpaca(samples: int, prompt_style: str) -> list[Example]:
+def _load_alpaca(samples: int, prompt_style: str) -> list[AnyExample]:
     rows = _hub_rows("alpaca", "yahma/alpaca-cleaned", "train", samples)
     return [_alpaca_example(r, f"alpaca row {i}", prompt_style) for i, r in enumerate(rows, start=1)]
 
 
-def _load_alpaca_sample(samples: int, prompt_style: str) -> list[Example]:
+def _load_alpaca_sample(samples: int, prompt_style: str) -> list[AnyExample]:
     limit = min(samples, 128) if samples else 128
     rows = _hub_rows("alpaca_sample", "yahma/alpaca-cleaned", "train", limit)
     return [_alpaca_example(r, f"alpaca_sample row {i}", prompt_style) for i, r in enumerate(rows, start=1)]
@@ -309,7 +336,7 @@ _DUMMY_TEXT = (
 _DUMMY_VOCAB = tuple(_DUMMY_TEXT.split())
 
 
-def _load_dummy(samples: int, prompt_style: str) -> list[Example]:
+def _load_dummy(samples: int, prompt_style: str) -> list[AnyExample]:
     """Synthetic long rows for memory tests: same seed every call, so runs (and ranks) agree without a hub."""
     rng = random.Random(0)
     n = min(samples, _DUMMY_ROWS) if samples else _DUMMY_ROWS
@@ -323,7 +350,7 @@ def _load_dummy(samples: int, prompt_style: str) -> list[Example]:
     return examples
 
 
-_NAMED_DATASETS: dict[str, Callable[[int, str], list[Example]]] = {
+_NAMED_DATASETS: dict[str, Callable[[int, str], list[AnyExample]]] = {
     "alpaca": _load_alpaca,
     "alpaca_sample": _load_alpaca_sample,
     "guanaco": _load_guanaco,
@@ -334,13 +361,30 @@ _NAMED_DATASETS: dict[str, Callable[[int, str], list[Example]]] = {
 DATASET_NAMES = tuple(_NAMED_DATASETS)
 
 
-def load_examples(dataset: str, *, samples: int = 0, prompt_style: str = "alpaca") -> list[Example]:
-    """Examples from a named dataset or a local alpaca-format file; samples > 0 keeps the first N rows.
+def load_examples(dataset: str, *, samples: int = 0, prompt_style: str = "alpaca") -> list[AnyExample]:
+    """Examples of every source of `dataset` (see load_sources), concatenated in order."""
+    return [e for _, examples in load_sources(dataset, samples=samples, prompt_style=prompt_style) for e in examples]
+
+
+def load_sources(dataset: str, *, samples: int = 0, prompt_style: str = "alpaca") -> list[tuple[str, list[AnyExample]]]:
+    """(source, examples) per comma-separated name or local file of `dataset`; samples > 0 keeps the first N rows
+    of each source. A path that exists is one source even if its name holds a comma."""
+    _check_prompt_style(prompt_style)
+    if dataset in _NAMED_DATASETS or os.path.exists(os.path.expanduser(dataset)):
+        names = [dataset]
+    else:
+        names = [name.strip() for name in dataset.split(",")]
+    if not all(names):
+        raise UserError(f"--dataset {dataset}: an empty name in the comma-separated list")
+    return [(name, _load_source(name, samples, prompt_style)) for name in names]
+
+
+def _load_source(dataset: str, samples: int, prompt_style: str) -> list[AnyExample]:
+    """Examples from a named dataset or a local file.
 
     The loader alone applies the limit (it reads only those rows, and knows whether a skipped row counts); the
     config has already checked samples >= 0.
     """
-    _check_prompt_style(prompt_style)
     loader = _NAMED_DATASETS.get(dataset)
     path = os.path.expanduser(dataset)
     if loader is not None:
@@ -354,7 +398,7 @@ def load_examples(dataset: str, *, samples: int = 0, prompt_style: str = "alpaca
     else:
         raise UserError(
             f"unknown dataset {dataset!r}; valid names: {', '.join(DATASET_NAMES)}, "
-            f"or a local {'/'.join(LOCAL_SUFFIXES)} file in alpaca format"
+            f"or a local {'/'.join(LOCAL_SUFFIXES)} file in alpaca or chat format (several: comma-separated)"
         )
     if not examples:
         raise UserError(f"--dataset {dataset}: no rows to train on")
@@ -366,15 +410,40 @@ def load_examples(dataset: str, *, samples: int = 0, prompt_style: str = "alpaca
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def _token_sequences(
+    examples: list[AnyExample], tokenizer: Any, *, eos_id: int, train_on_inputs: bool
+) -> Iterable[tuple[list[int], list[int]]]:
+    """(ids, labels) per example, unpadded and untruncated.
+
+    Instruction example: prompt + response + eos, the prompt unlabelled unless train_on_inputs. Conversation: the
+    chat template's rendering, only assistant replies (and their end-of-turn token) labelled unless
+    train_on_inputs; one without an assistant turn is empty, so it is dropped like a row with nothing to learn.
+    """
+    plain = [e for e in examples if isinstance(e, Example)]
+    prompts = tokenizer([e.prompt for e in plain], add_special_tokens=False)["input_ids"] if plain else []
+    responses = tokenizer([e.response for e in plain], add_special_tokens=False)["input_ids"] if plain else []
+    pairs = zip(prompts, responses, strict=True)
+    for example in examples:
+        if isinstance(example, Example):
+            prompt_ids, response_ids = next(pairs)
+            prompt_labels = list(prompt_ids) if train_on_inputs else [IGNORE_INDEX] * len(prompt_ids)
+            yield [*prompt_ids, *response_ids, eos_id], [*prompt_labels, *response_ids, eos_id]
+        elif not example.has_reply:
+            yield [], []
+        else:
+            ids, learned = encode_conversation(example, tokenizer)
+            yield ids, [i if train_on_inputs or m else IGNORE_INDEX for i, m in zip(ids, learned, strict=True)]
+
+
 def tokenize_examples(
-    examples: list[Example], tokenizer: Any, *, context_length: int, train_on_inputs: bool
+    examples: list[AnyExample], tokenizer: Any, *, context_length: int, train_on_inputs: bool
 ) -> tuple[list[dict[str, torch.Tensor]], TokenizeStats]:
     """Fixed-length rows (input_ids, labels, attention_mask), so every step has the same shape on every rank.
 
-    Sequence = prompt + response + eos, cut to context_length from the right, then padded. Labels are -100 on
-    padding and, unless train_on_inputs, on the prompt. The loss learns labels[1:] (nothing predicts position 0),
-    so a row with no label in labels[1:] after truncation is dropped: it would add a loss over zero tokens (NaN in
-    a mean). The config's --context_length minimum is the only one; a context too short for any row drops them all.
+    Each example's sequence (see _token_sequences) is cut to context_length from the right, then padded; labels
+    are -100 on padding. The loss learns labels[1:] (nothing predicts position 0), so a row with no label in
+    labels[1:] after truncation is dropped: it would add a loss over zero tokens (NaN in a mean). The config's
+    --context_length minimum is the only one; a context too short for any row drops them all.
     """
     eos_id = tokenizer.eos_token_id
     if eos_id is None:
@@ -382,15 +451,10 @@ def tokenize_examples(
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
     if not examples:
         raise UserError("no examples to tokenize")
-    prompts = tokenizer([e.prompt for e in examples], add_special_tokens=False)["input_ids"]
-    responses = tokenizer([e.response for e in examples], add_special_tokens=False)["input_ids"]
 
     items: list[dict[str, torch.Tensor]] = []
     truncated = dropped = label_tokens = 0
-    for prompt_ids, response_ids in zip(prompts, responses, strict=True):
-        ids = [*prompt_ids, *response_ids, eos_id]
-        prompt_labels = list(prompt_ids) if train_on_inputs else [IGNORE_INDEX] * len(prompt_ids)
-        labels = [*prompt_labels, *response_ids, eos_id]
+    for ids, labels in _token_sequences(examples, tokenizer, eos_id=eos_id, train_on_inputs=train_on_inputs):
         if len(ids) > context_length:
             truncated += 1
             ids, labels = ids[:context_length], labels[:context_length]
@@ -409,6 +473,8 @@ def tokenize_examples(
         )
     stats = TokenizeStats(rows=len(examples), truncated=truncated, dropped=dropped, total_label_tokens=label_tokens)
     if not items:
+        if all(isinstance(e, Conversation) and not e.has_reply for e in examples):
+            raise UserError(f"all {len(examples)} rows were dropped: no conversation has an assistant turn to learn")
         raise UserError(
             f"all {len(examples)} rows were dropped: within --context_length {context_length} none has a token "
             "the loss can learn (the prompts fill it); use a larger --context_length"
@@ -436,7 +502,10 @@ class TokenizedDataset(Dataset):
 
 def build_dataloader(cfg: DataConfig, tokenizer: Any, env: DistEnv, *, seed: int) -> DataLoader:
     """This rank's DataLoader; the caller calls loader.sampler.set_epoch(epoch) so each epoch reshuffles."""
-    examples = load_examples(cfg.dataset, samples=cfg.dataset_samples, prompt_style=cfg.prompt_style)
+    if cfg.chat_template:
+        load_chat_template(tokenizer, cfg.chat_template)
+    sources = load_sources(cfg.dataset, samples=cfg.dataset_samples, prompt_style=cfg.prompt_style)
+    examples = [e for _, part in sources for e in part]
     items, stats = tokenize_examples(
         examples, tokenizer, context_length=cfg.context_length, train_on_inputs=cfg.train_on_inputs
     )
@@ -448,9 +517,10 @@ def build_dataloader(cfg: DataConfig, tokenizer: Any, env: DistEnv, *, seed: int
         )
     if env.rank == 0:
         logger.info(
-            "dataset %s: %d rows, %d truncated to %d tokens, %d dropped (nothing left to learn), %d label tokens",
+            "dataset %s: %d rows%s, %d truncated to %d tokens, %d dropped (nothing left to learn), %d label tokens",
             cfg.dataset,
             stats.rows,
+            " (" + ", ".join(f"{name}: {len(part)}" for name, part in sources) + ")" if len(sources) > 1 else "",
             stats.truncated,
             cfg.context_length,
             stats.dropped,

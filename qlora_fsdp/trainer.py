@@ -150,7 +150,7 @@ MUST_MATCH_ON_RESUME = (
     "dataset", "dataset_samples", "context_length", "batch_size", "gradient_accumulation_steps", "seed",
     "prompt_style", "train_on_inputs", "train_type", "quant", "bnb_quant_type", "bnb_double_quant", "hqq_bits",
     "hqq_group_size", "compute_dtype", "lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "precision",
-    "fsdp_version", "sharding_strategy", "shard_group_size", "optimizer",
+    "fsdp_version", "sharding_strategy", "shard_group_size", "optimizer", "chat_template",
 )  # fmt: skip
 # These may change on resume (a lower learning rate, a longer run): the new values apply from the resumed step on,
 # as if the schedule had always been the new one, and the log names each change.

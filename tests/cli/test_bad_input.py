@@ -141,3 +141,27 @@ def test_cpu_offload_on_a_cpu_run(tiny_model: Path, tmp_path: Path, device: str)
     code, errors, output = run_cli(args)
     assert_one_line_error(code, errors, output, "--cpu_offload")
     assert not out.exists()
+
+
+@pytest.mark.parametrize("problem", ["no_chat_template", "unknown_role_in_mixture"])
+def test_chat_data_errors_come_before_the_model_loads(tiny_model: Path, tmp_path: Path, problem: str) -> None:
+    """The model directory has its tokenizer but no weights: an error about the data proves it came first."""
+    model = tmp_path / "no-weights"
+    model.mkdir()
+    for item in tiny_model.iterdir():
+        if item.is_file() and "safetensors" not in item.name:
+            (model / item.name).write_bytes(item.read_bytes())
+    chat = tmp_path / "chat.jsonl"
+    turns = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "Blue."}]
+    if problem == "unknown_role_in_mixture":
+        rows = [{"messages": turns}, {"messages": [*turns, {"role": "tool", "content": "{}"}]}]
+        dataset, needles = f"{DATASET},{chat}", (f"--dataset {chat} row 2", "unknown role 'tool'")
+    else:
+        rows = [{"messages": turns}]
+        dataset, needles = str(chat), (f"--dataset {chat} row 1", "no chat template", "--chat_template")
+    chat.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    code, errors, output = run_cli(["--model", str(model), "--dataset", dataset, "--output_dir", str(out)])
+    assert code == 2
+    assert_one_line_error(code, errors, output, *needles)
+    assert not out.exists()

@@ -324,7 +324,7 @@ def test_hub_row_with_wrong_type_is_a_user_error(monkeypatch: pytest.MonkeyPatch
 
 def test_prompt_styles_text(tmp_path: Path) -> None:
     path = str(_write_jsonl(tmp_path / "d.jsonl", ROWS[:2]))
-    assert PROMPT_STYLES == ("alpaca", "guanaco", "qna")
+    assert PROMPT_STYLES == ("alpaca", "guanaco", "qna", "chat")
     guanaco = load_examples(path, prompt_style="guanaco")
     assert [e.prompt for e in guanaco] == [
         "### Human: Name a color. ### Assistant: ",
@@ -341,7 +341,7 @@ def test_prompt_styles_text(tmp_path: Path) -> None:
 
 def test_unknown_prompt_style(tmp_path: Path) -> None:
     path = str(_write_jsonl(tmp_path / "d.jsonl", ROWS))
-    with pytest.raises(UserError, match=r"unknown prompt style 'chatml'.*alpaca, guanaco, qna"):
+    with pytest.raises(UserError, match=r"unknown prompt style 'chatml'.*alpaca, guanaco, qna, chat"):
         load_examples(path, prompt_style="chatml")
 
 

@@ -1,0 +1,343 @@
+"""Chat data (qlora_fsdp.chat through qlora_fsdp.data): formats, detection, the assistant-only label mask on three
+chat templates, row errors, and dataset mixtures.
+
+The mask is checked against the tokenizer, not against the code's own rendering: the labelled tokens of each reply
+must decode to the reply as the template writes it plus its end-of-turn token, and must be the tokens the tokenizer
+gives for that text.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from qlora_fsdp.chat import Conversation
+from qlora_fsdp.config import DataConfig
+from qlora_fsdp.data import IGNORE_INDEX, Example, build_dataloader, load_examples, load_sources, tokenize_examples
+from qlora_fsdp.distributed import DistEnv
+from qlora_fsdp.errors import UserError
+
+TEMPLATES = Path(__file__).resolve().parents[1] / "data" / "chat_templates"
+LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+
+SYSTEM_AND_TWO_TURNS = {
+    "messages": [
+        {"role": "system", "content": "Answer in one word."},
+        {"role": "user", "content": "Capital of France?"},
+        {"role": "assistant", "content": " Paris. "},
+        {"role": "user", "content": "And of Italy?"},
+        {"role": "assistant", "content": "Rome."},
+    ]
+}
+REASONING_NO_SYSTEM = {
+    "messages": [
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "<think>\nTwo and two.\n</think>\n\nFour."},
+        {"role": "user", "content": "Thanks!"},
+        {"role": "assistant", "content": "You're welcome."},
+    ]
+}
+
+# template -> (end-of-turn token, the replies of the two rows above as that template writes them)
+EXPECTED_REPLIES = {
+    # SmolLM2's ChatML writes replies as given.
+    "smollm2": ("<|im_end|>", [" Paris. ", "Rome."], ["<think>\nTwo and two.\n</think>\n\nFour.", "You're welcome."]),
+    # Trims every reply.
+    "llama3_style": (
+        "<|eot_id|>",
+        ["Paris.", "Rome."],
+        ["<think>\nTwo and two.\n</think>\n\nFour.", "You're welcome."],
+    ),
+    # Drops reasoning; the replies after the last user turn follow an empty think block that is not theirs.
+    "qwen_style": ("<|im_end|>", [" Paris. ", "Rome."], ["Four.", "You're welcome."]),
+}
+
+
+def _cpu_env(rank: int = 0, world_size: int = 1) -> DistEnv:
+    return DistEnv(rank, rank, world_size, world_size, torch.device("cpu"), "gloo")
+
+
+@pytest.fixture(scope="module")
+def chatml(smollm2: Path):
+    """SmolLM2's tokenizer with its own ChatML template."""
+    return AutoTokenizer.from_pretrained(smollm2)
+
+
+def _tokenizer(smollm2: Path, template: str):
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    if template == "llama3_style":
+        tok.add_special_tokens({"bos_token": "<|begin_of_text|>", "additional_special_tokens": LLAMA3_SPECIALS[1:]})
+    if template != "smollm2":
+        tok.chat_template = (TEMPLATES / f"{template}.jinja").read_text()
+    return tok
+
+
+def _write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _labelled_runs(item: dict[str, torch.Tensor]) -> list[list[int]]:
+    """The token ids of each maximal run of labelled positions."""
+    runs: list[list[int]] = []
+    previous = False
+    for token, label in zip(item["input_ids"].tolist(), item["labels"].tolist(), strict=True):
+        labelled = label != IGNORE_INDEX
+        if labelled:
+            assert label == token  # a label is the token at its position; the loss shifts it
+            if not previous:
+                runs.append([])
+            runs[-1].append(token)
+        previous = labelled
+    return runs
+
+
+# --- the label mask ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("template", list(EXPECTED_REPLIES))
+def test_labels_are_exactly_the_assistant_replies_and_end_of_turn(smollm2: Path, tmp_path: Path, template: str) -> None:
+    tok = _tokenizer(smollm2, template)
+    eot, *replies = EXPECTED_REPLIES[template]
+    path = _write_jsonl(tmp_path / "chat.jsonl", [SYSTEM_AND_TWO_TURNS, REASONING_NO_SYSTEM])
+    examples = load_examples(str(path))
+    items, stats = tokenize_examples(examples, tok, context_length=160, train_on_inputs=False)
+    assert len(items) == 2 and stats.truncated == 0 and stats.dropped == 0
+
+    expected_label_tokens = 0
+    for item, row, row_replies in zip(items, [SYSTEM_AND_TWO_TURNS, REASONING_NO_SYSTEM], replies, strict=True):
+        n_real = int(item["attention_mask"].sum())
+        # The row is the template's rendering, tokenized whole (system prompt and all) ...
+        rendered = tok.apply_chat_template(row["messages"], tokenize=False)
+        assert tok.decode(item["input_ids"][:n_real]) == rendered
+        runs = _labelled_runs(item)
+        # ... and its labels are each reply as written in that rendering, with the end-of-turn token.
+        assert [tok.decode(run) for run in runs] == [reply + eot for reply in row_replies]
+        for run, reply in zip(runs, row_replies, strict=True):
+            assert run == tok(reply + eot, add_special_tokens=False)["input_ids"]
+        expected_label_tokens += sum(len(run) for run in runs)
+        if template == "qwen_style":  # an inserted block the mask must leave out
+            assert f"<think>\n\n</think>\n\n{row_replies[-1]}<|im_end|>" in rendered
+    assert stats.total_label_tokens == expected_label_tokens
+
+
+@pytest.mark.parametrize("template", list(EXPECTED_REPLIES))
+def test_train_on_inputs_labels_every_real_token(smollm2: Path, template: str) -> None:
+    tok = _tokenizer(smollm2, template)
+    conv = Conversation(tuple((m["role"], m["content"]) for m in REASONING_NO_SYSTEM["messages"]))
+    (item,), stats = tokenize_examples([conv], tok, context_length=160, train_on_inputs=True)
+    n_real = int(item["attention_mask"].sum())
+    assert n_real < 160
+    assert item["labels"][:n_real].tolist() == item["input_ids"][:n_real].tolist()
+    assert (item["labels"][n_real:] == IGNORE_INDEX).all()
+    assert stats.total_label_tokens == n_real - 1  # nothing predicts position 0
+
+
+def test_template_text_built_from_the_reply_is_learned_with_it(smollm2: Path) -> None:
+    """A template that moves the reply's reasoning into its own block (as Qwen3's does for the last turn): the block's
+    fixed opening is the template's, the reasoning and the answer are the reply's."""
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    tok.chat_template = (
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}"
+        "{% if m['role'] == 'assistant' %}{% set parts = m['content'].split('</think>') %}"
+        "{% set thought = parts[0].split('<think>')[-1].strip() if parts | length > 1 else '' %}"
+        "{{ '<think>\\n' + thought + '\\n</think>\\n\\n' + parts[-1].strip() }}"
+        "{% else %}{{ m['content'] }}{% endif %}{{ '<|im_end|>\\n' }}{% endfor %}"
+    )
+    conv = Conversation((("user", "What is 2+2?"), ("assistant", "<think>Two and two.</think>Four.")))
+    (item,), _ = tokenize_examples([conv], tok, context_length=96, train_on_inputs=False)
+    assert "<|im_start|>assistant\n<think>\nTwo and two.\n</think>\n\nFour.<|im_end|>" in tok.decode(item["input_ids"])
+    assert [tok.decode(run) for run in _labelled_runs(item)] == ["Two and two.\n</think>\n\nFour.<|im_end|>"]
+
+
+def test_truncated_reply_keeps_the_labels_that_fit(chatml) -> None:
+    conv = Conversation((("user", "Count."), ("assistant", "one two three four five six seven eight nine ten")))
+    (full,), _ = tokenize_examples([conv], chatml, context_length=128, train_on_inputs=False)
+    n_real = int(full["attention_mask"].sum())
+    (cut,), stats = tokenize_examples([conv], chatml, context_length=n_real - 4, train_on_inputs=False)
+    assert stats.truncated == 1
+    assert cut["input_ids"].tolist() == full["input_ids"][: n_real - 4].tolist()
+    assert cut["labels"].tolist() == full["labels"][: n_real - 4].tolist()
+
+
+# --- formats and detection ---------------------------------------------------------------------------------------
+
+
+def _sharegpt(row: dict) -> dict:
+    names = {"system": "system", "user": "human", "assistant": "gpt"}
+    return {"conversations": [{"from": names[m["role"]], "value": m["content"]} for m in row["messages"]]}
+
+
+def _write_parquet(path: Path, rows: list[dict]) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "json_list", "parquet"])
+def test_openai_and_sharegpt_rows_load_the_same_conversations(tmp_path: Path, fmt: str) -> None:
+    rows = [SYSTEM_AND_TWO_TURNS, REASONING_NO_SYSTEM]
+    loaded = []
+    for name, data in (("openai", rows), ("sharegpt", [_sharegpt(r) for r in rows])):
+        if fmt == "jsonl":
+            path = _write_jsonl(tmp_path / f"{name}.jsonl", data)
+        elif fmt == "json_list":
+            path = tmp_path / f"{name}.json"
+            path.write_text(json.dumps(data))
+        else:
+            path = _write_parquet(tmp_path / f"{name}.parquet", data)
+        loaded.append(load_examples(str(path)))
+    openai, sharegpt = loaded
+    assert openai == sharegpt
+    assert openai[0] == Conversation(tuple((m["role"], m["content"]) for m in SYSTEM_AND_TWO_TURNS["messages"]))
+
+
+def test_chat_rows_are_detected_beside_alpaca_rows_and_style_chat_renders_alpaca_rows(tmp_path: Path, chatml) -> None:
+    alpaca = {"instruction": "Add the numbers.", "input": "2 and 3", "output": "5"}
+    path = str(_write_jsonl(tmp_path / "mixed.jsonl", [alpaca, SYSTEM_AND_TWO_TURNS]))
+    text_prompt, chat = load_examples(path)
+    assert isinstance(text_prompt, Example) and text_prompt.prompt.startswith("Below is an instruction")
+    assert isinstance(chat, Conversation)
+
+    forced, _ = load_examples(path, prompt_style="chat")
+    assert forced == Conversation((("user", "Add the numbers.\n\n2 and 3"), ("assistant", "5")))
+    (item,), _ = tokenize_examples([forced], chatml, context_length=96, train_on_inputs=False)
+    assert [chatml.decode(run) for run in _labelled_runs(item)] == ["5<|im_end|>"]
+    assert "<|im_start|>user\nAdd the numbers.\n\n2 and 3<|im_end|>" in chatml.decode(item["input_ids"])
+
+
+def test_chat_template_flag_replaces_the_tokenizers_template(tmp_path: Path, smollm2: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    path = str(_write_jsonl(tmp_path / "chat.jsonl", [SYSTEM_AND_TWO_TURNS] * 2))
+    cfg = DataConfig(dataset=path, context_length=128, chat_template=str(TEMPLATES / "qwen_style.jinja"))
+    batch = next(iter(build_dataloader(cfg, tok, _cpu_env(), seed=0)))
+    assert "<think>\n\n</think>\n\nRome." in tok.decode(batch["input_ids"][0])
+
+
+# --- bad input ---------------------------------------------------------------------------------------------------
+
+
+def _one_line_error(path: Path, tokenizer=None, **kwargs) -> str:
+    """The UserError that loading (and, given a tokenizer, tokenizing) the file raises, checked to be one line."""
+    with pytest.raises(UserError) as info:
+        examples = load_examples(str(path), **kwargs)
+        tokenize_examples(examples, tokenizer, context_length=128, train_on_inputs=False)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+@pytest.mark.parametrize(
+    ("row", "expected"),
+    [
+        (
+            {"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "{}"}]},
+            r"row 2 messages\[2\]: unknown role 'tool'; role must be system, user or assistant",
+        ),
+        (
+            {"conversations": [{"from": "human", "value": "hi"}, {"from": "bot", "value": "yo"}]},
+            r"row 2 conversations\[2\]: unknown role 'bot'; from must be system, human or gpt",
+        ),
+        ({"messages": []}, r"row 2: field 'messages' is empty"),
+        ({"messages": "hi"}, r"row 2: field 'messages' must be a list, got str"),
+        ({"messages": [{"role": "user", "content": None}]}, r"row 2 messages\[1\]: 'content' must be a string"),
+        ({"conversations": [{"value": "hi"}]}, r"row 2 conversations\[1\]: 'from' must be a string, got NoneType"),
+        ({"messages": ["hi"]}, r"row 2 messages\[1\]: expected an object with 'role' and 'content', got str"),
+    ],
+)
+def test_bad_chat_rows_name_file_and_row(tmp_path: Path, row: dict, expected: str) -> None:
+    path = _write_jsonl(tmp_path / "chat.jsonl", [SYSTEM_AND_TWO_TURNS, row])
+    message = _one_line_error(path)
+    assert str(path) in message
+    assert re.search(expected, message), message
+
+
+def test_invalid_json_line_in_chat_file_names_file_and_line(tmp_path: Path) -> None:
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps(SYSTEM_AND_TWO_TURNS) + "\n\n" + '{"messages": [{"role": "user", "content": "hi"}\n')
+    message = _one_line_error(path)
+    assert f"--dataset {path} line 3: not valid JSON" in message
+
+
+def test_tokenizer_without_chat_template_names_the_flag(tmp_path: Path, smollm2: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    tok.chat_template = None
+    path = _write_jsonl(tmp_path / "chat.jsonl", [SYSTEM_AND_TWO_TURNS])
+    message = _one_line_error(path, tok)
+    assert f"--dataset {path} row 1" in message
+    assert "no chat template" in message and "--chat_template FILE.jinja" in message
+    assert "chat_template.jinja" in message
+
+
+def test_bad_chat_template_file_names_file_and_line(tmp_path: Path, chatml) -> None:
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for m in messages %}\n{{ m.content }\n{% endfor %}")
+    path = _write_jsonl(tmp_path / "chat.jsonl", [SYSTEM_AND_TWO_TURNS])
+    with pytest.raises(UserError, match=rf"--chat_template {bad} line 2: not a valid Jinja template"):
+        build_dataloader(DataConfig(dataset=str(path), chat_template=str(bad)), chatml, _cpu_env(), seed=0)
+    missing = DataConfig(dataset=str(path), chat_template=str(tmp_path / "missing.jinja"))
+    with pytest.raises(UserError, match=r"--chat_template .*missing\.jinja: cannot read the file"):
+        build_dataloader(missing, chatml, _cpu_env(), seed=0)
+
+
+def test_template_that_refuses_a_conversation_names_the_row(tmp_path: Path, smollm2: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    tok.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role') }}{% endif %}"
+        "{{ m['content'] + eos_token }}{% endfor %}"
+    )
+    path = _write_jsonl(tmp_path / "chat.jsonl", [REASONING_NO_SYSTEM, SYSTEM_AND_TWO_TURNS])
+    message = _one_line_error(path, tok)
+    assert f"--dataset {path} row 2: the chat template refused this conversation (no system role)" in message
+
+
+def test_conversations_without_assistant_turn_are_dropped_and_counted(tmp_path: Path, chatml) -> None:
+    unanswered = {"messages": [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Hello?"}]}
+    path = _write_jsonl(tmp_path / "chat.jsonl", [SYSTEM_AND_TWO_TURNS, unanswered, REASONING_NO_SYSTEM])
+    for train_on_inputs in (False, True):
+        items, stats = tokenize_examples(
+            load_examples(str(path)), chatml, context_length=160, train_on_inputs=train_on_inputs
+        )
+        assert (stats.rows, stats.dropped, len(items)) == (3, 1, 2)
+    only_unanswered = _write_jsonl(tmp_path / "none.jsonl", [unanswered, unanswered])
+    message = _one_line_error(only_unanswered, chatml)
+    assert "all 2 rows were dropped: no conversation has an assistant turn" in message
+
+
+# --- mixtures ----------------------------------------------------------------------------------------------------
+
+
+def test_mixture_concatenates_sources_and_logs_per_source_counts(
+    tmp_path: Path, chatml, caplog: pytest.LogCaptureFixture
+) -> None:
+    alpaca = [{"instruction": f"Question {i}", "output": f"Answer {i}"} for i in range(5)]
+    first = _write_jsonl(tmp_path / "a.jsonl", alpaca)
+    second = _write_jsonl(tmp_path / "b.jsonl", [SYSTEM_AND_TWO_TURNS, REASONING_NO_SYSTEM, SYSTEM_AND_TWO_TURNS])
+    dataset = f"{first},{second}"
+    sources = load_sources(dataset)
+    assert [(name, len(examples)) for name, examples in sources] == [(str(first), 5), (str(second), 3)]
+    assert load_examples(dataset) == load_examples(str(first)) + load_examples(str(second))
+    # --dataset_samples applies to each source; a named dataset mixes with files.
+    assert [len(e) for _, e in load_sources(f"dummy, {second}", samples=2)] == [2, 2]
+
+    cfg = DataConfig(dataset=dataset, context_length=160, batch_size=2)
+    with caplog.at_level(logging.INFO, logger="qlora_fsdp.data"):
+        loader = build_dataloader(cfg, chatml, _cpu_env(), seed=0)
+    assert len(loader) == 4  # 8 rows, batch 2
+    assert f"dataset {dataset}: 8 rows ({first}: 5, {second}: 3)," in caplog.text
+
+
+def test_mixture_with_an_empty_name_is_an_error(tmp_path: Path) -> None:
+    path = _write_jsonl(tmp_path / "a.jsonl", [SYSTEM_AND_TWO_TURNS])
+    with pytest.raises(UserError, match="empty name in the comma-separated list"):
+        load_sources(f"{path},")
+    with pytest.raises(UserError, match=r"--dataset .*nope\.jsonl: no such file"):
+        load_sources(f"{path},{tmp_path / 'nope.jsonl'}")
