@@ -256,7 +256,8 @@ def field_docs(cls: type) -> dict[str, str]:
     docs = {}
     for stmt, nxt in itertools.pairwise(body):
         if isinstance(stmt, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-            docs[stmt.target.id] = str(nxt.value.value)  # type: ignore[attr-defined]
+            # One line: a wrapped docstring would break the README's option table.
+            docs[stmt.target.id] = " ".join(str(nxt.value.value).split())  # type: ignore[attr-defined]
     return docs
 
 

@@ -36,7 +36,7 @@ from qlora_fsdp.config import OptimConfig, OutputConfig, TrainConfig, profile_wi
 from qlora_fsdp.data import IGNORE_INDEX, build_dataloader
 from qlora_fsdp.distributed import DistEnv, broadcast_object, gather_ints, init_distributed, teardown
 from qlora_fsdp.errors import UserError
-from qlora_fsdp.fsdp import DTYPES, PRECISIONS, Precision, ShardedModel, make_sharder, verify_packed
+from qlora_fsdp.fsdp import PRECISIONS, Precision, ShardedModel, make_sharder, quant_compute_dtype, verify_packed
 from qlora_fsdp.lora import adapter_keys, init_adapters, inject_lora, lora_layers, prepare_full_finetune
 from qlora_fsdp.loss import CausalLMLoss
 from qlora_fsdp.metrics import METRICS_FILE, MetricsLogger, peak_memory_bytes
@@ -303,7 +303,7 @@ def _run(
 
 def _build_model(cfg: TrainConfig, env: DistEnv, model_path: Path, precision: Precision) -> _Built:
     """Skeleton on meta, adapters, then stream the checkpoint in, sharding each decoder layer as it completes."""
-    compute_dtype = precision.compute_dtype if cfg.quant.compute_dtype == "auto" else DTYPES[cfg.quant.compute_dtype]
+    compute_dtype = quant_compute_dtype(precision, cfg.quant.compute_dtype)
     adapters = cfg.lora.train_type in ("lora", "dora")
     # FSDP1 only: DoRA's forward dequantizes the base layer from its LoRA layer, so the base layer must share its
     # decoder layer's unit instead of a (mixed-precision-ignored) unit of its own.

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from qlora_fsdp.config import PRECISIONS, TrainConfig, build_config
 from qlora_fsdp.data import build_dataloader
 from qlora_fsdp.distributed import DistEnv, init_distributed, teardown
-from qlora_fsdp.fsdp import DTYPES
 from qlora_fsdp.fsdp import PRECISIONS as MODES
+from qlora_fsdp.fsdp import quant_compute_dtype
 from qlora_fsdp.lora import init_adapters, inject_lora, lora_layers, prepare_full_finetune
 from qlora_fsdp.metrics import read_metrics
 from qlora_fsdp.model import build_skeleton, expanded_layer_prefixes, load_tokenizer, stream_weights
@@ -126,7 +126,7 @@ def reference_first_step(cfg: TrainConfig, world_size: int) -> dict[str, float]:
     data = dict(vars(cfg.data), batch_size=cfg.data.batch_size * world_size * cfg.optim.gradient_accumulation_steps)
     batch = next(iter(build_dataloader(type(cfg.data)(**data), load_tokenizer(path), env, seed=cfg.optim.seed)))
     mode = MODES[cfg.fsdp.precision]
-    compute = mode.compute_dtype if cfg.quant.compute_dtype == "auto" else DTYPES[cfg.quant.compute_dtype]
+    compute = quant_compute_dtype(mode, cfg.quant.compute_dtype)
     backend = make_backend(cfg.quant, storage_dtype=torch.uint8, compute_dtype=compute)
     new_blocks = expanded_layer_prefixes(path) if cfg.lora.train_type == "llama_pro" else ()
     skeleton = build_skeleton(
