@@ -1,13 +1,11 @@
-"""Datasets -> (prompt, response) examples -> fixed-length token tensors -> a DataLoader sharded by rank.
+"""Datasets -> (prompt, response) examples -> token ids and labels (and fixed-length rows of them).
 
-Every rank builds the same examples in the same order; the `DistributedSampler` alone decides which rows a rank
-sees, so W ranks x batch B see, at each step, the same rows as 1 rank x batch W*B with the same seed.
+Rows become batches in qlora_fsdp/loader.py; packing several samples into one row is qlora_fsdp/packing.py.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import random
 from collections.abc import Callable, Iterable
@@ -15,13 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from qlora_fsdp.config import DataConfig
-from qlora_fsdp.distributed import DistEnv
 from qlora_fsdp.errors import UserError
-
-logger = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
 """Label value the cross-entropy loss skips (prompt and padding positions)."""
@@ -366,6 +359,44 @@ def load_examples(dataset: str, *, samples: int = 0, prompt_style: str = "alpaca
 # ---------------------------------------------------------------------------------------------------------------
 
 
+Sample = tuple[list[int], list[int]]
+"""(input_ids, labels) of one example at its full length, labels -100 where nothing is learned."""
+
+
+def pad_token_id(tokenizer: Any) -> int:
+    """The id that fills rows past their tokens (never learned, never attended to): pad, else eos."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def encode_examples(examples: list[Example], tokenizer: Any, *, train_on_inputs: bool) -> list[Sample]:
+    """Each example as prompt + response + eos token ids, untruncated; labels -100 on the prompt unless
+    train_on_inputs. Fitting them into rows (truncated and padded, or packed) is the caller's business."""
+    eos_id = tokenizer.eos_token_id
+    if eos_id is None:
+        raise UserError("the tokenizer has no eos token; the model cannot learn where a response ends")
+    if not examples:
+        raise UserError("no examples to tokenize")
+    prompts = tokenizer([e.prompt for e in examples], add_special_tokens=False)["input_ids"]
+    responses = tokenizer([e.response for e in examples], add_special_tokens=False)["input_ids"]
+    samples = []
+    for prompt_ids, response_ids in zip(prompts, responses, strict=True):
+        prompt_labels = list(prompt_ids) if train_on_inputs else [IGNORE_INDEX] * len(prompt_ids)
+        samples.append(([*prompt_ids, *response_ids, eos_id], [*prompt_labels, *response_ids, eos_id]))
+    return samples
+
+
+def learned_tokens(labels: list[int]) -> int:
+    """Label tokens the loss learns from a sample: labels[1:] (nothing predicts a sample's first token)."""
+    return sum(label != IGNORE_INDEX for label in labels[1:])
+
+
+def all_dropped_error(rows: int, context_length: int) -> UserError:
+    return UserError(
+        f"all {rows} rows were dropped: within --context_length {context_length} none has a token "
+        "the loss can learn (the prompts fill it); use a larger --context_length"
+    )
+
+
 def tokenize_examples(
     examples: list[Example], tokenizer: Any, *, context_length: int, train_on_inputs: bool
 ) -> tuple[list[dict[str, torch.Tensor]], TokenizeStats]:
@@ -376,25 +407,14 @@ def tokenize_examples(
     so a row with no label in labels[1:] after truncation is dropped: it would add a loss over zero tokens (NaN in
     a mean). The config's --context_length minimum is the only one; a context too short for any row drops them all.
     """
-    eos_id = tokenizer.eos_token_id
-    if eos_id is None:
-        raise UserError("the tokenizer has no eos token; the model cannot learn where a response ends")
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
-    if not examples:
-        raise UserError("no examples to tokenize")
-    prompts = tokenizer([e.prompt for e in examples], add_special_tokens=False)["input_ids"]
-    responses = tokenizer([e.response for e in examples], add_special_tokens=False)["input_ids"]
-
+    pad_id = pad_token_id(tokenizer)
     items: list[dict[str, torch.Tensor]] = []
     truncated = dropped = label_tokens = 0
-    for prompt_ids, response_ids in zip(prompts, responses, strict=True):
-        ids = [*prompt_ids, *response_ids, eos_id]
-        prompt_labels = list(prompt_ids) if train_on_inputs else [IGNORE_INDEX] * len(prompt_ids)
-        labels = [*prompt_labels, *response_ids, eos_id]
+    for ids, labels in encode_examples(examples, tokenizer, train_on_inputs=train_on_inputs):
         if len(ids) > context_length:
             truncated += 1
             ids, labels = ids[:context_length], labels[:context_length]
-        learned = sum(label != IGNORE_INDEX for label in labels[1:])
+        learned = learned_tokens(labels)
         if not learned:
             dropped += 1
             continue
@@ -409,58 +429,5 @@ def tokenize_examples(
         )
     stats = TokenizeStats(rows=len(examples), truncated=truncated, dropped=dropped, total_label_tokens=label_tokens)
     if not items:
-        raise UserError(
-            f"all {len(examples)} rows were dropped: within --context_length {context_length} none has a token "
-            "the loss can learn (the prompts fill it); use a larger --context_length"
-        )
+        raise all_dropped_error(len(examples), context_length)
     return items, stats
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# DataLoader
-# ---------------------------------------------------------------------------------------------------------------
-
-
-class TokenizedDataset(Dataset):
-    """The tokenized rows as a map-style dataset (DistributedSampler needs len and indexing)."""
-
-    def __init__(self, items: list[dict[str, torch.Tensor]]) -> None:
-        self.items = items
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return self.items[index]
-
-
-def build_dataloader(cfg: DataConfig, tokenizer: Any, env: DistEnv, *, seed: int) -> DataLoader:
-    """This rank's DataLoader; the caller calls loader.sampler.set_epoch(epoch) so each epoch reshuffles."""
-    examples = load_examples(cfg.dataset, samples=cfg.dataset_samples, prompt_style=cfg.prompt_style)
-    items, stats = tokenize_examples(
-        examples, tokenizer, context_length=cfg.context_length, train_on_inputs=cfg.train_on_inputs
-    )
-    needed = env.world_size * cfg.batch_size
-    if len(items) < needed:
-        raise UserError(
-            f"--dataset {cfg.dataset} has {len(items)} usable rows, fewer than the {needed} one step needs "
-            f"({env.world_size} ranks x --batch_size {cfg.batch_size}); use more data or a smaller --batch_size"
-        )
-    if env.rank == 0:
-        logger.info(
-            "dataset %s: %d rows, %d truncated to %d tokens, %d dropped (nothing left to learn), %d label tokens",
-            cfg.dataset,
-            stats.rows,
-            stats.truncated,
-            cfg.context_length,
-            stats.dropped,
-            stats.total_label_tokens,
-        )
-    ds = TokenizedDataset(items)
-    sampler = DistributedSampler(
-        ds, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=seed, drop_last=True
-    )
-    # Its own generator: every new iterator draws a seed, and drawing from the global RNG would shift dropout
-    # masks between a resumed run and an uninterrupted one.
-    generator = torch.Generator().manual_seed(seed)
-    return DataLoader(ds, batch_size=cfg.batch_size, sampler=sampler, drop_last=True, generator=generator)

@@ -34,10 +34,11 @@ from qlora_fsdp.checkpoint import (
     save_trained_blocks,
 )
 from qlora_fsdp.config import OptimConfig, OutputConfig, TrainConfig, profile_window
-from qlora_fsdp.data import IGNORE_INDEX, build_dataloader
+from qlora_fsdp.data import IGNORE_INDEX
 from qlora_fsdp.distributed import DistEnv, broadcast_object, gather_ints, init_distributed, teardown
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.fsdp import DTYPES, PRECISIONS, Precision, ShardedModel, make_sharder, verify_packed
+from qlora_fsdp.loader import build_dataloader
 from qlora_fsdp.lora import adapter_keys, init_adapters, inject_lora, lora_layers, prepare_full_finetune
 from qlora_fsdp.metrics import METRICS_FILE, MetricsLogger, peak_memory_bytes
 from qlora_fsdp.model import (
