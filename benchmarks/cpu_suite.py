@@ -1,4 +1,5 @@
-"""The CPU suite: loading, per-rank memory vs world size, training throughput, quantization quality and size.
+"""The CPU suite: loading, per-rank memory vs world size, training throughput, quantization quality and size; and
+the packing suite: packed against unpacked training on the bundled data.
 
 Every measurement is a fresh process (or a fresh job of processes); ours and the peer's runs alternate, so slow
 phases of a shared machine hit both sides alike, and every launch records the CPU other processes took meanwhile.
@@ -89,6 +90,8 @@ class CpuPlan:
     """Both sides' parameter, storage and compute dtype: bf16, or fp32 on a CPU without native bf16 matmuls."""
     large: bool = False
     """The loading section alone, on a 1.1B model (--suite cpu-large)."""
+    packing: bool = False
+    """The packing section alone: --packing true against false on the bundled data (--suite cpu-packing)."""
 
 
 # About 171M parameters in 3 shards: 12 Llama layers of 12.6M (mostly quantized linears) + 8192-token embeddings.
@@ -132,11 +135,16 @@ def plan(
     reps: int | None,
     idle_wait_s: float | None,
     large: bool = False,
+    packing: bool = False,
     precision: str | None = None,
 ) -> CpuPlan:
-    """The full suite (about 12 minutes on 2 cores), the --quick one the test runs (small model, one rep), or the
-    large loading suite (about 5 minutes, one rep, plus 1-2 minutes to build the model once)."""
-    if large:
+    """The full suite (about 12 minutes on 2 cores), the --quick one the test runs (small model, one rep), the
+    large loading suite (about 5 minutes, one rep, plus 1-2 minutes to build the model once), or the packing suite
+    (2 ranks, context 512, the suite's model; about 2 minutes per rep, --quick: the small model)."""
+    if packing:
+        p = CpuPlan(QUICK_MODEL if quick else FULL_MODEL, reps=1 if quick else 3, batch_size=4, context_length=512,
+                    warmup_steps=2, measured_steps=3, quick=quick, packing=True)  # fmt: skip
+    elif large:
         p = CpuPlan(LARGE_MODEL, reps=1, batch_size=1, context_length=64, warmup_steps=0, measured_steps=0, large=True)
     elif quick:
         p = CpuPlan(QUICK_MODEL, reps=1, batch_size=2, context_length=64, warmup_steps=1, measured_steps=2, quick=True)
@@ -252,14 +260,17 @@ class Runner:
         return [read_json(f"{result}.rank{r}.json") for r in range(nproc)]
 
     def train_cli(
-        self, what: str, model: Path, quant: str, *, nproc: int, version: int
+        self, what: str, model: Path, quant: str, *, nproc: int, version: int, data: dict[str, Any] | None = None
     ) -> tuple[list[dict[str, Any]], list[int]]:
-        """Our real CLI (train.py; torchrun for several ranks) with --max_steps.
+        """Our real CLI (train.py; torchrun for several ranks) with --max_steps, on `--dataset dummy` unless `data`
+        overrides the data flags.
 
         Returns metrics.jsonl's records and each rank's peak RSS (VmHWM, written by benchmarks/cli_probe.py).
         """
         p = self.plan
-        out = Path(self.result_path(f"train-{quant}-{nproc}-fsdp{version}"))
+        out = Path(
+            self.result_path(f"train-{quant}-{nproc}-fsdp{version}{'-packed' if (data or {}).get('packing') else ''}")
+        )
         if p.batch_size % nproc:
             raise ValueError(f"batch {p.batch_size} does not split over {nproc} ranks")
         flags = {
@@ -283,6 +294,7 @@ class Runner:
             "save_model": "false",
             "device": "cpu",
             "output_dir": out,
+            **(data or {}),
         }
         args = ["-m", "benchmarks.cli_probe", str(REPO_ROOT / "train.py")] + [f"--{k}={v}" for k, v in flags.items()]
         if nproc == 1:
@@ -323,9 +335,14 @@ def run_cpu_suite(
     details: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="bench-cpu-") as tmp:
         runner = Runner(plan, Path(tmp), log)
-        log("1/4 loading (ours: 2 ranks, streaming, FSDP2 and FSDP1; peer: HF from_pretrained)")
-        loads = _loading(runner, model_dir, rows, details)
-        if not plan.large:
+        details["parameters"] = _parameters(model_dir)
+        if plan.packing:
+            log("packing: 2 ranks, --packing true against false on the bundled data")
+            _packing(runner, model_dir, rows, details)
+        else:
+            log("1/4 loading (ours: 2 ranks, streaming, FSDP2 and FSDP1; peer: HF from_pretrained)")
+            loads = _loading(runner, model_dir, rows, details)
+        if not plan.large and not plan.packing:
             log("2/4 per-rank memory vs world size")
             _world_sizes(runner, model_dir, loads, rows, details)
             log("3/4 training throughput")
@@ -335,7 +352,7 @@ def run_cpu_suite(
         launches = runner.launches
     foreign = [entry["foreign_cores"] for entry in launches if not entry["discarded"]]
     return {
-        "suite": "cpu-large" if plan.large else "cpu",
+        "suite": "cpu-large" if plan.large else "cpu-packing" if plan.packing else "cpu",
         "quick": plan.quick,
         "model": {
             "path": str(model_dir),
@@ -390,7 +407,6 @@ def _loading(runner: Runner, model: Path, rows: list, details: dict) -> dict[int
         peer_runs.append(runner.worker(f"load peer (rep {rep + 1})", "load_peer", peer_args)[0])
     ours_model = ours[LOAD_VERSIONS[0]][0][0]["quantized_model_bytes"]
     peer_model = peer_runs[0]["quantized_model_bytes"]
-    details["parameters"] = _parameters(model)
     details["quantized_model_bytes"] = {"ours": ours_model, "peer": peer_model}
     peer_peak = [p["peak_rss_bytes"] for p in peer_runs]
     for version, runs in ours.items():
@@ -503,6 +519,34 @@ def _training(runner: Runner, model: Path, rows: list, details: dict) -> None:
                         f"peak RSS while training (largest rank), {kind}, {layout}, FSDP{version}", "bytes", "lower",
                         ours_rss[key], peer_rss, **kw))  # fmt: skip
     details["training"] = {"peer_tokens_per_s_runs": peer_tps, "ours_tokens_per_s_runs": ours}
+
+
+def _packing(runner: Runner, model: Path, rows: list, details: dict) -> None:
+    """Packed against unpacked training: label tokens/s (what learning advances by) and row efficiency, 2 ranks.
+
+    Both train on the bundled data at the plan's context; the unpacked run (the same CLI, --packing false) is the
+    baseline in the peer's column. Per run: label tokens / seconds and real tokens / row tokens over the measured
+    steps (a step's seconds are its tokens / tokens_per_s).
+    """
+    p = runner.plan
+    figures: dict[bool, dict[str, list[float]]] = {k: {"label_tps": [], "efficiency": []} for k in (True, False)}
+    for rep in range(p.reps):
+        for packing in (False, True):
+            data = {"dataset": REPO_ROOT / "data" / "alpaca_tiny.jsonl", "dataset_samples": 0, "packing": packing}
+            what = f"train {'packed' if packing else 'unpacked'} bnb x2 (rep {rep + 1})"
+            metrics, _ = runner.train_cli(what, model, "bnb", nproc=2, version=2, data=data)
+            steps = [m for m in metrics if "loss" in m][p.warmup_steps :]
+            seconds = sum(m["tokens"] / m["tokens_per_s"] for m in steps)
+            figures[packing]["label_tps"].append(sum(m["label_tokens"] for m in steps) / seconds)
+            figures[packing]["efficiency"].append(median([m["packing_efficiency"] for m in steps]))
+    shape = f"bundled data (data/alpaca_tiny.jsonl), batch {p.batch_size} x {p.context_length}, 2 ranks, bnb, FSDP2"
+    measured = f"steps {p.warmup_steps + 1}-{p.warmup_steps + p.measured_steps} of each run, median over {p.reps}"
+    kw = {"ours_label": f"--packing true; {shape}", "peer_label": "--packing false (the same CLI)", "note": measured}
+    rows.append(row("packing", "label_tokens_per_s_2ranks", "label tokens/s, 2 ranks", "tokens/s", "higher",
+                    figures[True]["label_tps"], figures[False]["label_tps"], **kw))  # fmt: skip
+    rows.append(row("packing", "packing_efficiency", "real tokens / row tokens", "ratio", "higher",
+                    figures[True]["efficiency"], figures[False]["efficiency"], **kw))  # fmt: skip
+    details["packing"] = {"packed": figures[True], "unpacked": figures[False]}
 
 
 def _quality(runner: Runner, model: Path, config: dict[str, Any], rows: list, details: dict) -> None:
