@@ -1,5 +1,6 @@
-"""The CPU suite: loading, per-rank memory vs world size, training throughput, quantization quality and size; and
-the packing suite: packed against unpacked training on the bundled data.
+"""The CPU suite: loading, per-rank memory vs world size, training throughput, quantization quality and size;
+the loss suite (--suite cpu-loss): chunked against whole-logit cross-entropy, in step memory and speed; and the
+packing suite (--suite cpu-packing): packed against unpacked training on the bundled data.
 
 Every measurement is a fresh process (or a fresh job of processes); ours and the peer's runs alternate, so slow
 phases of a shared machine hit both sides alike, and every launch records the CPU other processes took meanwhile.
@@ -13,7 +14,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +91,8 @@ class CpuPlan:
     """Both sides' parameter, storage and compute dtype: bf16, or fp32 on a CPU without native bf16 matmuls."""
     large: bool = False
     """The loading section alone, on a 1.1B model (--suite cpu-large)."""
+    loss: bool = False
+    """The loss section alone (--suite cpu-loss)."""
     packing: bool = False
     """The packing section alone: --packing true against false on the bundled data (--suite cpu-packing)."""
 
@@ -120,6 +123,13 @@ LARGE_MODEL = dict(
 )
 
 
+# The loss suite's memory models: one decoder too small to matter, so the head and its logits decide the peak.
+LOSS_MODEL = dict(hidden_size=256, num_layers=2, intermediate_size=512, num_heads=4, num_kv_heads=4, num_shards=1)
+LOSS_VOCABS = (512, 128256)  # a toy vocabulary, and Llama 3's
+LOSS_SHAPE = {"batch_size": 1, "context_length": 2048}
+LOSS_CHUNK = 512  # --loss_chunk_tokens' default
+
+
 def native_bf16() -> bool:
     """Whether this CPU multiplies bf16 matrices in hardware; without it PyTorch's bf16 matmul is ~100x slower than
     fp32 (seen: 0.5 s against 5 ms for 64 x 2816 x 1024), which would measure that path instead of either side."""
@@ -135,15 +145,20 @@ def plan(
     reps: int | None,
     idle_wait_s: float | None,
     large: bool = False,
+    loss: bool = False,
     packing: bool = False,
     precision: str | None = None,
 ) -> CpuPlan:
-    """The full suite (about 12 minutes on 2 cores), the --quick one the test runs (small model, one rep), the
-    large loading suite (about 5 minutes, one rep, plus 1-2 minutes to build the model once), or the packing suite
-    (2 ranks, context 512, the suite's model; about 2 minutes per rep, --quick: the small model)."""
+    """The full suite (about 12 minutes on 2 cores), the --quick one the test runs (small model, one rep), or the
+    large loading suite (about 5 minutes, one rep, plus 1-2 minutes to build the model once)."""
     if packing:
+        # 2 ranks at context 512 on data/alpaca_tiny.jsonl, the suite's model (the quick one with --quick).
         p = CpuPlan(QUICK_MODEL if quick else FULL_MODEL, reps=1 if quick else 3, batch_size=4, context_length=512,
-                    warmup_steps=2, measured_steps=3, quick=quick, packing=True)  # fmt: skip
+                    warmup_steps=2, measured_steps=3, packing=True, quick=quick)  # fmt: skip
+    elif loss:
+        # Speed on the suite's model (the quick one with --quick); memory on LOSS_MODEL at LOSS_SHAPE.
+        p = CpuPlan(QUICK_MODEL if quick else FULL_MODEL, reps=1 if quick else 3, batch_size=4, context_length=256,
+                    warmup_steps=2, measured_steps=3, loss=True, quick=quick)  # fmt: skip
     elif large:
         p = CpuPlan(LARGE_MODEL, reps=1, batch_size=1, context_length=64, warmup_steps=0, measured_steps=0, large=True)
     elif quick:
@@ -260,19 +275,18 @@ class Runner:
         return [read_json(f"{result}.rank{r}.json") for r in range(nproc)]
 
     def train_cli(
-        self, what: str, model: Path, quant: str, *, nproc: int, version: int, data: dict[str, Any] | None = None
+        self, what: str, model: Path, quant: str, *, nproc: int, version: int, flags: dict[str, Any] | None = None
     ) -> tuple[list[dict[str, Any]], list[int]]:
-        """Our real CLI (train.py; torchrun for several ranks) with --max_steps, on `--dataset dummy` unless `data`
-        overrides the data flags.
+        """Our real CLI (train.py; torchrun for several ranks) with --max_steps.
 
         Returns metrics.jsonl's records and each rank's peak RSS (VmHWM, written by benchmarks/cli_probe.py).
+        `flags` overrides the plan's.
         """
         p = self.plan
-        out = Path(
-            self.result_path(f"train-{quant}-{nproc}-fsdp{version}{'-packed' if (data or {}).get('packing') else ''}")
-        )
+        out = Path(self.result_path(f"train-{quant}-{nproc}-fsdp{version}"))
         if p.batch_size % nproc:
             raise ValueError(f"batch {p.batch_size} does not split over {nproc} ranks")
+        overrides = flags or {}
         flags = {
             "model": model,
             "quant": quant,
@@ -294,7 +308,7 @@ class Runner:
             "save_model": "false",
             "device": "cpu",
             "output_dir": out,
-            **(data or {}),
+            **overrides,
         }
         args = ["-m", "benchmarks.cli_probe", str(REPO_ROOT / "train.py")] + [f"--{k}={v}" for k, v in flags.items()]
         if nproc == 1:
@@ -335,24 +349,26 @@ def run_cpu_suite(
     details: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="bench-cpu-") as tmp:
         runner = Runner(plan, Path(tmp), log)
-        details["parameters"] = _parameters(model_dir)
-        if plan.packing:
+        if plan.loss:
+            log("loss: --loss_chunk_tokens 512 against 0 (whole logits), step memory and tokens/s")
+            _loss(runner, model_dir, cache, rows, details)
+        elif plan.packing:
             log("packing: 2 ranks, --packing true against false on the bundled data")
             _packing(runner, model_dir, rows, details)
         else:
             log("1/4 loading (ours: 2 ranks, streaming, FSDP2 and FSDP1; peer: HF from_pretrained)")
             loads = _loading(runner, model_dir, rows, details)
-        if not plan.large and not plan.packing:
-            log("2/4 per-rank memory vs world size")
-            _world_sizes(runner, model_dir, loads, rows, details)
-            log("3/4 training throughput")
-            _training(runner, model_dir, rows, details)
-            log("4/4 quantization quality and size")
-            _quality(runner, model_dir, config, rows, details)
+            if not plan.large:
+                log("2/4 per-rank memory vs world size")
+                _world_sizes(runner, model_dir, loads, rows, details)
+                log("3/4 training throughput")
+                _training(runner, model_dir, rows, details)
+                log("4/4 quantization quality and size")
+                _quality(runner, model_dir, config, rows, details)
         launches = runner.launches
     foreign = [entry["foreign_cores"] for entry in launches if not entry["discarded"]]
     return {
-        "suite": "cpu-large" if plan.large else "cpu-packing" if plan.packing else "cpu",
+        "suite": "cpu-large" if plan.large else "cpu-loss" if plan.loss else "cpu-packing" if plan.packing else "cpu",
         "quick": plan.quick,
         "model": {
             "path": str(model_dir),
@@ -407,6 +423,7 @@ def _loading(runner: Runner, model: Path, rows: list, details: dict) -> dict[int
         peer_runs.append(runner.worker(f"load peer (rep {rep + 1})", "load_peer", peer_args)[0])
     ours_model = ours[LOAD_VERSIONS[0]][0][0]["quantized_model_bytes"]
     peer_model = peer_runs[0]["quantized_model_bytes"]
+    details["parameters"] = _parameters(model)
     details["quantized_model_bytes"] = {"ours": ours_model, "peer": peer_model}
     peer_peak = [p["peak_rss_bytes"] for p in peer_runs]
     for version, runs in ours.items():
@@ -522,24 +539,25 @@ def _training(runner: Runner, model: Path, rows: list, details: dict) -> None:
 
 
 def _packing(runner: Runner, model: Path, rows: list, details: dict) -> None:
-    """Packed against unpacked training: label tokens/s (what learning advances by) and row efficiency, 2 ranks.
+    """--suite cpu-packing: label tokens/s (what learning advances by) and row efficiency, packed against unpacked.
 
-    Both train on the bundled data at the plan's context; the unpacked run (the same CLI, --packing false) is the
-    baseline in the peer's column. Per run: label tokens / seconds and real tokens / row tokens over the measured
-    steps (a step's seconds are its tokens / tokens_per_s).
+    Both train bnb on 2 ranks on the bundled data at the plan's context; the unpacked run (the same CLI, --packing
+    false) is the baseline in the peer's column. Per run, over the measured steps: label tokens / seconds (a step's
+    seconds are its tokens / tokens_per_s) and the median of real tokens / row tokens.
     """
     p = runner.plan
+    details["parameters"] = _parameters(model)
     figures: dict[bool, dict[str, list[float]]] = {k: {"label_tps": [], "efficiency": []} for k in (True, False)}
     for rep in range(p.reps):
         for packing in (False, True):
             data = {"dataset": REPO_ROOT / "data" / "alpaca_tiny.jsonl", "dataset_samples": 0, "packing": packing}
             what = f"train {'packed' if packing else 'unpacked'} bnb x2 (rep {rep + 1})"
-            metrics, _ = runner.train_cli(what, model, "bnb", nproc=2, version=2, data=data)
-            steps = [m for m in metrics if "loss" in m][p.warmup_steps :]
+            metrics, _ = runner.train_cli(what, model, "bnb", nproc=2, version=2, flags=data)
+            steps = metrics[p.warmup_steps :]
             seconds = sum(m["tokens"] / m["tokens_per_s"] for m in steps)
             figures[packing]["label_tps"].append(sum(m["label_tokens"] for m in steps) / seconds)
             figures[packing]["efficiency"].append(median([m["packing_efficiency"] for m in steps]))
-    shape = f"bundled data (data/alpaca_tiny.jsonl), batch {p.batch_size} x {p.context_length}, 2 ranks, bnb, FSDP2"
+    shape = f"data/alpaca_tiny.jsonl, batch {p.batch_size} x {p.context_length}, 2 ranks, bnb, FSDP2"
     measured = f"steps {p.warmup_steps + 1}-{p.warmup_steps + p.measured_steps} of each run, median over {p.reps}"
     kw = {"ours_label": f"--packing true; {shape}", "peer_label": "--packing false (the same CLI)", "note": measured}
     rows.append(row("packing", "label_tokens_per_s_2ranks", "label tokens/s, 2 ranks", "tokens/s", "higher",
@@ -547,6 +565,47 @@ def _packing(runner: Runner, model: Path, rows: list, details: dict) -> None:
     rows.append(row("packing", "packing_efficiency", "real tokens / row tokens", "ratio", "higher",
                     figures[True]["efficiency"], figures[False]["efficiency"], **kw))  # fmt: skip
     details["packing"] = {"packed": figures[True], "unpacked": figures[False]}
+
+
+def _loss(runner: Runner, model: Path, cache: Path, rows: list, details: dict) -> None:
+    """--suite cpu-loss: the chunked loss (ours) against whole logits (--loss_chunk_tokens 0, the previous loss).
+
+    Memory: peak RSS of one process training LOSS_MODEL at LOSS_SHAPE, at vocabulary 128256 minus at 512, so what
+    grows is what the vocabulary costs (head, embeddings, logits). Speed: tokens/s on the suite's model, bnb.
+    """
+    p = runner.plan
+    details["parameters"] = _parameters(model)
+    peaks: dict[tuple[int, int], list[int]] = {}
+    speed: dict[int, list[float]] = {LOSS_CHUNK: [], 0: []}
+    for rep in range(p.reps):
+        for vocab in LOSS_VOCABS:
+            small = ensure_model(replace(p, model={**LOSS_MODEL, "vocab_size": vocab}), cache)
+            for chunk in (LOSS_CHUNK, 0):
+                what = f"loss memory, vocabulary {vocab}, --loss_chunk_tokens {chunk} (rep {rep + 1})"
+                flags = {**LOSS_SHAPE, "loss_chunk_tokens": chunk}
+                _, rss = runner.train_cli(what, small, "bnb", nproc=1, version=2, flags=flags)
+                peaks.setdefault((vocab, chunk), []).append(rss[0])
+        for chunk in (LOSS_CHUNK, 0):
+            what = f"loss speed, --loss_chunk_tokens {chunk} (rep {rep + 1})"
+            metrics, _ = runner.train_cli(what, model, "bnb", nproc=1, version=2, flags={"loss_chunk_tokens": chunk})
+            speed[chunk].append(median([m["tokens_per_s"] for m in metrics[p.warmup_steps :]]))
+    small_vocab, large_vocab = LOSS_VOCABS
+    growth = {
+        chunk: [big - base for big, base in zip(peaks[(large_vocab, chunk)], peaks[(small_vocab, chunk)], strict=True)]
+        for chunk in (LOSS_CHUNK, 0)
+    }
+    shape = f"hidden {LOSS_MODEL['hidden_size']}, {LOSS_MODEL['num_layers']} layers, batch 1 x 2048, 1 process, bnb"
+    labels = {"ours_label": f"--loss_chunk_tokens {LOSS_CHUNK}", "peer_label": "--loss_chunk_tokens 0 (whole logits)"}
+    rows.append(row("loss", "loss_peak_rss_growth_bytes",
+                    f"peak RSS at vocabulary {large_vocab} minus at {small_vocab} ({shape})", "bytes", "lower",
+                    growth[LOSS_CHUNK], growth[0], **labels))  # fmt: skip
+    for vocab in LOSS_VOCABS:
+        rows.append(row("loss", f"loss_peak_rss_vocab{vocab}_bytes", f"peak RSS at vocabulary {vocab} ({shape})",
+                        "bytes", "lower", peaks[(vocab, LOSS_CHUNK)], peaks[(vocab, 0)], **labels))  # fmt: skip
+    layout = f"batch {p.batch_size} x {p.context_length}, 1 process x {p.threads} threads, bnb"
+    rows.append(row("loss", "loss_tokens_per_s", f"tokens/s on the suite's model ({layout})", "tokens/s", "higher",
+                    speed[LOSS_CHUNK], speed[0], **labels))  # fmt: skip
+    details["loss"] = {"peak_rss": {f"{v}/{c}": r for (v, c), r in peaks.items()}, "tokens_per_s": speed}
 
 
 def _quality(runner: Runner, model: Path, config: dict[str, Any], rows: list, details: dict) -> None:

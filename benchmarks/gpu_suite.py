@@ -44,9 +44,18 @@ SHAPES = ((1, 512), (8, 2048))
 DRY_SHAPES = ((1, 64), (2, 96))
 LORA = {"lora_rank": 64, "lora_alpha": 16.0}
 CHECKPOINTING = True
-# Our runs: (record key, --quant, --fsdp_version); FSDP2 is the default, FSDP1 kept for comparison.
-OUR_RUNS = (("bnb", "bnb", 2), ("hqq", "hqq", 2), ("bnb-fsdp1", "bnb", 1))
-DEFAULT_BUDGET_S = 400.0
+# Our runs: (record key, --quant, --fsdp_version, other flags); FSDP2 is the default, FSDP1 kept for comparison.
+# The variants after them measure one option each against the default run of their backend: whole logits
+# (--loss_chunk_tokens 0, the loss before chunking) and compiled decoder layers.
+OUR_RUNS: tuple[tuple[str, str, int, dict[str, Any]], ...] = (
+    ("bnb", "bnb", 2, {}),
+    ("hqq", "hqq", 2, {}),
+    ("bnb-whole-logits", "bnb", 2, {"loss_chunk_tokens": 0}),
+    ("bnb-compile", "bnb", 2, {"compile": True}),
+    ("hqq-compile", "hqq", 2, {"compile": True}),
+    ("bnb-fsdp1", "bnb", 1, {}),
+)
+DEFAULT_BUDGET_S = 480.0
 PEER_LABEL = "HF from_pretrained 4-bit + PEFT + AdamW, 1 process"
 
 
@@ -80,7 +89,10 @@ def run_gpu_suite(
             "device": p["device"],
         }
         jobs += [("peer", "peer", common)]
-        jobs += [(f"ours-{run}", "ours", {**common, "quant": q, "fsdp_version": v}) for run, q, v in OUR_RUNS]
+        jobs += [
+            (f"ours-{run}", "ours", {**common, "quant": q, "fsdp_version": v, "flags": flags})
+            for run, q, v, flags in OUR_RUNS
+        ]
         for key, name, args in jobs:
             left = budget - (time.perf_counter() - suite_start)
             if left < 20:
@@ -146,14 +158,16 @@ def _rows(records: dict[str, dict[str, Any]], p: dict[str, Any], peak_flops: flo
     factor = 8 if CHECKPOINTING else 4
     peer = records["peer"]["shapes"]
     rows = []
-    for run, quant, version in OUR_RUNS:
+    for run, quant, version, flags in OUR_RUNS:
         if f"ours-{run}" not in records:
             continue
         ours = records[f"ours-{run}"]["shapes"]
+        options = "".join(f", --{k} {str(v).lower()}" for k, v in flags.items())
         for (batch, context), o, q in zip(p["shapes"], ours, peer, strict=True):
             shape = f"{batch} x {context}"
-            kw = {"ours_label": f"qlora-fsdp CLI code, {quant}, FSDP{version}, 1 GPU", "peer_label": PEER_LABEL}
-            section = f"{quant} FSDP{version}, batch {shape}"
+            label = f"qlora-fsdp CLI code, {quant}, FSDP{version}{options}, 1 GPU"
+            kw = {"ours_label": label, "peer_label": PEER_LABEL}
+            section = f"{quant} FSDP{version}{options}, batch {shape}"
             slug = f"{run.replace('-', '_')}_b{batch}_s{context}"
             rows += [
                 row(section, f"tokens_per_s_{slug}", "tokens/s", "tokens/s", "higher", o["tps"], q["tps"], **kw),
@@ -316,6 +330,7 @@ def ours(args: dict[str, Any]) -> None:
                 device=args["device"],
                 output_dir=str(out),
                 **LORA,
+                **args["flags"],
             )
         except SystemExit as exc:
             raise RuntimeError(f"train.py code exited with {exc.code} at batch {batch} x {context}") from None

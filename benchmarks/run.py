@@ -2,6 +2,7 @@
 
     python benchmarks/run.py --suite cpu [--model DIR] [--out results/] [--quick]
     python benchmarks/run.py --suite cpu-large [--out DIR]   (loading only, on a 1.1B model built once)
+    python benchmarks/run.py --suite cpu-loss [--out DIR] [--quick]   (chunked vs whole-logit loss: memory, speed)
     python benchmarks/run.py --suite cpu-packing [--out DIR] [--quick]   (packed vs unpacked training, 2 ranks)
     python benchmarks/run.py --suite gpu [--out DIR] [--dry-run] [--peak_flops 989e12]   (benchmarks/gpu.sh wraps it)
 
@@ -25,7 +26,7 @@ if str(REPO_ROOT) not in sys.path:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--suite", required=True, choices=("cpu", "cpu-large", "cpu-packing", "gpu"))
+    p.add_argument("--suite", required=True, choices=("cpu", "cpu-large", "cpu-loss", "cpu-packing", "gpu"))
     p.add_argument("--out", type=Path, default=Path("results"), help="directory for results.json and results.md")
     p.add_argument("--model", type=Path, default=None, help="CPU suite: use this model directory instead of building")
     p.add_argument("--quick", action="store_true", help="small model, one repetition (what the test runs)")
@@ -48,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--dry-run", dest="dry_run", action="store_true", help="GPU suite: tiny shapes on the CPU")
     p.add_argument("--peak_flops", type=float, default=989e12, help="GPU suite: the device's dense bf16 peak FLOP/s")
-    p.add_argument("--budget_s", type=float, default=None, help="GPU suite: seconds for all GPU work (default 400)")
+    p.add_argument("--budget_s", type=float, default=None, help="GPU suite: seconds for all GPU work (default 480)")
     args = p.parse_args(argv)
     if args.model is not None and not (args.model / "config.json").is_file():
         p.error(f"--model {args.model}: no config.json there")
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     started = datetime.datetime.now(datetime.timezone.utc)
-    if args.suite in ("cpu", "cpu-large", "cpu-packing"):
+    if args.suite in ("cpu", "cpu-large", "cpu-loss", "cpu-packing"):
         from benchmarks.cpu_suite import plan, run_cpu_suite
 
         cpu_plan = plan(
@@ -75,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             reps=args.reps,
             idle_wait_s=args.idle_wait,
             large=args.suite == "cpu-large",
+            loss=args.suite == "cpu-loss",
             packing=args.suite == "cpu-packing",
             precision=args.precision,
         )

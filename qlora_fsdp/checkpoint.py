@@ -31,6 +31,7 @@ from torch import nn
 from qlora_fsdp.distributed import DistEnv, broadcast_object
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.fsdp import ShardedModel
+from qlora_fsdp.loss import LM_PREFIX
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -87,7 +88,7 @@ def save_adapter(
 
 def save_full_model(model: ShardedModel, hf_model: nn.Module, out: Path, *, env: DistEnv) -> None:
     """--train_type full: the whole model is what was trained, gathered to rank 0 (on CPU from a GPU)."""
-    state = model.full_state_dict()
+    state = {name.removeprefix(LM_PREFIX): t for name, t in model.full_state_dict().items()}
     if env.is_main:
         out.mkdir(parents=True, exist_ok=True)
         hf_model.save_pretrained(str(out), state_dict=state, safe_serialization=True)

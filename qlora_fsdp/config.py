@@ -100,6 +100,12 @@ class FSDPConfig:
     """Use the reentrant checkpoint implementation (some older stacks need it)."""
     activation_offload: bool = False
     """Keep activations saved for backward in host memory (GPU memory for PCIe traffic)."""
+    compile: bool = False
+    """torch.compile each decoder layer (with --fsdp_version 2), as it is sharded: fused kernels for the
+    dequantization, LoRA and attention glue. The first steps pay the compilation."""
+    loss_chunk_tokens: int = 512
+    """Label tokens per chunk of the output head and cross-entropy: peak memory grows with the chunk, not with
+    batch x sequence x vocabulary (0: whole logits at once)."""
 
 
 @dataclass
@@ -396,6 +402,7 @@ def _check_ranges(cfg: TrainConfig) -> list[str]:
         (cfg.dist.world_size < 0, "--world_size must be >= 0 (0: whatever torchrun launched)"),
         (cfg.output.save_steps < 0, "--save_steps must be >= 0 (0: no checkpoints)"),
         (cfg.output.save_total_limit < 0, "--save_total_limit must be >= 0 (0: keep all)"),
+        (cfg.fsdp.loss_chunk_tokens < 0, "--loss_chunk_tokens must be >= 0 (0: whole logits)"),
         (cfg.fsdp.shard_group_size < 0, "--shard_group_size must be >= 0 (0: ranks per node)"),
         (not _is_step_window(cfg.output.profile_steps), "--profile_steps must be FIRST,LAST with 1 <= FIRST <= LAST"),
         (not cfg.output.output_dir, "--output_dir must not be empty"),
@@ -422,6 +429,9 @@ def _check_combinations(cfg: TrainConfig) -> list[str]:
     adapters = cfg.lora.train_type in ("lora", "dora")
     if not adapters and (cfg.output.save_steps or cfg.output.resume_from):
         problems.append(f"--save_steps/--resume_from need --train_type lora or dora (not {cfg.lora.train_type})")
+    if cfg.fsdp.compile and cfg.fsdp.fsdp_version == 1:
+        # FSDP1's flat parameters swap module attributes in hooks that compiled code does not see.
+        problems.append("--compile true needs --fsdp_version 2")
     if cfg.fsdp.fsdp_version == 1 and cfg.lora.train_type == "dora" and cfg.fsdp.precision == "mp_bf16":
         # FSDP1 keeps DoRA's quantized layers in their decoder layer's unit, whose parameters mp_bf16 casts.
         problems.append("--precision mp_bf16 with --train_type dora needs --fsdp_version 2")

@@ -88,7 +88,7 @@ class ShardedModel(ABC):
 
     @abstractmethod
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model's state dict as full CPU tensors on rank 0 (empty elsewhere), under the original names."""
+        """The whole model's state dict as full CPU tensors on rank 0 (empty elsewhere), under the root's names."""
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
         """This rank's optimizer state in a form torch.save/torch.load(weights_only=True) round-trips."""
@@ -131,6 +131,8 @@ class Sharder(ABC):
         if self.cfg.gradient_checkpointing:
             impl = CheckpointImpl.REENTRANT if self.cfg.reentrant_checkpointing else CheckpointImpl.NO_REENTRANT
             unit = checkpoint_wrapper(layer, checkpoint_impl=impl)
+        if self.cfg.compile:
+            unit.compile()  # in place: names, state dict and FSDP's hooks stay those of the module
         parent_name, _, child = name.rpartition(".")
         setattr(root.get_submodule(parent_name), child, self._shard(unit))
 

@@ -14,7 +14,6 @@ from typing import TypeVar
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
@@ -41,6 +40,7 @@ from qlora_fsdp.evaluate import evaluate
 from qlora_fsdp.fsdp import DTYPES, PRECISIONS, Precision, ShardedModel, make_sharder, verify_packed
 from qlora_fsdp.loader import build_dataloader, build_eval_loader
 from qlora_fsdp.lora import adapter_keys, init_adapters, inject_lora, lora_layers, prepare_full_finetune
+from qlora_fsdp.loss import CausalLMLoss
 from qlora_fsdp.metrics import METRICS_FILE, MetricsLogger, peak_memory_bytes
 from qlora_fsdp.model import (
     build_skeleton,
@@ -376,7 +376,7 @@ def _build_model(cfg: TrainConfig, env: DistEnv, model_path: Path, precision: Pr
     stream_weights(skeleton, backend=backend, device=env.device, on_unit_ready=shard_layer, env=env)
     outside = [m for m in lora_layers(unwrapped) if id(m) not in in_layers]
     init_adapters(outside, seed=cfg.optim.seed, name="")
-    sharded = sharder.finish(unwrapped)
+    sharded = sharder.finish(CausalLMLoss(unwrapped, chunk_tokens=cfg.fsdp.loss_chunk_tokens))
     verify_packed(sharded.module, sharder.reference)
     return _Built(model=sharded, unwrapped=unwrapped, keys=keys, blocks=blocks, trainable=trainable)
 
@@ -636,10 +636,7 @@ def _handle_non_finite(policy: str, step: int, loss: float, norm: float, *, is_m
 def _forward_loss_sum(
     model: nn.Module, batch: dict[str, torch.Tensor], *, env: DistEnv, precision: Precision, varlen: bool = False
 ) -> torch.Tensor:
-    inputs = model_inputs(batch, env.device, varlen=varlen)
-    labels = inputs.pop("labels")
+    """The batch's summed loss over its label tokens, from the root (CausalLMLoss) that FSDP wraps; a packed batch
+    goes with position_ids and no attention mask (see qlora_fsdp/packing.py)."""
     with _autocast(precision, env.device):
-        logits = model(**inputs).logits
-    return F.cross_entropy(
-        logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
+        return model(**model_inputs(batch, env.device, varlen=varlen))

@@ -32,18 +32,22 @@ from qlora_fsdp.quant import make_backend
 from qlora_fsdp.trainer import run
 
 DATASET = str(Path(__file__).resolve().parents[2] / "data" / "alpaca_tiny.jsonl")
-# Two rows per step, the same two every step (batch 1 on each of 2 ranks).
+# Two rows per step, the same two every step (batch 1 on each of 2 ranks). Chunks of 2 label tokens: every
+# scenario's loss goes through the head in several chunks, and its reference uses whole logits.
 OVERFIT = {
     "dataset": DATASET, "dataset_samples": 2, "batch_size": 1, "context_length": 64, "max_steps": 5,
     "lr": 0.01, "lora_rank": 8, "lora_alpha": 16, "lora_dropout": 0.0, "device": "cpu", "log_to": "stdout",
-    "precision": "fp32", "quant": "bnb", "seed": 1,
+    "precision": "fp32", "quant": "bnb", "seed": 1, "loss_chunk_tokens": 2,
 }  # fmt: skip
 # Scenarios whose step-1 activations are counted (gradient checkpointing and activation offload must show).
 MEASURED = ("ckpt-off", "ckpt-nonreentrant", "ckpt-reentrant", "activation-offload")
 
 
-def two_rank_scenarios(model: str, pro_model: str, tied_model: str, odd_model: str) -> dict[str, dict]:
+def two_rank_scenarios(model: str, pro_model: str, tied_model: str, odd_model: str, version: int) -> dict[str, dict]:
     s: dict[str, dict] = {}
+    if version == 2:  # FSDP1 refuses --compile
+        for quant in ("bnb", "hqq"):
+            s[f"compile-{quant}"] = {"compile": True, "quant": quant}
     for quant in ("bnb", "hqq"):
         for precision in PRECISIONS:
             s[f"precision-{precision}-{quant}"] = {"quant": quant, "precision": precision}
@@ -69,6 +73,8 @@ def two_rank_scenarios(model: str, pro_model: str, tied_model: str, odd_model: s
     s["llama-pro-hqq"] = {"model": pro_model, "train_type": "llama_pro", "quant": "hqq", "lr": 0.001}
     s["profile"] = {"profile": True, "profile_steps": "2,3"}
     s["tied-embeddings"] = {"model": tied_model}
+    s["loss-whole-logits"] = {"loss_chunk_tokens": 0}
+    s["lora-on-head"] = {"lora_target_modules": "q_proj,v_proj,lm_head"}
     s["optimizer-sgd-clipped"] = {"optimizer": "sgd", "lr": 1.0, "grad_norm": 0.01, "wd": 0.1}
     s["schedule-cosine"] = {"lr_scheduler": "cosine", "warmup_ratio": 0.2, "cosine_min_lr_ratio": 0.1}
     s["schedule-linear"] = {"lr_scheduler": "linear", "warmup_ratio": 0.2}
@@ -160,7 +166,7 @@ def main() -> None:
     out, suite, version = Path(sys.argv[5]), sys.argv[6], int(sys.argv[7])
     env = init_distributed(device="cpu", timeout_s=120)  # a scenario failing on one rank must not hang the rest
     if suite == "two":
-        scenarios = two_rank_scenarios(model, pro_model, tied_model, odd_model)
+        scenarios = two_rank_scenarios(model, pro_model, tied_model, odd_model, version)
     else:
         scenarios = four_rank_scenarios(model)
     results = {}
@@ -168,6 +174,7 @@ def main() -> None:
         run_dir = out / name
         cfg = build_config({**OVERFIT, "fsdp_version": version, **flags, "output_dir": str(run_dir)}).validate()
         saved = SavedBytes()
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         try:
             with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
                 run(cfg)
@@ -186,6 +193,7 @@ def main() -> None:
                 if env.rank == 0
                 else [],
                 "output_dir": str(run_dir),
+                "compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs,
                 "error": None,
             }
             if env.rank == 0 and cfg.fsdp.precision == "fp32" and suite == "two":

@@ -97,7 +97,7 @@ REFERENCED = [name for name in (
     "optimizer-adam", "optimizer-sgd", "optimizer-adadelta", "optimizer-adamw", "dora-bnb", "dora-hqq",
     "odd-shapes-bnb", "odd-shapes-hqq", "full-finetune", "plain-lora", "llama-pro-hqq", "profile",
     "tied-embeddings", "optimizer-sgd-clipped", "schedule-cosine", "train-on-inputs", "prompt-guanaco",
-    "prompt-qna", "dummy-dataset",
+    "prompt-qna", "dummy-dataset", "loss-whole-logits", "lora-on-head",
 )]  # fmt: skip
 
 
@@ -109,6 +109,34 @@ def test_first_step_equals_the_unsharded_computation(two: dict, scenario: str) -
     assert r["losses"][0] == pytest.approx(r["reference"]["loss"], rel=1e-5), scenario
     assert r["grad_norms"][0] == pytest.approx(r["reference"]["grad_norm"], rel=1e-4), scenario
     assert r["losses"][-1] != r["losses"][0], "five steps changed nothing"
+
+
+def test_chunked_loss_equals_whole_logits_on_two_ranks(two: dict) -> None:
+    """--loss_chunk_tokens 2 (every scenario) against 0: the same first step to fp32 rounding, not just close."""
+    chunked, whole = two["precision-fp32-bnb"], two["loss-whole-logits"]
+    assert chunked["label_tokens"][0] > 2 * 2, "one chunk a rank would test nothing"
+    assert chunked["losses"][0] == pytest.approx(whole["losses"][0], rel=1e-6)
+    assert chunked["grad_norms"][0] == pytest.approx(whole["grad_norms"][0], rel=1e-6)
+
+
+@pytest.mark.parametrize("quant", ["bnb", "hqq"])
+def test_compiled_layers_compute_the_unsharded_first_step(two: dict, version: int, quant: str) -> None:
+    """--compile true: dynamo really compiled graphs, and the compiled layers compute what eager PyTorch does."""
+    if version == 1:
+        pytest.skip("FSDP1 refuses --compile (tests/unit/test_config.py checks the refusal)")
+    r = two[f"compile-{quant}"]
+    assert r["compiled_graphs"] > 0
+    assert two[f"precision-fp32-{quant}"]["compiled_graphs"] == 0
+    assert r["losses"][0] == pytest.approx(r["reference"]["loss"], rel=1e-5)
+    assert r["grad_norms"][0] == pytest.approx(r["reference"]["grad_norm"], rel=1e-4)
+    assert r["losses"][-1] < r["losses"][0]
+
+
+def test_lora_on_the_head_trains_the_head(two: dict) -> None:
+    """The chunked loss's checkpointed path (a head that trains): the head's B, zero at the start, has moved."""
+    saved = load_file(Path(two["lora-on-head"]["output_dir"]) / "adapter_model.safetensors")
+    (head_b,) = [k for k in saved if "lm_head" in k and "lora_B" in k]
+    assert saved[head_b].abs().sum() > 0
 
 
 @pytest.mark.parametrize("quant", ["bnb", "hqq"])
