@@ -1,5 +1,6 @@
 """The CPU suite: loading, per-rank memory vs world size, training throughput, quantization quality and size;
-and the loss suite (--suite cpu-loss): chunked against whole-logit cross-entropy, in step memory and speed.
+the loss suite (--suite cpu-loss): chunked against whole-logit cross-entropy, in step memory and speed; and the
+packing suite (--suite cpu-packing): packed against unpacked training on the bundled data.
 
 Every measurement is a fresh process (or a fresh job of processes); ours and the peer's runs alternate, so slow
 phases of a shared machine hit both sides alike, and every launch records the CPU other processes took meanwhile.
@@ -92,6 +93,8 @@ class CpuPlan:
     """The loading section alone, on a 1.1B model (--suite cpu-large)."""
     loss: bool = False
     """The loss section alone (--suite cpu-loss)."""
+    packing: bool = False
+    """The packing section alone: --packing true against false on the bundled data (--suite cpu-packing)."""
 
 
 # About 171M parameters in 3 shards: 12 Llama layers of 12.6M (mostly quantized linears) + 8192-token embeddings.
@@ -143,11 +146,16 @@ def plan(
     idle_wait_s: float | None,
     large: bool = False,
     loss: bool = False,
+    packing: bool = False,
     precision: str | None = None,
 ) -> CpuPlan:
     """The full suite (about 12 minutes on 2 cores), the --quick one the test runs (small model, one rep), or the
     large loading suite (about 5 minutes, one rep, plus 1-2 minutes to build the model once)."""
-    if loss:
+    if packing:
+        # 2 ranks at context 512 on data/alpaca_tiny.jsonl, the suite's model (the quick one with --quick).
+        p = CpuPlan(QUICK_MODEL if quick else FULL_MODEL, reps=1 if quick else 3, batch_size=4, context_length=512,
+                    warmup_steps=2, measured_steps=3, packing=True, quick=quick)  # fmt: skip
+    elif loss:
         # Speed on the suite's model (the quick one with --quick); memory on LOSS_MODEL at LOSS_SHAPE.
         p = CpuPlan(QUICK_MODEL if quick else FULL_MODEL, reps=1 if quick else 3, batch_size=4, context_length=256,
                     warmup_steps=2, measured_steps=3, loss=True, quick=quick)  # fmt: skip
@@ -344,6 +352,9 @@ def run_cpu_suite(
         if plan.loss:
             log("loss: --loss_chunk_tokens 512 against 0 (whole logits), step memory and tokens/s")
             _loss(runner, model_dir, cache, rows, details)
+        elif plan.packing:
+            log("packing: 2 ranks, --packing true against false on the bundled data")
+            _packing(runner, model_dir, rows, details)
         else:
             log("1/4 loading (ours: 2 ranks, streaming, FSDP2 and FSDP1; peer: HF from_pretrained)")
             loads = _loading(runner, model_dir, rows, details)
@@ -357,7 +368,7 @@ def run_cpu_suite(
         launches = runner.launches
     foreign = [entry["foreign_cores"] for entry in launches if not entry["discarded"]]
     return {
-        "suite": "cpu-large" if plan.large else "cpu-loss" if plan.loss else "cpu",
+        "suite": "cpu-large" if plan.large else "cpu-loss" if plan.loss else "cpu-packing" if plan.packing else "cpu",
         "quick": plan.quick,
         "model": {
             "path": str(model_dir),
@@ -525,6 +536,35 @@ def _training(runner: Runner, model: Path, rows: list, details: dict) -> None:
                         f"peak RSS while training (largest rank), {kind}, {layout}, FSDP{version}", "bytes", "lower",
                         ours_rss[key], peer_rss, **kw))  # fmt: skip
     details["training"] = {"peer_tokens_per_s_runs": peer_tps, "ours_tokens_per_s_runs": ours}
+
+
+def _packing(runner: Runner, model: Path, rows: list, details: dict) -> None:
+    """--suite cpu-packing: label tokens/s (what learning advances by) and row efficiency, packed against unpacked.
+
+    Both train bnb on 2 ranks on the bundled data at the plan's context; the unpacked run (the same CLI, --packing
+    false) is the baseline in the peer's column. Per run, over the measured steps: label tokens / seconds (a step's
+    seconds are its tokens / tokens_per_s) and the median of real tokens / row tokens.
+    """
+    p = runner.plan
+    details["parameters"] = _parameters(model)
+    figures: dict[bool, dict[str, list[float]]] = {k: {"label_tps": [], "efficiency": []} for k in (True, False)}
+    for rep in range(p.reps):
+        for packing in (False, True):
+            data = {"dataset": REPO_ROOT / "data" / "alpaca_tiny.jsonl", "dataset_samples": 0, "packing": packing}
+            what = f"train {'packed' if packing else 'unpacked'} bnb x2 (rep {rep + 1})"
+            metrics, _ = runner.train_cli(what, model, "bnb", nproc=2, version=2, flags=data)
+            steps = metrics[p.warmup_steps :]
+            seconds = sum(m["tokens"] / m["tokens_per_s"] for m in steps)
+            figures[packing]["label_tps"].append(sum(m["label_tokens"] for m in steps) / seconds)
+            figures[packing]["efficiency"].append(median([m["packing_efficiency"] for m in steps]))
+    shape = f"data/alpaca_tiny.jsonl, batch {p.batch_size} x {p.context_length}, 2 ranks, bnb, FSDP2"
+    measured = f"steps {p.warmup_steps + 1}-{p.warmup_steps + p.measured_steps} of each run, median over {p.reps}"
+    kw = {"ours_label": f"--packing true; {shape}", "peer_label": "--packing false (the same CLI)", "note": measured}
+    rows.append(row("packing", "label_tokens_per_s_2ranks", "label tokens/s, 2 ranks", "tokens/s", "higher",
+                    figures[True]["label_tps"], figures[False]["label_tps"], **kw))  # fmt: skip
+    rows.append(row("packing", "packing_efficiency", "real tokens / row tokens", "ratio", "higher",
+                    figures[True]["efficiency"], figures[False]["efficiency"], **kw))  # fmt: skip
+    details["packing"] = {"packed": figures[True], "unpacked": figures[False]}
 
 
 def _loss(runner: Runner, model: Path, cache: Path, rows: list, details: dict) -> None:

@@ -3,6 +3,7 @@
     python benchmarks/run.py --suite cpu [--model DIR] [--out results/] [--quick]
     python benchmarks/run.py --suite cpu-large [--out DIR]   (loading only, on a 1.1B model built once)
     python benchmarks/run.py --suite cpu-loss [--out DIR] [--quick]   (chunked vs whole-logit loss: memory, speed)
+    python benchmarks/run.py --suite cpu-packing [--out DIR] [--quick]   (packed vs unpacked training, 2 ranks)
     python benchmarks/run.py --suite gpu [--out DIR] [--dry-run] [--peak_flops 989e12]   (benchmarks/gpu.sh wraps it)
 
 Without --model the CPU suite builds its own random Llama (scripts/make_tiny_model.py; about 171M parameters in 3
@@ -25,7 +26,7 @@ if str(REPO_ROOT) not in sys.path:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--suite", required=True, choices=("cpu", "cpu-large", "cpu-loss", "gpu"))
+    p.add_argument("--suite", required=True, choices=("cpu", "cpu-large", "cpu-loss", "cpu-packing", "gpu"))
     p.add_argument("--out", type=Path, default=Path("results"), help="directory for results.json and results.md")
     p.add_argument("--model", type=Path, default=None, help="CPU suite: use this model directory instead of building")
     p.add_argument("--quick", action="store_true", help="small model, one repetition (what the test runs)")
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     started = datetime.datetime.now(datetime.timezone.utc)
-    if args.suite in ("cpu", "cpu-large", "cpu-loss"):
+    if args.suite in ("cpu", "cpu-large", "cpu-loss", "cpu-packing"):
         from benchmarks.cpu_suite import plan, run_cpu_suite
 
         cpu_plan = plan(
@@ -76,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             idle_wait_s=args.idle_wait,
             large=args.suite == "cpu-large",
             loss=args.suite == "cpu-loss",
+            packing=args.suite == "cpu-packing",
             precision=args.precision,
         )
         results = run_cpu_suite(cpu_plan, model=args.model, cache=args.cache)

@@ -126,6 +126,23 @@ class DataConfig:
     assistant turn in the tokenizer's chat template). Chat rows always use the chat template."""
     chat_template: str = ""
     """Jinja chat template file for chat data, replacing the tokenizer's own (needed when it has none)."""
+    packing: bool = False
+    """Concatenate samples into rows of exactly --context_length (position ids restart and attention stops at
+    every sample), instead of one padded sample per row."""
+    packing_split: bool = False
+    """With --packing: split samples longer than --context_length into several instead of truncating them."""
+
+
+@dataclass
+class EvalConfig:
+    eval_dataset: str = ""
+    """A dataset (name or local file, as --dataset) to compute the evaluation loss on."""
+    eval_split: float = 0.0
+    """Hold this fraction of --dataset out of training, chosen by --seed, and evaluate on it (0: none)."""
+    eval_steps: int = 0
+    """Evaluate every N optimizer steps and at the end (0: only at the end)."""
+    eval_samples: int = 0
+    """Evaluate on at most N rows of the evaluation set (0: all)."""
 
 
 @dataclass
@@ -202,6 +219,7 @@ SECTIONS: dict[str, type] = {
     "lora": LoraConfig,
     "fsdp": FSDPConfig,
     "data": DataConfig,
+    "eval": EvalConfig,
     "optim": OptimConfig,
     "output": OutputConfig,
     "dist": DistConfig,
@@ -215,6 +233,7 @@ class TrainConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     dist: DistConfig = field(default_factory=DistConfig)
@@ -378,6 +397,9 @@ def _check_ranges(cfg: TrainConfig) -> list[str]:
         (cfg.data.dataset_samples < 0, "--dataset_samples must be >= 0"),
         (cfg.data.context_length < 8, "--context_length must be >= 8"),
         (cfg.data.batch_size < 1, "--batch_size must be >= 1"),
+        (not 0 <= cfg.eval.eval_split < 1, "--eval_split must be in [0, 1)"),
+        (cfg.eval.eval_steps < 0, "--eval_steps must be >= 0 (0: only at the end)"),
+        (cfg.eval.eval_samples < 0, "--eval_samples must be >= 0 (0: all)"),
         (cfg.optim.gradient_accumulation_steps < 1, "--gradient_accumulation_steps must be >= 1"),
         (cfg.optim.lr <= 0, "--lr must be > 0"),
         (cfg.optim.wd < 0, "--wd must be >= 0"),
@@ -423,6 +445,13 @@ def _check_combinations(cfg: TrainConfig) -> list[str]:
     if cfg.fsdp.fsdp_version == 1 and cfg.lora.train_type == "dora" and cfg.fsdp.precision == "mp_bf16":
         # FSDP1 keeps DoRA's quantized layers in their decoder layer's unit, whose parameters mp_bf16 casts.
         problems.append("--precision mp_bf16 with --train_type dora needs --fsdp_version 2")
+    if cfg.data.packing_split and not cfg.data.packing:
+        problems.append("--packing_split splits samples into packed rows and needs --packing true")
+    if cfg.eval.eval_dataset and cfg.eval.eval_split:
+        problems.append("--eval_dataset and --eval_split both name an evaluation set; pass one of them")
+    evaluates = cfg.eval.eval_dataset or cfg.eval.eval_split
+    if not evaluates and (cfg.eval.eval_steps or cfg.eval.eval_samples):
+        problems.append("--eval_steps/--eval_samples need an evaluation set: --eval_dataset FILE or --eval_split 0.1")
     return problems
 
 

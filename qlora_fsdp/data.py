@@ -1,13 +1,11 @@
-"""Datasets -> (prompt, response) examples -> fixed-length token tensors -> a DataLoader sharded by rank.
+"""Datasets -> (prompt, response) examples -> token ids and labels (and fixed-length rows of them).
 
-Every rank builds the same examples in the same order; the `DistributedSampler` alone decides which rows a rank
-sees, so W ranks x batch B see, at each step, the same rows as 1 rank x batch W*B with the same seed.
+Rows become batches in qlora_fsdp/loader.py; packing several samples into one row is qlora_fsdp/packing.py.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import random
 from collections.abc import Callable, Iterable
@@ -15,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from qlora_fsdp.chat import (
     Conversation,
@@ -23,13 +20,8 @@ from qlora_fsdp.chat import (
     conversation_from_row,
     encode_conversation,
     is_chat_row,
-    load_chat_template,
 )
-from qlora_fsdp.config import DataConfig
-from qlora_fsdp.distributed import DistEnv
 from qlora_fsdp.errors import UserError
-
-logger = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
 """Label value the cross-entropy loss skips (prompt and padding positions)."""
@@ -410,29 +402,60 @@ def _load_source(dataset: str, samples: int, prompt_style: str) -> list[AnyExamp
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _token_sequences(
-    examples: list[AnyExample], tokenizer: Any, *, eos_id: int, train_on_inputs: bool
-) -> Iterable[tuple[list[int], list[int]]]:
-    """(ids, labels) per example, unpadded and untruncated.
+Sample = tuple[list[int], list[int]]
+"""(input_ids, labels) of one example at its full length, labels -100 where nothing is learned."""
+
+
+def pad_token_id(tokenizer: Any) -> int:
+    """The id that fills rows past their tokens (never learned, never attended to): pad, else eos."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def encode_examples(examples: list[AnyExample], tokenizer: Any, *, train_on_inputs: bool) -> list[Sample]:
+    """Each example's (ids, labels), untruncated; fitting them into rows (truncated and padded, or packed) is the
+    caller's business.
 
     Instruction example: prompt + response + eos, the prompt unlabelled unless train_on_inputs. Conversation: the
     chat template's rendering, only assistant replies (and their end-of-turn token) labelled unless
     train_on_inputs; one without an assistant turn is empty, so it is dropped like a row with nothing to learn.
     """
+    eos_id = tokenizer.eos_token_id
+    if eos_id is None:
+        raise UserError("the tokenizer has no eos token; the model cannot learn where a response ends")
+    if not examples:
+        raise UserError("no examples to tokenize")
     plain = [e for e in examples if isinstance(e, Example)]
     prompts = tokenizer([e.prompt for e in plain], add_special_tokens=False)["input_ids"] if plain else []
     responses = tokenizer([e.response for e in plain], add_special_tokens=False)["input_ids"] if plain else []
     pairs = zip(prompts, responses, strict=True)
+    samples: list[Sample] = []
     for example in examples:
         if isinstance(example, Example):
             prompt_ids, response_ids = next(pairs)
             prompt_labels = list(prompt_ids) if train_on_inputs else [IGNORE_INDEX] * len(prompt_ids)
-            yield [*prompt_ids, *response_ids, eos_id], [*prompt_labels, *response_ids, eos_id]
+            samples.append(([*prompt_ids, *response_ids, eos_id], [*prompt_labels, *response_ids, eos_id]))
         elif not example.has_reply:
-            yield [], []
+            samples.append(([], []))
         else:
             ids, learned = encode_conversation(example, tokenizer)
-            yield ids, [i if train_on_inputs or m else IGNORE_INDEX for i, m in zip(ids, learned, strict=True)]
+            samples.append(
+                (ids, [i if train_on_inputs or m else IGNORE_INDEX for i, m in zip(ids, learned, strict=True)])
+            )
+    return samples
+
+
+def learned_tokens(labels: list[int]) -> int:
+    """Label tokens the loss learns from a sample: labels[1:] (nothing predicts a sample's first token)."""
+    return sum(label != IGNORE_INDEX for label in labels[1:])
+
+
+def all_dropped_error(examples: list[AnyExample], context_length: int) -> UserError:
+    if all(isinstance(e, Conversation) and not e.has_reply for e in examples):
+        return UserError(f"all {len(examples)} rows were dropped: no conversation has an assistant turn to learn")
+    return UserError(
+        f"all {len(examples)} rows were dropped: within --context_length {context_length} none has a token "
+        "the loss can learn (the prompts fill it); use a larger --context_length"
+    )
 
 
 def tokenize_examples(
@@ -440,25 +463,19 @@ def tokenize_examples(
 ) -> tuple[list[dict[str, torch.Tensor]], TokenizeStats]:
     """Fixed-length rows (input_ids, labels, attention_mask), so every step has the same shape on every rank.
 
-    Each example's sequence (see _token_sequences) is cut to context_length from the right, then padded; labels
+    Each example's sequence (see encode_examples) is cut to context_length from the right, then padded; labels
     are -100 on padding. The loss learns labels[1:] (nothing predicts position 0), so a row with no label in
     labels[1:] after truncation is dropped: it would add a loss over zero tokens (NaN in a mean). The config's
     --context_length minimum is the only one; a context too short for any row drops them all.
     """
-    eos_id = tokenizer.eos_token_id
-    if eos_id is None:
-        raise UserError("the tokenizer has no eos token; the model cannot learn where a response ends")
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
-    if not examples:
-        raise UserError("no examples to tokenize")
-
+    pad_id = pad_token_id(tokenizer)
     items: list[dict[str, torch.Tensor]] = []
     truncated = dropped = label_tokens = 0
-    for ids, labels in _token_sequences(examples, tokenizer, eos_id=eos_id, train_on_inputs=train_on_inputs):
+    for ids, labels in encode_examples(examples, tokenizer, train_on_inputs=train_on_inputs):
         if len(ids) > context_length:
             truncated += 1
             ids, labels = ids[:context_length], labels[:context_length]
-        learned = sum(label != IGNORE_INDEX for label in labels[1:])
+        learned = learned_tokens(labels)
         if not learned:
             dropped += 1
             continue
@@ -473,64 +490,5 @@ def tokenize_examples(
         )
     stats = TokenizeStats(rows=len(examples), truncated=truncated, dropped=dropped, total_label_tokens=label_tokens)
     if not items:
-        if all(isinstance(e, Conversation) and not e.has_reply for e in examples):
-            raise UserError(f"all {len(examples)} rows were dropped: no conversation has an assistant turn to learn")
-        raise UserError(
-            f"all {len(examples)} rows were dropped: within --context_length {context_length} none has a token "
-            "the loss can learn (the prompts fill it); use a larger --context_length"
-        )
+        raise all_dropped_error(examples, context_length)
     return items, stats
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# DataLoader
-# ---------------------------------------------------------------------------------------------------------------
-
-
-class TokenizedDataset(Dataset):
-    """The tokenized rows as a map-style dataset (DistributedSampler needs len and indexing)."""
-
-    def __init__(self, items: list[dict[str, torch.Tensor]]) -> None:
-        self.items = items
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return self.items[index]
-
-
-def build_dataloader(cfg: DataConfig, tokenizer: Any, env: DistEnv, *, seed: int) -> DataLoader:
-    """This rank's DataLoader; the caller calls loader.sampler.set_epoch(epoch) so each epoch reshuffles."""
-    if cfg.chat_template:
-        load_chat_template(tokenizer, cfg.chat_template)
-    sources = load_sources(cfg.dataset, samples=cfg.dataset_samples, prompt_style=cfg.prompt_style)
-    examples = [e for _, part in sources for e in part]
-    items, stats = tokenize_examples(
-        examples, tokenizer, context_length=cfg.context_length, train_on_inputs=cfg.train_on_inputs
-    )
-    needed = env.world_size * cfg.batch_size
-    if len(items) < needed:
-        raise UserError(
-            f"--dataset {cfg.dataset} has {len(items)} usable rows, fewer than the {needed} one step needs "
-            f"({env.world_size} ranks x --batch_size {cfg.batch_size}); use more data or a smaller --batch_size"
-        )
-    if env.rank == 0:
-        logger.info(
-            "dataset %s: %d rows%s, %d truncated to %d tokens, %d dropped (nothing left to learn), %d label tokens",
-            cfg.dataset,
-            stats.rows,
-            " (" + ", ".join(f"{name}: {len(part)}" for name, part in sources) + ")" if len(sources) > 1 else "",
-            stats.truncated,
-            cfg.context_length,
-            stats.dropped,
-            stats.total_label_tokens,
-        )
-    ds = TokenizedDataset(items)
-    sampler = DistributedSampler(
-        ds, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=seed, drop_last=True
-    )
-    # Its own generator: every new iterator draws a seed, and drawing from the global RNG would shift dropout
-    # masks between a resumed run and an uninterrupted one.
-    generator = torch.Generator().manual_seed(seed)
-    return DataLoader(ds, batch_size=cfg.batch_size, sampler=sampler, drop_last=True, generator=generator)

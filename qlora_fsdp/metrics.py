@@ -1,4 +1,8 @@
-"""Per-step metrics: a tqdm bar, OUTPUT_DIR/metrics.jsonl, and Weights & Biases; rank 0 writes all three."""
+"""Per-step metrics: a tqdm bar, OUTPUT_DIR/metrics.jsonl, and Weights & Biases; rank 0 writes all three.
+
+metrics.jsonl holds one row per optimizer step (with "loss") and, when evaluating, a row per evaluation (with
+"eval_loss" and "eval_ppl") after the row of the step it followed.
+"""
 
 from __future__ import annotations
 
@@ -108,6 +112,15 @@ class MetricsLogger:
                 f"tokens/s {record['tokens_per_s']:.0f}",
                 flush=True,
             )
+
+    def log_eval(self, record: dict[str, Any]) -> None:
+        """An evaluation row ({"step", "eval_loss", "eval_ppl", ...}) beside the step's training row."""
+        if not self.is_main:
+            return
+        self._file.write(json.dumps(record) + "\n")
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+        self.message(f"step {record['step']} eval_loss {record['eval_loss']:.4f} eval_ppl {record['eval_ppl']:.2f}")
 
     def message(self, text: str) -> None:
         """A line for the user that does not break the progress bar."""

@@ -161,8 +161,9 @@ def _params_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
-def meta_model(path: Path, *, dtype: torch.dtype, trust_remote_code: bool) -> nn.Module:
-    """The architecture from config.json with every parameter on meta (no memory, no init cost)."""
+def meta_model(path: Path, *, dtype: torch.dtype, trust_remote_code: bool, attention: str = "sdpa") -> nn.Module:
+    """The architecture from config.json with every parameter on meta (no memory, no init cost), attending with
+    the `attention` implementation of transformers (sdpa; flash_attention_2 for packed rows where it runs)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
@@ -174,7 +175,7 @@ def meta_model(path: Path, *, dtype: torch.dtype, trust_remote_code: bool) -> nn
     config.use_cache = False
     with _params_on_meta():
         model = AutoModelForCausalLM.from_config(
-            config, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa"
+            config, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation=attention
         )
     if getattr(config, "tie_word_embeddings", False):
         # Tying inside _params_on_meta made two meta copies; one parameter with two owners, filled once.
@@ -232,12 +233,13 @@ def build_skeleton(
     param_dtype: torch.dtype,
     path: Path | None = None,
     full_precision_prefixes: tuple[str, ...] = (),
+    attention: str = "sdpa",
 ) -> Skeleton:
     """The architecture from config.json on meta, with every linear but the head (and `full_precision_prefixes`)
     replaced by the backend's empty quantized layer. Nothing is read from the checkpoint yet."""
     path = path or resolve_model_path(cfg.model)
     files = shard_files(path, allow_pickle=cfg.allow_pickle)
-    model = meta_model(path, dtype=param_dtype, trust_remote_code=cfg.trust_remote_code)
+    model = meta_model(path, dtype=param_dtype, trust_remote_code=cfg.trust_remote_code, attention=attention)
     layer_classes = decoder_layer_classes(model)
     head = model.get_output_embeddings()
     head_name = next((n for n, m in model.named_modules() if m is head), None)

@@ -33,10 +33,12 @@ from qlora_fsdp.checkpoint import (
     save_trained_blocks,
 )
 from qlora_fsdp.config import OptimConfig, OutputConfig, TrainConfig, profile_window
-from qlora_fsdp.data import IGNORE_INDEX, build_dataloader
+from qlora_fsdp.data import IGNORE_INDEX
 from qlora_fsdp.distributed import DistEnv, broadcast_object, gather_ints, init_distributed, teardown
 from qlora_fsdp.errors import UserError
+from qlora_fsdp.evaluate import evaluate
 from qlora_fsdp.fsdp import PRECISIONS, Precision, ShardedModel, make_sharder, quant_compute_dtype, verify_packed
+from qlora_fsdp.loader import build_dataloader, build_eval_loader
 from qlora_fsdp.lora import adapter_keys, init_adapters, inject_lora, lora_layers, prepare_full_finetune
 from qlora_fsdp.loss import CausalLMLoss
 from qlora_fsdp.metrics import METRICS_FILE, MetricsLogger, peak_memory_bytes
@@ -48,6 +50,7 @@ from qlora_fsdp.model import (
     stream_weights,
 )
 from qlora_fsdp.optim import build_optimizer, build_scheduler
+from qlora_fsdp.packing import FLASH_ATTENTION, attention_implementation, model_inputs
 from qlora_fsdp.quant import make_backend
 from qlora_fsdp.quant.base import QuantizedLinear
 
@@ -148,7 +151,8 @@ def run(cfg: TrainConfig) -> TrainResult:
 # meaning of the saved adapter and optimizer shards. Refused with the flag's name if they differ.
 MUST_MATCH_ON_RESUME = (
     "dataset", "dataset_samples", "context_length", "batch_size", "gradient_accumulation_steps", "seed",
-    "prompt_style", "train_on_inputs", "train_type", "quant", "bnb_quant_type", "bnb_double_quant", "hqq_bits",
+    "prompt_style", "train_on_inputs", "packing", "packing_split", "eval_split",
+    "train_type", "quant", "bnb_quant_type", "bnb_double_quant", "hqq_bits",
     "hqq_group_size", "compute_dtype", "lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "precision",
     "fsdp_version", "sharding_strategy", "shard_group_size", "optimizer", "chat_template",
 )  # fmt: skip
@@ -212,9 +216,12 @@ def _run(
     precision = PRECISIONS[cfg.fsdp.precision]
     torch.manual_seed(cfg.optim.seed)
     tokenizer = load_tokenizer(model_path)
-    loader = build_dataloader(cfg.data, tokenizer, env, seed=cfg.optim.seed)
+    loader = build_dataloader(cfg.data, tokenizer, env, seed=cfg.optim.seed, eval_split=cfg.eval.eval_split)
+    eval_loader = build_eval_loader(cfg.data, cfg.eval, tokenizer, env, seed=cfg.optim.seed)
     total_steps = _total_steps(cfg.optim, len(loader))
-    built = _build_model(cfg, env, model_path, precision)
+    attention = attention_implementation(packing=cfg.data.packing, device=env.device, dtype=precision.compute_dtype)
+    varlen = attention == FLASH_ATTENTION
+    built = _build_model(cfg, env, model_path, precision, attention=attention)
     adapters = bool(built.keys)
 
     optimizer = build_optimizer(built.model.module.parameters(), cfg.optim)
@@ -266,6 +273,21 @@ def _run(
             env=env,
         )
 
+    def run_eval(step: int) -> None:
+        started = time.perf_counter()
+        result = evaluate(
+            built.model.module,
+            eval_loader,
+            loss_sum=lambda batch: _forward_loss_sum(
+                built.model.module, batch, env=env, precision=precision, varlen=varlen
+            ),
+            device=env.device,
+        )
+        logger.log_eval(
+            {"step": step, "eval_loss": result.loss, "eval_ppl": result.perplexity, "eval_tokens": result.tokens,
+             "eval_s": time.perf_counter() - started}
+        )  # fmt: skip
+
     try:
         with _preemption_flag() as preempted:
             result = train_loop(
@@ -286,7 +308,14 @@ def _run(
                 activation_offload=cfg.fsdp.activation_offload,
                 profiler=profiler,
                 static_fields={"param_bytes_per_rank": param_bytes, "trainable_parameters": built.trainable},
+                varlen=varlen,
+                run_eval=run_eval if eval_loader is not None else None,
+                eval_steps=cfg.eval.eval_steps,
             )
+        # --eval_steps 0, or a last step off its grid: evaluate the final weights.
+        off_grid = not cfg.eval.eval_steps or result.state.step % cfg.eval.eval_steps
+        if result.preempted_checkpoint is None and eval_loader is not None and off_grid:
+            run_eval(result.state.step)
         if result.preempted_checkpoint is not None:
             logger.message(
                 f"preempted: saved checkpoint {result.preempted_checkpoint.resolve()} at step {result.state.step}; "
@@ -301,7 +330,7 @@ def _run(
     return result
 
 
-def _build_model(cfg: TrainConfig, env: DistEnv, model_path: Path, precision: Precision) -> _Built:
+def _build_model(cfg: TrainConfig, env: DistEnv, model_path: Path, precision: Precision, *, attention: str) -> _Built:
     """Skeleton on meta, adapters, then stream the checkpoint in, sharding each decoder layer as it completes."""
     compute_dtype = quant_compute_dtype(precision, cfg.quant.compute_dtype)
     adapters = cfg.lora.train_type in ("lora", "dora")
@@ -323,6 +352,7 @@ def _build_model(cfg: TrainConfig, env: DistEnv, model_path: Path, precision: Pr
         param_dtype=precision.param_dtype,
         path=model_path,
         full_precision_prefixes=new_blocks,
+        attention=attention,
     )
     keys: dict[nn.Module, dict[str, str]] = {}
     if adapters:
@@ -435,11 +465,15 @@ def train_loop(
     activation_offload: bool = False,
     profiler: _StepProfiler | None = None,
     static_fields: dict[str, object] | None = None,
+    varlen: bool = False,
+    run_eval: Callable[[int], None] | None = None,
+    eval_steps: int = 0,
 ) -> TrainResult:
     """Optimizer steps of `gradient_accumulation_steps` micro-batches each, from `state` to `total_steps`.
 
     The loss is a sum over label tokens divided by the label-token count of the whole step across all ranks, so
-    N ranks x batch b and 1 rank x batch N*b compute the same gradient.
+    N ranks x batch b and 1 rank x batch N*b compute the same gradient. `run_eval(step)` runs after every
+    `eval_steps`-th step (the caller evaluates at the end).
     """
     model.module.train()
     max_norm = optim.grad_norm if optim.grad_norm > 0 else float("inf")
@@ -459,6 +493,7 @@ def train_loop(
         )
         dist.all_reduce(counts)
         label_tokens, input_tokens = counts.tolist()
+        row_tokens = sum(b["input_ids"].numel() for _, _, b in micro) * env.world_size
         loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
         if profiler is not None:
             profiler.before_step(state.step + 1)
@@ -467,7 +502,7 @@ def train_loop(
             last = i == len(micro) - 1
             with contextlib.nullcontext() if last else model.no_sync():
                 with _activation_offload(activation_offload, env.device):
-                    part = _forward_loss_sum(model.module, batch, env=env, precision=precision)
+                    part = _forward_loss_sum(model.module, batch, env=env, precision=precision, varlen=varlen)
                 # FSDP averages gradients over ranks: scale by world size so the result is sum / global count.
                 scaled = part * env.world_size / max(label_tokens, 1.0)
                 (scaler.scale(scaled) if scaler else scaled).backward()
@@ -515,6 +550,7 @@ def train_loop(
                 "tokens": int(input_tokens),
                 "label_tokens": int(label_tokens),
                 "tokens_per_s": input_tokens / elapsed,
+                "packing_efficiency": input_tokens / row_tokens,
                 "peak_memory_bytes": peak,
                 "peak_memory_bytes_per_rank": gather_ints(peak, env),
                 "elapsed_s": time.perf_counter() - start,
@@ -528,6 +564,8 @@ def train_loop(
         if totals[1].item() > 0:
             result.preempted_checkpoint = checkpoint(state)  # or TrainingStopped where no checkpoint can be made
             break
+        if run_eval is not None and eval_steps and state.step % eval_steps == 0:
+            run_eval(state.step)
         if save_steps and state.step % save_steps == 0:
             started = time.perf_counter()
             path = checkpoint(state)
@@ -597,9 +635,9 @@ def _handle_non_finite(policy: str, step: int, loss: float, norm: float, *, is_m
 
 
 def _forward_loss_sum(
-    model: nn.Module, batch: dict[str, torch.Tensor], *, env: DistEnv, precision: Precision
+    model: nn.Module, batch: dict[str, torch.Tensor], *, env: DistEnv, precision: Precision, varlen: bool = False
 ) -> torch.Tensor:
-    """The batch's summed loss over its label tokens, from the root (CausalLMLoss) that FSDP wraps."""
-    inputs = {k: batch[k].to(env.device) for k in ("input_ids", "attention_mask", "labels")}
+    """The batch's summed loss over its label tokens, from the root (CausalLMLoss) that FSDP wraps; a packed batch
+    goes with position_ids and no attention mask (see qlora_fsdp/packing.py)."""
     with _autocast(precision, env.device):
-        return model(**inputs)
+        return model(**model_inputs(batch, env.device, varlen=varlen))

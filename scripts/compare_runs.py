@@ -9,9 +9,11 @@ Each RUN_DIR is one of:
     WANDB_MODE=offline): its files/wandb-history.jsonl if there is one (older wandb versions), else its
     run-*.wandb file, the log that `wandb sync` uploads (read here directly; wandb >= 0.19 has no Python reader).
 
-The plot (x: optimizer step, y: loss) goes to --output; stdout gets a Markdown table, or JSON with --json, with one
-row per run: name, steps, final loss, min loss, mean tokens/s (of the per-step values) and peak memory (the largest
-per-rank peak of any step, GiB). A step logged twice (a resumed run's W&B log) counts once, with its last record.
+The plot (x: optimizer step, y: loss) goes to --output, with each run's evaluation loss (train.py --eval_dataset or
+--eval_split) as a dashed line in the run's colour; stdout gets a Markdown table, or JSON with --json, with one row
+per run: name, steps, final and min training loss, final and min evaluation loss, mean tokens/s (of the per-step
+values) and peak memory (the largest per-rank peak of any step, GiB). A step logged twice (a resumed run's W&B log)
+counts once, with its last record.
 Bad input prints one line, `error: ...`, and exits with status 2.
 """
 
@@ -49,6 +51,7 @@ class Run:
     name: str
     source: Path
     records: list[dict[str, Any]]  # one per optimizer step, sorted by step
+    evals: list[dict[str, Any]]  # one per evaluation (step, eval_loss), sorted by step; empty without evaluation
 
 
 class _Parser(argparse.ArgumentParser):
@@ -74,16 +77,23 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _by_step(records: list[dict[str, Any]], source: Path) -> list[dict[str, Any]]:
-    """One record per step (the last one logged), sorted; every record must carry a step and a loss."""
+def _by_step(records: list[dict[str, Any]], source: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(training records, evaluation records), each one per step (the last one logged) and sorted.
+
+    A record carries a step and a training `loss`, an `eval_loss`, or both (W&B merges what one step logged).
+    """
     steps: dict[int, dict[str, Any]] = {}
+    evals: dict[int, dict[str, Any]] = {}
     for record in records:
-        if "step" not in record or "loss" not in record:
+        if "step" not in record or ("loss" not in record and "eval_loss" not in record):
             raise CompareError(f"{source}: a record without 'step' or 'loss': {json.dumps(record)[:200]}")
-        steps[int(record["step"])] = record
+        if "loss" in record:
+            steps[int(record["step"])] = record
+        if "eval_loss" in record:
+            evals[int(record["step"])] = record
     if not steps:
         raise CompareError(f"{source}: no steps logged")
-    return [steps[s] for s in sorted(steps)]
+    return [steps[s] for s in sorted(steps)], [evals[s] for s in sorted(evals)]
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -161,19 +171,19 @@ def load_run(path: Path, label: str = "") -> Run:
     if not path.is_dir():
         raise CompareError(f"{path}: no such directory")
     if (path / METRICS_FILE).is_file():
-        return Run(label or str(path), path, _by_step(_read_jsonl(path / METRICS_FILE), path / METRICS_FILE))
+        return Run(label or str(path), path, *_by_step(_read_jsonl(path / METRICS_FILE), path / METRICS_FILE))
     if (path / WANDB_HISTORY_FILE).is_file():
         history = path / WANDB_HISTORY_FILE
         rows = _read_jsonl(history)
         for i, row in enumerate(rows, 1):
             row["step"] = row.pop("_step", i)
-        return Run(label or path.name, path, _by_step(rows, history))
+        return Run(label or path.name, path, *_by_step(rows, history))
     logs = sorted(path.glob("run-*.wandb"))
     if len(logs) > 1:
         raise CompareError(f"{path}: several run-*.wandb files; pass one run directory per run")
     if logs:
         name, rows = _read_wandb_log(logs[0])
-        return Run(label or name or path.name, path, _by_step(rows, logs[0]))
+        return Run(label or name or path.name, path, *_by_step(rows, logs[0]))
     raise CompareError(
         f"{path}: no {METRICS_FILE}, {WANDB_HISTORY_FILE} or run-*.wandb (give a train.py --output_dir or a "
         "wandb/offline-run-* directory)"
@@ -193,12 +203,16 @@ def summarize(run: Run) -> dict[str, Any]:
         per_rank = r.get("peak_memory_bytes_per_rank") or [r.get("peak_memory_bytes")]
         peaks += _finite([p for p in per_rank if p is not None])
     finite_losses = _finite(losses)
+    eval_losses = [float(r["eval_loss"]) for r in run.evals]
+    finite_evals = _finite(eval_losses)
     return {
         "name": run.name,
         "source": str(run.source),
         "steps": len(run.records),
         "final_loss": losses[-1] if math.isfinite(losses[-1]) else None,
         "min_loss": min(finite_losses) if finite_losses else None,
+        "final_eval_loss": eval_losses[-1] if eval_losses and math.isfinite(eval_losses[-1]) else None,
+        "min_eval_loss": min(finite_evals) if finite_evals else None,
         "mean_tokens_per_s": sum(speeds) / len(speeds) if speeds else None,
         "peak_memory_gib": max(peaks) / GIB if peaks else None,
     }
@@ -209,8 +223,8 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
         return "-" if value is None else format(value, spec)
 
     lines = [
-        "| run | steps | final loss | min loss | mean tokens/s | peak memory (GiB) |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| run | steps | final loss | min loss | final eval loss | min eval loss | mean tokens/s | peak memory (GiB) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         cells = [
@@ -218,6 +232,8 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
             str(r["steps"]),
             fmt(r["final_loss"], ".4f"),
             fmt(r["min_loss"], ".4f"),
+            fmt(r["final_eval_loss"], ".4f"),
+            fmt(r["min_eval_loss"], ".4f"),
             fmt(r["mean_tokens_per_s"], ".1f"),
             fmt(r["peak_memory_gib"], ".2f"),
         ]
@@ -238,7 +254,8 @@ def smooth(values: list[float], window: int) -> list[float]:
 
 
 def plot(runs: list[Run], output: Path, window: int) -> None:
-    """Loss against step for every run on one axis, written to `output` (format from its suffix)."""
+    """Loss against step for every run on one axis, evaluation loss dashed, written to `output` (format from its
+    suffix)."""
     try:
         import matplotlib
 
@@ -255,11 +272,15 @@ def plot(runs: list[Run], output: Path, window: int) -> None:
             (line,) = ax.plot(steps, losses, alpha=0.25, linewidth=1)
             ax.plot(steps, smooth(losses, window), color=line.get_color(), label=run.name)
         else:
-            ax.plot(steps, losses, label=run.name, marker="." if len(steps) < 50 else None)
+            (line,) = ax.plot(steps, losses, label=run.name, marker="." if len(steps) < 50 else None)
+        if run.evals:
+            eval_steps = [r["step"] for r in run.evals]
+            eval_losses = [float(r["eval_loss"]) for r in run.evals]
+            ax.plot(eval_steps, eval_losses, "--o", color=line.get_color(), markersize=4, label=f"{run.name} (eval)")
     ax.set_xlabel("step")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("loss" + (f" ({window}-step moving average)" if window > 1 else ""))
-    ax.set_title("Training loss")
+    ax.set_title("Training and evaluation loss" if any(run.evals for run in runs) else "Training loss")
     ax.grid(True, alpha=0.3)
     ax.legend()
     output.parent.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,5 @@
-"""scripts/compare_runs.py on real runs of train.py (bnb and HQQ), their W&B offline logs, and bad input."""
+"""scripts/compare_runs.py on real runs of train.py (bnb with evaluation, HQQ without), their W&B offline logs, and
+bad input."""
 
 from __future__ import annotations
 
@@ -27,10 +28,12 @@ GIB = 2**30
 
 @pytest.fixture(scope="module")
 def runs(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Two short one-process runs; bnb also logs to W&B (offline, as worker_env sets WANDB_MODE)."""
+    """Two short one-process runs; bnb also evaluates (steps 2 and 3) and logs to W&B (offline, as worker_env sets
+    WANDB_MODE)."""
     out = {}
-    for quant, logging in (("bnb", ["--log_to", "wandb", "--project_name", "cmp", "--run_name", "bnb-run"]),
-                           ("hqq", ["--log_to", "stdout"])):  # fmt: skip
+    bnb = ["--log_to", "wandb", "--project_name", "cmp", "--run_name", "bnb-run", "--eval_split", "0.05",
+           "--eval_steps", "2"]  # fmt: skip
+    for quant, logging in (("bnb", bnb), ("hqq", ["--log_to", "stdout"])):
         out[quant] = tmp_path_factory.mktemp(f"cmp-{quant}")
         args = ["--model", str(tiny_model), "--quant", quant, *COMMON, *logging, "--output_dir", str(out[quant])]
         train(args, nproc=0)
@@ -51,12 +54,15 @@ def compare(*args: str | Path) -> subprocess.CompletedProcess:
 
 def expected_row(run_dir: Path) -> dict[str, float | int]:
     """The table row, computed here straight from metrics.jsonl."""
-    records = read_metrics(run_dir)
+    records = [r for r in read_metrics(run_dir) if "loss" in r]
     losses = [r["loss"] for r in records]
+    evals = [r["eval_loss"] for r in read_metrics(run_dir) if "eval_loss" in r]
     return {
         "steps": len(records),
         "final_loss": losses[-1],
         "min_loss": min(losses),
+        "final_eval_loss": evals[-1] if evals else None,
+        "min_eval_loss": min(evals) if evals else None,
         "mean_tokens_per_s": sum(r["tokens_per_s"] for r in records) / len(records),
         "peak_memory_gib": max(max(r["peak_memory_bytes_per_rank"]) for r in records) / GIB,
     }
@@ -80,7 +86,9 @@ def png_size(path: Path) -> tuple[int, int]:
 def table_rows(markdown: str) -> dict[str, list[str]]:
     """{run name: [cells after the name]} from the Markdown table."""
     lines = [line for line in markdown.splitlines() if line.startswith("|")]
-    assert lines[0].startswith("| run | steps | final loss | min loss | mean tokens/s | peak memory (GiB) |")
+    assert lines[0] == (
+        "| run | steps | final loss | min loss | final eval loss | min eval loss | mean tokens/s | peak memory (GiB) |"
+    )
     rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[2:]]
     return {row[0]: row[1:] for row in rows}
 
@@ -101,6 +109,8 @@ def test_plot_and_markdown_table(runs: dict[str, Path], tmp_path: Path) -> None:
             str(exp["steps"]),
             f"{exp['final_loss']:.4f}",
             f"{exp['min_loss']:.4f}",
+            "-" if exp["final_eval_loss"] is None else f"{exp['final_eval_loss']:.4f}",
+            "-" if exp["min_eval_loss"] is None else f"{exp['min_eval_loss']:.4f}",
             f"{exp['mean_tokens_per_s']:.1f}",
             f"{exp['peak_memory_gib']:.2f}",
         ], name
@@ -114,9 +124,16 @@ def test_json_table_matches_metrics(runs: dict[str, Path], tmp_path: Path) -> No
     for row, quant in zip(rows, ("bnb", "hqq"), strict=True):
         exp = expected_row(runs[quant])
         assert row["steps"] == exp["steps"] == STEPS
-        assert row["final_loss"] == exp["final_loss"] == read_metrics(runs[quant])[-1]["loss"]
+        last_step = [r for r in read_metrics(runs[quant]) if "loss" in r][-1]
+        assert row["final_loss"] == exp["final_loss"] == last_step["loss"]
         for key in ("min_loss", "mean_tokens_per_s", "peak_memory_gib"):
             assert row[key] == pytest.approx(exp[key], rel=1e-12), key
+        assert (row["final_eval_loss"], row["min_eval_loss"]) == (exp["final_eval_loss"], exp["min_eval_loss"])
+    # bnb evaluated after steps 2 and 3 (the end): both rows are in the table's figures; HQQ shows none.
+    evals = [r for r in read_metrics(runs["bnb"]) if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [2, 3]
+    assert rows[0]["final_eval_loss"] == evals[-1]["eval_loss"] != evals[0]["eval_loss"]
+    assert rows[1]["final_eval_loss"] is None and rows[1]["min_eval_loss"] is None
     assert rows[0]["final_loss"] != rows[1]["final_loss"], "bnb and HQQ runs should differ"
     assert png_size(tmp_path / "c.png")[0] > 0
 
@@ -128,8 +145,9 @@ def test_wandb_offline_run_gives_the_same_row(runs: dict[str, Path], tmp_path: P
     assert result.returncode == 0, result.stderr
     from_wandb, from_metrics = json.loads(result.stdout)
     assert from_wandb["name"] == "bnb-run"  # the --run_name, from the log's run record
-    for key in ("steps", "final_loss", "min_loss", "mean_tokens_per_s", "peak_memory_gib"):
+    for key in ("steps", "final_loss", "min_loss", "final_eval_loss", "min_eval_loss", "mean_tokens_per_s"):
         assert from_wandb[key] == pytest.approx(from_metrics[key], rel=1e-12), key
+    assert from_wandb["peak_memory_gib"] == pytest.approx(from_metrics["peak_memory_gib"], rel=1e-12)
 
 
 def test_wandb_log_spanning_many_blocks(tmp_path: Path) -> None:

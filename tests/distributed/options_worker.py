@@ -21,10 +21,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from qlora_fsdp.config import PRECISIONS, TrainConfig, build_config
-from qlora_fsdp.data import build_dataloader
 from qlora_fsdp.distributed import DistEnv, init_distributed, teardown
 from qlora_fsdp.fsdp import PRECISIONS as MODES
 from qlora_fsdp.fsdp import quant_compute_dtype
+from qlora_fsdp.loader import build_dataloader
 from qlora_fsdp.lora import init_adapters, inject_lora, lora_layers, prepare_full_finetune
 from qlora_fsdp.metrics import read_metrics
 from qlora_fsdp.model import build_skeleton, expanded_layer_prefixes, load_tokenizer, stream_weights
@@ -115,16 +115,18 @@ class SavedBytes:
         return tensor
 
 
-def reference_first_step(cfg: TrainConfig, world_size: int) -> dict[str, float]:
-    """Loss and gradient norm of step 1 computed in this one process, with nothing sharded.
-
-    The first step's rows are what one rank with batch world x batch x accumulation draws first (the data design
-    every rank relies on), and its loss is the mean over all their label tokens.
-    """
+def first_global_batch(cfg: TrainConfig, world_size: int) -> dict[str, torch.Tensor]:
+    """The rows of step 1: what one rank with batch world x batch x accumulation draws first (the data design every
+    rank relies on)."""
     env = DistEnv(0, 0, 1, 1, torch.device("cpu"), "gloo")
-    path = Path(cfg.model.model)
     data = dict(vars(cfg.data), batch_size=cfg.data.batch_size * world_size * cfg.optim.gradient_accumulation_steps)
-    batch = next(iter(build_dataloader(type(cfg.data)(**data), load_tokenizer(path), env, seed=cfg.optim.seed)))
+    tokenizer = load_tokenizer(Path(cfg.model.model))
+    return next(iter(build_dataloader(type(cfg.data)(**data), tokenizer, env, seed=cfg.optim.seed)))
+
+
+def unsharded_model(cfg: TrainConfig) -> torch.nn.Module:
+    """The model a run trains, with its initial adapters, built in this one process without any sharding."""
+    path = Path(cfg.model.model)
     mode = MODES[cfg.fsdp.precision]
     compute = quant_compute_dtype(mode, cfg.quant.compute_dtype)
     backend = make_backend(cfg.quant, storage_dtype=torch.uint8, compute_dtype=compute)
@@ -140,10 +142,18 @@ def reference_first_step(cfg: TrainConfig, world_size: int) -> dict[str, float]:
     stream_weights(
         skeleton,
         backend=backend,
-        device=env.device,
+        device=torch.device("cpu"),
         on_unit_ready=lambda name, layer: init_adapters(lora_layers(layer), seed=cfg.optim.seed, name=name),
     )
     init_adapters([m for m in lora_layers(model) if id(m) not in in_layers], seed=cfg.optim.seed, name="")
+    return model
+
+
+def reference_first_step(cfg: TrainConfig, world_size: int) -> dict[str, float]:
+    """Loss and gradient norm of step 1 computed in this one process, with nothing sharded; the loss is the mean
+    over all the step's label tokens."""
+    batch = first_global_batch(cfg, world_size)
+    model = unsharded_model(cfg)
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch["labels"][:, 1:].flatten(), ignore_index=-100)
     loss.backward()

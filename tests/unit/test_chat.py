@@ -19,9 +19,10 @@ from transformers import AutoTokenizer
 
 from qlora_fsdp.chat import Conversation
 from qlora_fsdp.config import DataConfig
-from qlora_fsdp.data import IGNORE_INDEX, Example, build_dataloader, load_examples, load_sources, tokenize_examples
+from qlora_fsdp.data import IGNORE_INDEX, Example, load_examples, load_sources, tokenize_examples
 from qlora_fsdp.distributed import DistEnv
 from qlora_fsdp.errors import UserError
+from qlora_fsdp.loader import build_dataloader
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "data" / "chat_templates"
 LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
@@ -329,7 +330,7 @@ def test_mixture_concatenates_sources_and_logs_per_source_counts(
     assert [len(e) for _, e in load_sources(f"dummy, {second}", samples=2)] == [2, 2]
 
     cfg = DataConfig(dataset=dataset, context_length=160, batch_size=2)
-    with caplog.at_level(logging.INFO, logger="qlora_fsdp.data"):
+    with caplog.at_level(logging.INFO, logger="qlora_fsdp.loader"):
         loader = build_dataloader(cfg, chatml, _cpu_env(), seed=0)
     assert len(loader) == 4  # 8 rows, batch 2
     assert f"dataset {dataset}: 8 rows ({first}: 5, {second}: 3)," in caplog.text

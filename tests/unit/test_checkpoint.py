@@ -80,7 +80,8 @@ def _settings(model: Path, **flags: object) -> dict[str, object]:
     [("quant", "hqq"), ("hqq_bits", 3), ("hqq_group_size", 32), ("bnb_quant_type", "fp4"), ("bnb_double_quant", False),
      ("lora_alpha", 8.0), ("lora_dropout", 0.0), ("lora_target_modules", "q_proj"), ("lora_rank", 4),
      ("train_type", "dora"), ("optimizer", "sgd"), ("fsdp_version", 1), ("precision", "fp32"),
-     ("compute_dtype", "fp32"), ("sharding_strategy", "shard_grad_op"), ("chat_template", "chatml.jinja")],
+     ("compute_dtype", "fp32"), ("sharding_strategy", "shard_grad_op"), ("chat_template", "chatml.jinja"),
+     ("packing", True), ("eval_split", 0.1)],
 )  # fmt: skip
 def test_a_resume_that_changes_the_base_adapters_or_shards_is_refused_naming_the_flag(
     tiny_model: Path, tmp_path: Path, flag: str, value: object

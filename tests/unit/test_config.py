@@ -156,6 +156,8 @@ RANGE_ERRORS = [
     ("max_steps", -1),
     ("dist_timeout_s", 0),
     ("output_dir", ""),
+    ("eval_split", 1.0),
+    ("eval_split", -0.1),
 ]
 
 
@@ -191,6 +193,26 @@ def test_full_finetune_needs_quant_none() -> None:
     message = problems_of(train_type="full", quant="bnb")
     assert names_flag(message, "train_type") and names_flag(message, "quant"), message
     cfg = build_config({"model": "m", "train_type": "full", "quant": "none"})
+    assert cfg.validate() is cfg
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        ({"packing_split": True}, ("packing_split", "packing")),
+        ({"eval_dataset": "e.jsonl", "eval_split": 0.1}, ("eval_dataset", "eval_split")),
+        ({"eval_steps": 5}, ("eval_steps", "eval_dataset", "eval_split")),
+        ({"eval_samples": 10}, ("eval_samples", "eval_dataset", "eval_split")),
+    ],
+)
+def test_packing_and_eval_flags_that_need_another(flags: dict[str, object], named: tuple[str, ...]) -> None:
+    message = problems_of(**flags)
+    assert all(names_flag(message, flag) for flag in named), message
+
+
+def test_packing_and_eval_flags_accepted_together() -> None:
+    flags = {"packing": True, "packing_split": True, "eval_split": 0.1, "eval_steps": 5, "eval_samples": 10}
+    cfg = build_config({"model": "m", **flags})
     assert cfg.validate() is cfg
 
 

@@ -18,12 +18,12 @@ from qlora_fsdp.data import (
     IGNORE_INDEX,
     PROMPT_STYLES,
     Example,
-    build_dataloader,
     load_examples,
     tokenize_examples,
 )
 from qlora_fsdp.distributed import DistEnv
 from qlora_fsdp.errors import UserError
+from qlora_fsdp.loader import build_dataloader
 
 ROWS = [
     {"instruction": "Name a color.", "output": "Blue."},
@@ -489,7 +489,7 @@ def test_two_ranks_batch_one_see_the_rows_of_one_rank_batch_two(tmp_path: Path, 
 def test_dataloader_batches_have_fixed_shape(tmp_path: Path, tokenizer, caplog: pytest.LogCaptureFixture) -> None:
     path = _distinct_rows_file(tmp_path, 8)
     cfg = DataConfig(dataset=path, context_length=48, batch_size=2)
-    with caplog.at_level(logging.INFO, logger="qlora_fsdp.data"):
+    with caplog.at_level(logging.INFO, logger="qlora_fsdp.loader"):
         loader = build_dataloader(cfg, tokenizer, _cpu_env(0, 1), seed=0)
     batch = next(iter(loader))
     assert set(batch) == {"input_ids", "labels", "attention_mask"}
@@ -497,7 +497,7 @@ def test_dataloader_batches_have_fixed_shape(tmp_path: Path, tokenizer, caplog: 
     assert "8 rows" in caplog.text
 
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="qlora_fsdp.data"):
+    with caplog.at_level(logging.INFO, logger="qlora_fsdp.loader"):
         build_dataloader(cfg, tokenizer, _cpu_env(1, 2), seed=0)
     assert caplog.text == ""  # only rank 0 logs
 

@@ -1,0 +1,100 @@
+"""qlora_fsdp.evaluate on one gloo rank: token weighting, dropout off, the model's mode restored, no gradients.
+
+Agreement across ranks is tested on real 2-rank jobs (tests/distributed/test_packing_eval.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from qlora_fsdp.data import IGNORE_INDEX
+from qlora_fsdp.distributed import DistEnv
+from qlora_fsdp.evaluate import evaluate
+from qlora_fsdp.loader import eval_shard
+
+VOCAB = 11
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    store = tmp_path_factory.mktemp("store") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+class Toy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.drop = nn.Dropout(0.5)
+        self.head = nn.Linear(16, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.drop(self.embed(input_ids)))
+
+
+def loss_sum(model: Toy, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    logits = model(batch["input_ids"])
+    return F.cross_entropy(
+        logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+
+
+def rows(labelled: list[int], length: int = 9) -> list[dict[str, torch.Tensor]]:
+    """Rows with the given numbers of label tokens (the rest -100)."""
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for n in labelled:
+        ids = torch.randint(0, VOCAB, (length,), generator=gen)
+        labels = torch.full((length,), IGNORE_INDEX)
+        labels[length - n :] = ids[length - n :]
+        out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+def test_loss_is_token_weighted_with_dropout_off_and_the_mode_restored(group: None) -> None:
+    model = Toy()
+    items = rows([8, 1, 1, 2, 8])  # batches of very different label counts: a mean of batch means would differ
+    loader = torch.utils.data.DataLoader(eval_shard(items, DistEnv(0, 0, 1, 1, torch.device("cpu"), "gloo"), 2), 2)
+
+    model.train()
+    result = evaluate(model, loader, loss_sum=lambda b: loss_sum(model, b), device=torch.device("cpu"))
+
+    assert model.training, "evaluate must hand the model back in training mode"
+    assert all(p.grad is None for p in model.parameters())
+    model.eval()
+    with torch.no_grad():
+        per_token = [
+            F.cross_entropy(model(r["input_ids"][None])[0, :-1], r["labels"][1:], reduction="none") for r in items
+        ]
+    expected = torch.cat([t[r["labels"][1:] != IGNORE_INDEX] for t, r in zip(per_token, items, strict=True)])
+    assert result.tokens == expected.numel() == 20
+    assert result.loss == pytest.approx(expected.double().mean().item(), rel=1e-6)
+    assert result.perplexity == pytest.approx(torch.exp(expected.double().mean()).item(), rel=1e-6)
+    batch_means = [loss_sum(model, b).item() / int((b["labels"][:, 1:] != -100).sum()) for b in loader]
+    assert abs(sum(batch_means) / len(batch_means) - result.loss) > 1e-3, "the data should tell the two means apart"
+
+
+def test_blank_rows_add_nothing(group: None, tmp_path: Path) -> None:
+    model = Toy()
+    items = rows([3, 5, 2])
+    blank = {**items[0], "labels": torch.full_like(items[0]["labels"], IGNORE_INDEX)}
+    results = [
+        evaluate(
+            model,
+            torch.utils.data.DataLoader(data, 2),
+            loss_sum=lambda b: loss_sum(model, b),
+            device=torch.device("cpu"),
+        )
+        for data in (items, [*items, blank, blank, blank])
+    ]
+    assert results[0] == results[1]
