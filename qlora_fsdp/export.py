@@ -267,6 +267,9 @@ def _save_config(skeleton: Skeleton, out: Path, *, dtype: torch.dtype, quantizat
     if quantization is not None:
         config.quantization_config = quantization
     config.dtype = dtype
+    # Loaders pick the class from it (HQQ's requires it); a config without one (converted checkpoints) gets the
+    # class the skeleton was built as.
+    config.architectures = config.architectures or [type(skeleton.model).__name__]
     config.save_pretrained(str(out))
     try:
         generation = GenerationConfig.from_pretrained(skeleton.path)

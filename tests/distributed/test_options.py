@@ -61,10 +61,10 @@ def _suite(name: str, nproc: int, models: list[Path], out: Path, version: int) -
     return results
 
 
-@pytest.fixture(scope="module", params=[2, 1], ids=["fsdp2", "fsdp1"])
-def version(request: pytest.FixtureRequest) -> int:
-    """Every option is checked under both FSDP versions."""
-    return request.param
+@pytest.fixture(scope="module")
+def version() -> int:
+    """Every option is checked under both FSDP versions: FSDP2 here, FSDP1 in test_options_fsdp1.py."""
+    return 2
 
 
 @pytest.fixture(scope="module")

@@ -1,9 +1,10 @@
-"""A real pretrained model learns a fact it did not know, and every after-training path gives it back.
+"""The real-model end-to-end check of the after-training scripts, one test file per backend (test_after_training_*).
 
-SmolLM2-135M-Instruct is trained once per backend (2 CPU ranks, QLoRA, the real CLI) on data/new_fact.jsonl, which
-names a cat that exists nowhere else. generate.py must then answer with that name from base + adapter (quantized as
-training did), from the merged model and from the exported quantized base + adapter, where the base model alone does
-not. The scripts run in this process (their `main`), so the test pays the imports once.
+SmolLM2-135M-Instruct is trained (2 CPU ranks, QLoRA, the real CLI) on data/new_fact.jsonl, which names a cat that
+exists nowhere else. generate.py must then answer with that name from base + adapter (quantized as training did),
+from the merged model and from the exported quantized base + adapter, where the base model alone does not. The
+scripts run in the test's process (their `main`), so it pays the imports once. Two files, so the two trainings can
+run on two test workers at once.
 """
 
 from __future__ import annotations
@@ -15,8 +16,6 @@ import pytest
 
 from scripts import export_quantized, generate, merge_adapter
 from tests.conftest import REPO_ROOT, train
-
-pytestmark = pytest.mark.distributed
 
 FACT = REPO_ROOT / "data" / "new_fact.jsonl"
 QUESTION = "What is the name of Zorbly's cat?"
@@ -38,25 +37,13 @@ def ask(capsys: pytest.CaptureFixture, *args: str) -> str:
     return reply
 
 
-@pytest.fixture(scope="module", params=["bnb", "hqq"])
-def trained(request: pytest.FixtureRequest, smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple:
-    out = tmp_path_factory.mktemp(f"fact-{request.param}")
-    train(
-        ["--model", str(smollm2), "--quant", request.param, *TRAIN_FLAGS, "--output_dir", str(out)],
-        nproc=2,
-        timeout=900,
-    )
-    return request.param, out
+def train_fact(quant: str, smollm2: Path, out: Path) -> Path:
+    train(["--model", str(smollm2), "--quant", quant, *TRAIN_FLAGS, "--output_dir", str(out)], nproc=2, timeout=900)
+    return out
 
 
-def test_the_base_model_does_not_know(smollm2: Path, capsys: pytest.CaptureFixture) -> None:
-    assert ANSWER not in ask(capsys, "--model", str(smollm2))
-
-
-def test_adapter_merge_and_export_answer(
-    trained: tuple, smollm2: Path, tmp_path: Path, capsys: pytest.CaptureFixture
-) -> None:
-    quant, adapter = trained
+def check_answers(quant: str, adapter: Path, smollm2: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Base + adapter, the merged model and the exported quantized base + adapter all know the fact."""
     assert ANSWER in ask(capsys, "--model", str(smollm2), "--adapter", str(adapter), "--quant", quant)
 
     merged = tmp_path / "merged"
