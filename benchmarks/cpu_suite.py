@@ -578,14 +578,16 @@ def _loss(runner: Runner, model: Path, cache: Path, rows: list, details: dict) -
     peaks: dict[tuple[int, int], list[int]] = {}
     speed: dict[int, list[float]] = {LOSS_CHUNK: [], 0: []}
     for rep in range(p.reps):
+        # Each repetition swaps which setting runs first, so a machine that slows down or warms up favours neither.
+        order = (LOSS_CHUNK, 0) if rep % 2 == 0 else (0, LOSS_CHUNK)
         for vocab in LOSS_VOCABS:
             small = ensure_model(replace(p, model={**LOSS_MODEL, "vocab_size": vocab}), cache)
-            for chunk in (LOSS_CHUNK, 0):
+            for chunk in order:
                 what = f"loss memory, vocabulary {vocab}, --loss_chunk_tokens {chunk} (rep {rep + 1})"
                 flags = {**LOSS_SHAPE, "loss_chunk_tokens": chunk}
                 _, rss = runner.train_cli(what, small, "bnb", nproc=1, version=2, flags=flags)
                 peaks.setdefault((vocab, chunk), []).append(rss[0])
-        for chunk in (LOSS_CHUNK, 0):
+        for chunk in order:
             what = f"loss speed, --loss_chunk_tokens {chunk} (rep {rep + 1})"
             metrics, _ = runner.train_cli(what, model, "bnb", nproc=1, version=2, flags={"loss_chunk_tokens": chunk})
             speed[chunk].append(median([m["tokens_per_s"] for m in metrics[p.warmup_steps :]]))

@@ -7,4 +7,6 @@ VENV=${VENV:-.venv}
 "$VENV/bin/ruff" check .
 # Two workers, each taking whole test files (module fixtures build once): the multi-process tests leave cores idle
 # while processes start and ranks wait on each other, which the other worker fills. PYTEST_WORKERS=0: one process.
-"$VENV/bin/python" -m pytest -q -n "${PYTEST_WORKERS:-2}" --dist loadfile "$@"
+# --no-loadscope-reorder: files go out in collection order, which tests/conftest.py starts with the longest ones
+# (xdist's default order, most tests first, left the few-test multi-process files running alone at the end).
+"$VENV/bin/python" -m pytest -q -n "${PYTEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"
