@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -72,6 +73,16 @@ def launch(
     return subprocess.run(
         cmd, cwd=REPO_ROOT, env=worker_env(), capture_output=True, text=True, timeout=timeout, check=False
     )
+
+
+def run_worker(script: Path, args: list[str], *, nproc: int, out: Path) -> dict[str, dict]:
+    """A multi-scenario worker job: it must exit 0 and have written OUT/results.json with no scenario's error."""
+    result = launch(script, args, nproc=nproc, timeout=600)
+    assert result.returncode == 0, result.stderr[-6000:]
+    results = json.loads((out / "results.json").read_text())
+    failed = {k: v["error"] for k, v in results.items() if v["error"]}
+    assert not failed, failed
+    return results
 
 
 def train(args: list[str], *, nproc: int, timeout: float = 300) -> subprocess.CompletedProcess:

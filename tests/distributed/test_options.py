@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from qlora_fsdp.config import PRECISIONS
-from tests.conftest import REPO_ROOT, launch
+from tests.conftest import REPO_ROOT, launch, run_worker
 
 pytestmark = pytest.mark.distributed
 WORKER = Path(__file__).with_name("options_worker.py")
@@ -53,12 +53,7 @@ def odd_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _suite(name: str, nproc: int, models: list[Path], out: Path, version: int) -> dict[str, dict]:
-    result = launch(WORKER, [*map(str, models), str(out), name, str(version)], nproc=nproc, timeout=600)
-    assert result.returncode == 0, result.stderr[-6000:]
-    results = json.loads((out / "results.json").read_text())
-    failed = {k: v["error"] for k, v in results.items() if v["error"]}
-    assert not failed, failed
-    return results
+    return run_worker(WORKER, [*map(str, models), str(out), name, str(version)], nproc=nproc, out=out)
 
 
 @pytest.fixture(scope="module")

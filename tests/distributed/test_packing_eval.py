@@ -9,25 +9,19 @@
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import launch
+from tests.conftest import run_worker
 
 pytestmark = pytest.mark.distributed
 WORKER = Path(__file__).with_name("packing_worker.py")
 
 
 def _job(nproc: int, model: Path, out: Path) -> dict[str, dict]:
-    result = launch(WORKER, [str(model), str(out)], nproc=nproc, timeout=600)
-    assert result.returncode == 0, result.stderr[-6000:]
-    results = json.loads((out / "results.json").read_text())
-    failed = {k: v["error"] for k, v in results.items() if v["error"]}
-    assert not failed, failed
-    return results
+    return run_worker(WORKER, [str(model), str(out)], nproc=nproc, out=out)
 
 
 @pytest.fixture(scope="module")
