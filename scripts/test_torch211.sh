@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The stack of the lent GPU machine and of many clusters (torch 2.11.0 + transformers 5.17.0), on the CPU: a focused
+# set of the suite in a second venv (scripts/install_torch211.sh). There FSDP2 cannot shard uint8 parameters, so the
+# default command takes the float-view layout; the losses must equal those of the CPU suite's torch (.venv).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install_torch211.sh
+VENV=${VENV_TORCH211:-.venv-torch211}
+"$VENV/bin/python" -c 'import torch, transformers; print(f"torch {torch.__version__}, transformers {transformers.__version__}")'
+# 2-rank bnb and HQQ training under both FSDP versions; storage integrity; exact resume; after training (unit and
+# SmolLM2 end to end); the GPU suite's dry run; the default command against the CPU suite's torch.
+export QLORA_REFERENCE_PYTHON="$PWD/${VENV_CPU:-.venv}/bin/python"
+"$VENV/bin/python" -m pytest -q -n "${PYTEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder \
+    tests/distributed/test_after_training_bnb.py \
+    tests/distributed/test_after_training_hqq.py \
+    tests/distributed/test_train_e2e.py \
+    tests/distributed/test_packed_layout.py \
+    tests/distributed/test_storage_integrity.py \
+    "tests/distributed/test_reliability.py::test_sigkill_then_resume_matches_uninterrupted" \
+    tests/benchmarks/test_harness.py::test_gpu_script_dry_run \
+    tests/unit/test_export.py tests/unit/test_quant.py tests/unit/test_fsdp.py "$@"
