@@ -358,6 +358,7 @@ def run_cpu_suite(
         else:
             log("1/4 loading (ours: 2 ranks, streaming, FSDP2 and FSDP1; peer: HF from_pretrained)")
             loads = _loading(runner, model_dir, rows, details)
+            _hqq_split(runner, model_dir, rows)
             if not plan.large:
                 log("2/4 per-rank memory vs world size")
                 _world_sizes(runner, model_dir, loads, rows, details)
@@ -454,6 +455,22 @@ def _loading(runner: Runner, model: Path, rows: list, details: dict) -> dict[int
                     [ours_model], [peer_model["total"]],
                     ours_label=f"qlora-fsdp, bnb nf4, {runner.plan.precision}", peer_label=PEER_LOAD))  # fmt: skip
     return ours
+
+
+def _hqq_split(runner: Runner, model: Path, rows: list) -> None:
+    """Section 1, HQQ: our 2-rank FSDP2 load with the ranks sharing HQQ's whole weights out, against the same code
+    streaming without the job's DistEnv (load_ours `split` false), where every rank quantizes every weight."""
+    runs: dict[bool, list[float]] = {True: [], False: []}
+    for rep in range(runner.plan.reps):
+        for split in (True, False):
+            args = {"model": str(model), "fsdp_version": 2, "quant": "hqq", "precision": runner.plan.precision}
+            ranks = runner.worker(f"load hqq 2 ranks, split {split} (rep {rep + 1})", "load_ours",
+                                  {**args, "split": split}, nproc=2)  # fmt: skip
+            runs[split].append(max(r["total_s"] for r in ranks))
+    rows.append(row("loading", "load_wall_s_hqq_split",
+                    "HQQ 4-bit, FSDP2: wall time to load + quantize + shard (slowest rank)", "s", "lower",
+                    runs[True], runs[False], ours_label="qlora-fsdp, 2 ranks, each quantizes its share of the weights",
+                    peer_label="the same, every rank quantizing every weight"))  # fmt: skip
 
 
 def _world_sizes(runner: Runner, model: Path, loads: dict[int, list], rows: list, details: dict) -> None:

@@ -38,6 +38,9 @@ def load_ours(args: dict[str, Any]) -> None:
     """One rank of our loading path: skeleton on meta, stream the checkpoint, quantize (bnb: each rank half of every
     weight's blocks), shard each decoder layer as it completes (--fsdp_version), then the root. No adapters.
 
+    `split` false (default true) streams without the job's DistEnv, so every rank quantizes every weight alone:
+    loading as it was before the ranks shared quantization out (for HQQ, the comparison of `_hqq_split`).
+
     Reports load wall time, peak RSS and RSS after imports, this rank's resident bytes (its parameter shards, the
     quantization state FSDP1 replicates, buffers) and the whole quantized model's bytes (added up layer by layer
     before sharding, so every rank knows it without holding it).
@@ -84,7 +87,8 @@ def load_ours(args: dict[str, Any]) -> None:
         layers_bytes[0] += model_bytes(layer)["total"]
         sharder.shard_unit(name, layer, root=skeleton.model)
 
-    stream_weights(skeleton, backend=backend, device=env.device, on_unit_ready=shard_layer, env=env)
+    shared = env if args.get("split", True) else None
+    stream_weights(skeleton, backend=backend, device=env.device, on_unit_ready=shard_layer, env=shared)
     # What is left unsharded: embeddings, norm, head, buffers.
     root_bytes = model_bytes(skeleton.model, exclude=tuple(f"{name}." for name in skeleton.units))["total"]
     sharded = sharder.finish(skeleton.model)

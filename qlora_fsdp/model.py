@@ -2,7 +2,8 @@
 arrives, and hand each decoder layer on (to be sharded) as soon as it is whole.
 
 Every rank reads the checkpoint itself; none holds more than its shards plus the layers in flight and the
-embeddings, head and norm (sharded last, with the root). There is no rank-0 copy and no broadcast.
+embeddings, head and norm (sharded last, with the root). There is no rank-0 copy of the model; the only thing sent
+between ranks is quantized results, which the ranks share out instead of each computing them all.
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from qlora_fsdp.config import ModelConfig
 from qlora_fsdp.distributed import DistEnv
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.quant import QuantBackend
+from qlora_fsdp.quant.base import QuantizedLinear, QuantizedWeight
 
 log = logging.getLogger(__name__)
 
@@ -299,8 +302,10 @@ def stream_weights(
 ) -> None:
     """Read the checkpoint one tensor at a time into the skeleton, quantizing each target weight as it arrives.
 
-    With `env`, every rank of the job streams the same checkpoint and the backend may split each weight's
-    quantization between them (see QuantBackend.quantize).
+    With `env`, every rank of the job streams the same checkpoint and shares the quantization out: the backend
+    splits each weight between the ranks (see QuantBackend.quantize), or, for a backend that needs weights whole
+    (`whole_weights`), each rank quantizes whole weights of a decoder layer and the layer's results are exchanged
+    when it is complete (_WeightShares). Without `env` this process quantizes every weight itself.
 
     Tensors may come in any order and a decoder layer may span shards: as soon as every tensor of a layer has
     arrived, its remaining meta parameters (adapters) are allocated and `on_unit_ready(name, layer)` runs, so the
@@ -323,6 +328,13 @@ def stream_weights(
     first_name = {}
     for name, slot in slot_of.items():
         first_name.setdefault(slot, name)
+    shares = None
+    if backend is not None and backend.whole_weights and env is not None and env.world_size > 1:
+        by_unit: dict[str, list[QuantizedLinear]] = {}
+        for name, (module, attr) in skeleton.sources.items():
+            if id(module) in quantized and attr == "weight" and unit_of(name):
+                by_unit.setdefault(unit_of(name), []).append(module)  # type: ignore[arg-type]
+        shares = _WeightShares(by_unit, backend=backend, env=env, device=device)
 
     for file in skeleton.files:
         for name, tensor in _read_tensors(file):
@@ -331,7 +343,9 @@ def stream_weights(
                 log.warning("ignoring checkpoint tensor %s: no such parameter in the model", name)
                 continue
             module, attr = source
-            if id(module) in quantized and attr == "weight":
+            if shares is not None and shares.covers(module):
+                shares.arrive(module, tensor)  # type: ignore[arg-type]
+            elif id(module) in quantized and attr == "weight":
                 backend.load_weight(module, tensor, device=device, env=env)  # type: ignore[union-attr]
             elif attr in module._parameters:
                 old = module._parameters[attr]
@@ -346,6 +360,8 @@ def stream_weights(
             waiting.discard(slot_of[name])
             if not waiting and unit:
                 del pending[unit]
+                if shares is not None:
+                    shares.exchange(unit)
                 layer = skeleton.units[unit]
                 params.materialize(layer, device)
                 if on_unit_ready is not None:
@@ -356,6 +372,83 @@ def stream_weights(
             f"--model {skeleton.path}: checkpoint lacks {len(missing)} tensor(s), e.g. {missing[0]}; is it complete?"
         )
     params.materialize(model, device)
+
+
+class _WeightShares:
+    """Which rank quantizes which whole weight of each decoder layer, for a backend that needs weights whole (HQQ).
+
+    A rank quantizes the weights it owns as they arrive and drops the others; when a layer is complete, each
+    owner broadcasts its results, so every rank ends with the bytes one process quantizing everything produces.
+    Owners are fixed up front from the skeleton's shapes, the same on every rank without communication: largest
+    weight first, each to the rank with the least work so far (carried across layers), so the ranks finish a
+    layer's shares at about the same time.
+    """
+
+    def __init__(
+        self,
+        by_unit: dict[str, list[QuantizedLinear]],
+        *,
+        backend: QuantBackend,
+        env: DistEnv,
+        device: torch.device,
+    ) -> None:
+        self.by_unit = by_unit
+        self.backend = backend
+        self.env = env
+        self.device = device
+        self.owner: dict[int, int] = {}
+        self.results: dict[int, QuantizedWeight] = {}
+        work = [0] * env.world_size
+        for modules in by_unit.values():
+            for module in sorted(modules, key=lambda m: -m.in_features * m.out_features):
+                rank = min(range(env.world_size), key=lambda r: (work[r], r))
+                self.owner[id(module)] = rank
+                work[rank] += module.in_features * module.out_features
+
+    def covers(self, module: nn.Module) -> bool:
+        return id(module) in self.owner
+
+    def arrive(self, module: QuantizedLinear, weight: torch.Tensor) -> None:
+        """Quantize `weight` now if this rank owns it; another rank's is dropped, its result comes in exchange."""
+        if self.owner[id(module)] == self.env.rank:
+            self.results[id(module)] = self.backend.quantize(weight.to(self.device))
+
+    def exchange(self, unit: str) -> None:
+        """Every weight of a complete `unit` into its layer on every rank, each sent from its owner.
+
+        One object collective carries the layer's small metadata (scalar meta, dtypes and shapes); each weight's
+        bytes then go in one broadcast of a flat uint8 tensor on the weights' device (gloo or NCCL alike).
+        """
+        modules = self.by_unit.pop(unit, [])
+        if not modules:
+            return
+        mine = {i: self.results.pop(id(m)) for i, m in enumerate(modules) if self.owner[id(m)] == self.env.rank}
+        layouts: list[dict[int, tuple]] = [{} for _ in range(self.env.world_size)]
+        dist.all_gather_object(layouts, {i: _layout(q) for i, q in mine.items()})
+        for i, module in enumerate(modules):
+            owner = self.owner[id(module)]
+            module.set_quantized(_broadcast(mine.get(i), layouts[owner][i], src=owner, device=self.device))
+
+
+def _layout(quantized: QuantizedWeight) -> tuple[int, list[tuple[str, torch.dtype, torch.Size]], dict]:
+    """What a receiver needs to rebuild `quantized` from its bytes: packed size, state dtypes and shapes, meta."""
+    states = [(name, t.dtype, t.shape) for name, t in quantized.state.items()]
+    return quantized.packed.numel(), states, quantized.meta
+
+
+def _broadcast(quantized: QuantizedWeight | None, layout: tuple, *, src: int, device: torch.device) -> QuantizedWeight:
+    """Rank `src`'s `quantized` on every rank (None elsewhere): packed bytes and state sent as one flat buffer."""
+    packed_numel, states, meta = layout
+    sizes = [packed_numel, *(shape.numel() * dtype.itemsize for _, dtype, shape in states)]
+    if quantized is not None:
+        state_bytes = [t.contiguous().flatten().view(torch.uint8) for t in quantized.state.values()]
+        dist.broadcast(torch.cat([quantized.packed.flatten(), *state_bytes]), src=src)
+        return quantized
+    buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+    dist.broadcast(buffer, src=src)
+    packed, *parts = buffer.split(sizes)
+    state = {name: t.clone().view(dtype).view(shape) for (name, dtype, shape), t in zip(states, parts, strict=True)}
+    return QuantizedWeight(packed.clone(), state, meta)
 
 
 def load_model(

@@ -83,6 +83,8 @@ class _DequantizeMatmul(torch.autograd.Function):
 
 class HqqBackend(QuantBackend):
     name = "hqq"
+    # HQQ's optimizer stops on an error summed over the whole weight: a part quantized alone would differ.
+    whole_weights = True
 
     def __init__(
         self,
@@ -129,7 +131,7 @@ class HqqBackend(QuantBackend):
         return -(-numel // unit) * unit
 
     def quantize(self, weight: torch.Tensor, *, env: DistEnv | None = None) -> QuantizedWeight:
-        # HQQ's optimizer stops on an error summed over the whole weight: a part quantized alone would differ.
+        # Whole weights only (see whole_weights): `env` is not used.
         w = weight
         padded = self.padded(w.numel())
         if padded != w.numel():

@@ -34,6 +34,7 @@ CPU_KEYS = {
     # 1. loading, each FSDP version
     *(f"{k}_fsdp{v}" for k in LOAD for v in (1, 2)),
     "quantized_model_bytes",
+    "load_wall_s_hqq_split",
     # 2. memory vs world size
     *(f"{k}_{c}_n{n}" for k in ("param_shard_bytes_per_rank", "resident_bytes_per_rank") for c in WORLD
       for n in (1, 2)),  # --quick: 1 and 2 ranks
