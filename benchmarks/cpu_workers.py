@@ -68,8 +68,12 @@ def load_ours(args: dict[str, Any]) -> None:
         ignore=(QuantizedLinear,),
         adapters_own_units=False,
     )
+    layout = sharder.layout
     backend = make_backend(
-        QuantConfig(quant=args["quant"]), storage_dtype=sharder.storage_dtype, compute_dtype=precision.compute_dtype
+        QuantConfig(quant=args["quant"]),
+        storage_dtype=layout.storage_dtype,
+        compute_dtype=precision.compute_dtype,
+        shard_state=layout.state_sharded,
     )
     skeleton = build_skeleton(ModelConfig(model=args["model"]), backend=backend, param_dtype=precision.param_dtype)
     for param in skeleton.model.parameters():

@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    started = datetime.datetime.now(datetime.timezone.utc)
+    started = datetime.datetime.now(datetime.UTC)
     command = " ".join(["python", "benchmarks/run.py", *(sys.argv[1:] if argv is None else argv)])
 
     def save(results: dict[str, Any]) -> None:

@@ -26,6 +26,7 @@ QUANT_BACKENDS = ("bnb", "hqq", "none")  # kept in step with qlora_fsdp/quant/ b
 TRAIN_TYPES = ("lora", "dora", "full", "llama_pro")
 PRECISIONS = ("bf16", "fp32", "fp16_autocast", "bf16_autocast", "bf16_buffers_autocast", "mp_bf16")
 FSDP_VERSIONS = (1, 2)
+PACKED_LAYOUTS = ("auto", "uint8", "float")
 SHARDING_STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2")
 SCHEDULERS = ("constant", "linear", "cosine")
 OPTIMIZERS = ("adamw", "adam", "sgd", "adadelta")
@@ -83,8 +84,11 @@ class LoraConfig:
 @dataclass
 class FSDPConfig:
     fsdp_version: int = 2
-    """2: torch's fully_shard, one unit per decoder layer, packed weights and their state sharded as uint8;
+    """2: torch's fully_shard, one unit per decoder layer, packed weights and their state sharded with it;
     1: FullyShardedDataParallel with the packed weights viewed as the parameter dtype."""
+    packed_layout: str = "auto"
+    """FSDP2: packed weights and their state as uint8 parameters (torch 2.12+) or float (viewed as the dtype FSDP2
+    gathers in, never cast); auto picks uint8 where this torch can shard it, else float."""
     precision: str = "bf16"
     """bf16 / fp32: parameters in that dtype; *_autocast: fp32 (or bf16) parameters under autocast;
     mp_bf16: fp32 parameters that FSDP casts to bf16 for compute, gradients reduced in fp32."""
@@ -376,6 +380,7 @@ def _check_choices(cfg: TrainConfig) -> list[str]:
         *_choice("train_type", cfg.lora.train_type, TRAIN_TYPES),
         *_choice("precision", cfg.fsdp.precision, PRECISIONS),
         *_choice("fsdp_version", cfg.fsdp.fsdp_version, FSDP_VERSIONS),
+        *_choice("packed_layout", cfg.fsdp.packed_layout, PACKED_LAYOUTS),
         *_choice("sharding_strategy", cfg.fsdp.sharding_strategy, SHARDING_STRATEGIES),
         *_choice("optimizer", cfg.optim.optimizer, OPTIMIZERS),
         *_choice("lr_scheduler", cfg.optim.lr_scheduler, SCHEDULERS),
@@ -439,6 +444,8 @@ def _check_combinations(cfg: TrainConfig) -> list[str]:
     adapters = cfg.lora.train_type in ("lora", "dora")
     if not adapters and (cfg.output.save_steps or cfg.output.resume_from):
         problems.append(f"--save_steps/--resume_from need --train_type lora or dora (not {cfg.lora.train_type})")
+    if cfg.fsdp.packed_layout != "auto" and cfg.fsdp.fsdp_version == 1:
+        problems.append("--packed_layout chooses FSDP2's layout; FSDP1 always views packed weights as float")
     if cfg.fsdp.compile and cfg.fsdp.fsdp_version == 1:
         # FSDP1's flat parameters swap module attributes in hooks that compiled code does not see.
         problems.append("--compile true needs --fsdp_version 2")

@@ -61,6 +61,27 @@ PRECISIONS = {
 }
 
 
+@dataclass(frozen=True)
+class PackedLayout:
+    """How quantized layers hold their packed bytes and quantization state, as the FSDP version can shard them.
+
+    The one place the layout is decided is the sharder's `layout` (FSDP2: by probing this torch's `fully_shard`,
+    or `--packed_layout`); the trainer hands it to the backend and reports it once at start-up.
+    """
+
+    storage_dtype: torch.dtype
+    """uint8, or the float dtype the bytes are viewed as (never cast: `.view`, not `.to`)."""
+    state_sharded: bool
+    """The quantization state is parameters of the layer's unit, sharded with it; else replicated on every rank."""
+    why: str
+    """The reason, for the start-up line."""
+
+    def describe(self) -> str:
+        as_what = "uint8" if self.storage_dtype == torch.uint8 else f"viewed as {str(self.storage_dtype)[6:]}"
+        state = "sharded with them" if self.state_sharded else "replicated on every rank"
+        return f"packed weights: {as_what} parameters, quantization state {state} ({self.why})"
+
+
 def quant_compute_dtype(precision: Precision, requested: str) -> torch.dtype:
     """What `--compute_dtype` means under a precision mode: auto follows the mode's compute dtype."""
     return precision.compute_dtype if requested == "auto" else DTYPES[requested]
@@ -133,8 +154,9 @@ class Sharder(ABC):
 
     @property
     @abstractmethod
-    def storage_dtype(self) -> torch.dtype:
-        """What quantized layers keep their packed bytes as under this FSDP version."""
+    def layout(self) -> PackedLayout:
+        """How quantized layers keep their packed bytes and state under this FSDP version (asked for only when
+        the model has quantized layers)."""
 
     @abstractmethod
     def _shard(self, unit: nn.Module) -> nn.Module:
@@ -182,13 +204,7 @@ def make_sharder(
     """The sharder for `--fsdp_version`. `ignore` and `adapters_own_units` only matter to FSDP1, which flattens
     each unit into one tensor: quantized layers must stay out of a casting unit, and frozen and trainable
     parameters cannot share one."""
-    try:
-        module = importlib.import_module(f"qlora_fsdp.fsdp{cfg.fsdp_version}")
-    except ImportError as exc:  # torch before 2.6 has no public fully_shard
-        raise UserError(
-            f"--fsdp_version {cfg.fsdp_version} needs a newer PyTorch than {torch.__version__} ({exc}); "
-            "use --fsdp_version 1 or PyTorch 2.12+"
-        ) from None
+    module = importlib.import_module(f"qlora_fsdp.fsdp{cfg.fsdp_version}")
     return module.SHARDER(cfg, env=env, precision=precision, ignore=ignore, adapters_own_units=adapters_own_units)
 
 

@@ -21,7 +21,7 @@ from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
 
 from qlora_fsdp.config import FSDPConfig
 from qlora_fsdp.distributed import DistEnv
-from qlora_fsdp.fsdp import Precision, ShardedModel, Sharder, unwrapped
+from qlora_fsdp.fsdp import PackedLayout, Precision, ShardedModel, Sharder, unwrapped
 from qlora_fsdp.lora import is_trainable_leaf
 
 STRATEGIES = {
@@ -92,8 +92,10 @@ class Fsdp1Sharder(Sharder):
         )
 
     @property
-    def storage_dtype(self) -> torch.dtype:
-        return self.precision.param_dtype
+    def layout(self) -> PackedLayout:
+        return PackedLayout(
+            self.precision.param_dtype, state_sharded=False, why="FSDP1 flattens one float dtype per unit"
+        )
 
     def _shard(self, unit: nn.Module) -> nn.Module:
         return FSDP(unit, **self.options)

@@ -1,13 +1,17 @@
-"""FSDP2 (`fully_shard`): per-parameter sharding, one unit per decoder layer, packed bytes and state as uint8.
+"""FSDP2 (`fully_shard`): per-parameter sharding, one unit per decoder layer, packed bytes and state sharded.
 
 A decoder layer's quantized weights, their quantization state and its adapters form one unit: one all-gather in
-forward, one in backward, one reduce-scatter. Mixed precision skips non-floating parameters, so the uint8 packed
-bytes and state are sharded and gathered as bytes, never cast (shared/FINDINGS.md).
+forward, one in backward, one reduce-scatter. On torch 2.12+ mixed precision skips non-floating parameters, so
+packed bytes and state are uint8 parameters, sharded and gathered as bytes, never cast. Older FSDP2 cannot shard a
+uint8 parameter (it makes every sharded parameter require grad) and would cast it: there they are viewed as the
+dtype FSDP2 gathers in, which its mixed precision leaves alone (shared/FINDINGS.md). `Fsdp2Sharder.layout`
+decides which.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 
 import torch
@@ -19,7 +23,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from qlora_fsdp.config import FSDPConfig
 from qlora_fsdp.distributed import DistEnv
 from qlora_fsdp.errors import UserError
-from qlora_fsdp.fsdp import Precision, ShardedModel, Sharder
+from qlora_fsdp.fsdp import PackedLayout, Precision, ShardedModel, Sharder
 
 # shard_grad_op keeps gathered parameters from forward to backward (ZeRO-2); no_shard is a shard group of one.
 RESHARD_AFTER_FORWARD = {
@@ -60,11 +64,26 @@ class Fsdp2Sharder(Sharder):
             mp_policy=mp,
             offload_policy=CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy(),
         )
-        _check_integer_parameters(self.options["mesh"])
 
-    @property
-    def storage_dtype(self) -> torch.dtype:
-        return torch.uint8
+    @functools.cached_property
+    def layout(self) -> PackedLayout:
+        """uint8 where this torch's FSDP2 shards integer parameters, else viewed as the dtype it gathers in: the
+        mixed-precision parameter dtype, else the parameter dtype. `--packed_layout` forces either."""
+        mp = self.precision.mixed_precision
+        gathered = mp[0] if mp is not None else self.precision.param_dtype
+        if self.cfg.packed_layout == "float":
+            return PackedLayout(gathered, state_sharded=True, why="--packed_layout float")
+        problem = _integer_parameter_problem(self.options["mesh"])
+        if problem is None:
+            return PackedLayout(torch.uint8, state_sharded=True, why=f"torch {torch.__version__}")
+        if self.cfg.packed_layout == "uint8":
+            raise UserError(
+                f"--packed_layout uint8: the FSDP2 of torch {torch.__version__} cannot shard uint8 parameters "
+                f"({problem}); use --packed_layout auto, which views them as {str(gathered)[6:]} there"
+            )
+        return PackedLayout(
+            gathered, state_sharded=True, why=f"the FSDP2 of torch {torch.__version__} cannot shard uint8 parameters"
+        )
 
     def _shard(self, unit: nn.Module) -> nn.Module:
         return fully_shard(unit, **self.options)
@@ -75,21 +94,19 @@ class Fsdp2Sharder(Sharder):
         return Fsdp2Model(fully_shard(model, **{**self.options, "reshard_after_forward": False}))
 
 
-def _check_integer_parameters(mesh: DeviceMesh) -> None:
-    """Refuse, with the fix, a PyTorch whose FSDP2 cannot shard a uint8 parameter.
+def _integer_parameter_problem(mesh: DeviceMesh) -> str | None:
+    """Why this torch's FSDP2 cannot shard a uint8 parameter, or None if it can.
 
     Before PyTorch 2.12 fully_shard made every sharded parameter require gradients, which a non-floating one cannot
-    (and cast it under a mixed-precision policy). Probed on a meta parameter: no memory, no communication.
+    (and would cast it under a mixed-precision policy). Probed on a meta parameter: no memory, no communication.
     """
     probe = nn.Module()
     probe.packed = nn.Parameter(torch.empty(mesh.size(), dtype=torch.uint8, device="meta"), requires_grad=False)
     try:
         fully_shard(probe, mesh=mesh)
     except RuntimeError as exc:
-        raise UserError(
-            f"--fsdp_version 2 keeps packed weights as uint8 parameters, which the FSDP2 of torch {torch.__version__} "
-            f"cannot shard ({str(exc).splitlines()[0]}); use --fsdp_version 1 or PyTorch 2.12+"
-        ) from None
+        return str(exc).splitlines()[0]
+    return None
 
 
 def _full(param: torch.Tensor) -> torch.Tensor:

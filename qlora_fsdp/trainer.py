@@ -37,7 +37,15 @@ from qlora_fsdp.data import IGNORE_INDEX
 from qlora_fsdp.distributed import DistEnv, broadcast_object, gather_ints, init_distributed, teardown
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.evaluate import evaluate
-from qlora_fsdp.fsdp import PRECISIONS, Precision, ShardedModel, make_sharder, quant_compute_dtype, verify_packed
+from qlora_fsdp.fsdp import (
+    PRECISIONS,
+    PackedLayout,
+    Precision,
+    ShardedModel,
+    make_sharder,
+    quant_compute_dtype,
+    verify_packed,
+)
 from qlora_fsdp.loader import build_dataloader, build_eval_loader
 from qlora_fsdp.lora import adapter_keys, init_adapters, inject_lora, lora_layers, prepare_full_finetune
 from qlora_fsdp.loss import CausalLMLoss
@@ -201,6 +209,8 @@ class _Built:
     """Llama-Pro block -> its name prefix; empty otherwise."""
     trainable: int
     """Parameters that train (counted before sharding, tied ones once)."""
+    layout: PackedLayout | None
+    """How the quantized layers store their packed bytes (None: nothing is quantized)."""
 
 
 def _run(
@@ -252,6 +262,8 @@ def _run(
         for change in changed:
             logger.message(f"resumed with {change}: applied from step {state.step + 1} on")
     logger.message(f"trainable parameters: {built.trainable:,}")
+    if built.layout is not None:
+        logger.message(built.layout.describe())
     param_bytes = gather_ints(built.model.local_parameter_bytes(), env)
     logger.message(f"resident parameter bytes per rank after sharding: {param_bytes}")
 
@@ -344,7 +356,12 @@ def _build_model(cfg: TrainConfig, env: DistEnv, model_path: Path, precision: Pr
         ignore=(QuantizedLinear,) if ignore_quantized else (),
         adapters_own_units=adapters,
     )
-    backend = make_backend(cfg.quant, storage_dtype=sharder.storage_dtype, compute_dtype=compute_dtype)
+    backend, layout = None, None
+    if cfg.quant.quant != "none":  # only quantized layers have a packed layout to decide
+        layout = sharder.layout
+        backend = make_backend(
+            cfg.quant, storage_dtype=layout.storage_dtype, compute_dtype=compute_dtype, shard_state=layout.state_sharded
+        )
     new_blocks = expanded_layer_prefixes(model_path) if cfg.lora.train_type == "llama_pro" else ()
     skeleton = build_skeleton(
         cfg.model,
@@ -378,7 +395,9 @@ def _build_model(cfg: TrainConfig, env: DistEnv, model_path: Path, precision: Pr
     init_adapters(outside, seed=cfg.optim.seed, name="")
     sharded = sharder.finish(CausalLMLoss(unwrapped, chunk_tokens=cfg.fsdp.loss_chunk_tokens))
     verify_packed(sharded.module, sharder.reference)
-    return _Built(model=sharded, unwrapped=unwrapped, keys=keys, blocks=blocks, trainable=trainable)
+    return _Built(
+        model=sharded, unwrapped=unwrapped, keys=keys, blocks=blocks, trainable=trainable, layout=layout
+    )
 
 
 def _save_final(built: _Built, output_dir: Path, *, env: DistEnv) -> str:

@@ -36,11 +36,16 @@ class QuantizedLinear(nn.Linear):
     """A frozen linear layer held as packed low-bit bytes plus the quantization state that decodes them.
 
     Every tensor is kept as flat bytes; the dtypes and shapes to read them back are plain attributes, so no cast
-    can ever touch them. `storage_dtype` picks the layout the FSDP version needs:
-    - uint8 (FSDP2): the packed bytes and every state tensor are uint8 parameters of this module, so FSDP2 shards
-      them all with the decoder layer and mixed precision, which skips non-floating parameters, never casts them.
-    - a float dtype (FSDP1): the packed bytes are viewed as that dtype, because FSDP1 flattens one float dtype per
-      unit; the state tensors stay plain attributes, replicated on every rank (their dtypes differ).
+    can ever touch them. `storage_dtype` and `shard_state` pick the layout the FSDP version needs (decided in
+    `qlora_fsdp.fsdp.PackedLayout`):
+    - uint8 (FSDP2 on torch 2.12+): the packed bytes and every state tensor are uint8 parameters of this module, so
+      FSDP2 shards them all with the decoder layer and mixed precision, which skips non-floating parameters, never
+      casts them.
+    - a float dtype with `shard_state` (FSDP2 on older torch, which cannot shard integer parameters): the packed
+      bytes and every state tensor are zero-padded to whole elements and viewed as that dtype, the one FSDP2
+      gathers in, so its mixed precision has nothing to cast.
+    - a float dtype without (FSDP1): the packed bytes are viewed as that dtype, because FSDP1 flattens one float
+      dtype per unit; the state tensors stay plain attributes, replicated on every rank (their dtypes differ).
 
     Subclasses subclass `nn.Linear` so PEFT wraps them with its plain LoRA layer; they implement `dequantize` and
     `forward`. `W_q` aliases the packed weight because PEFT's DoRA dequantizes any module that has it through
@@ -48,10 +53,18 @@ class QuantizedLinear(nn.Linear):
     """
 
     def __init__(
-        self, in_features: int, out_features: int, *, bias: bool, storage_dtype: torch.dtype, compute_dtype: torch.dtype
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool,
+        storage_dtype: torch.dtype,
+        compute_dtype: torch.dtype,
+        shard_state: bool = False,
     ) -> None:
         super().__init__(in_features, out_features, bias=bias, device="meta")
         self.storage_dtype = storage_dtype
+        self.shard_state = shard_state
         # What the weight is dequantized to for the matmul; independent of storage.
         self.compute_dtype = compute_dtype
         self.weight = nn.Parameter(torch.empty(0, dtype=storage_dtype, device="meta"), requires_grad=False)
@@ -68,7 +81,8 @@ class QuantizedLinear(nn.Linear):
 
     @property
     def state_as_parameters(self) -> bool:
-        return self.storage_dtype == torch.uint8
+        """State tensors are parameters (sharded by FSDP2) rather than plain tensors replicated on every rank."""
+        return self.storage_dtype == torch.uint8 or self.shard_state
 
     def set_quantized(self, quantized: QuantizedWeight) -> None:
         """Hold the packed bytes and state tensors in this layer's storage layout: views, never casts."""
@@ -76,18 +90,22 @@ class QuantizedLinear(nn.Linear):
             raise TypeError(f"packed bytes must be uint8, got {quantized.packed.dtype}")
         self.meta = dict(quantized.meta)
         flat = quantized.packed.detach().contiguous().flatten()
-        item = torch.empty((), dtype=self.storage_dtype).element_size()
         self.packed_nbytes = flat.numel()
-        # A float view needs whole elements: pad with zero bytes, which packed_bytes() cuts off again.
-        self.weight = nn.Parameter(F.pad(flat, (0, -flat.numel() % item)).view(self.storage_dtype), requires_grad=False)
+        self.weight = nn.Parameter(self._stored(flat), requires_grad=False)
         self.layouts = {}
         for name, tensor in quantized.state.items():
             self.layouts[name] = (tensor.dtype, tensor.shape)
             as_bytes = tensor.detach().contiguous().flatten().view(torch.uint8)
             if self.state_as_parameters:
-                setattr(self, name, nn.Parameter(as_bytes, requires_grad=False))
+                setattr(self, name, nn.Parameter(self._stored(as_bytes), requires_grad=False))
             else:
                 object.__setattr__(self, name, as_bytes)
+
+    def _stored(self, flat_bytes: torch.Tensor) -> torch.Tensor:
+        """uint8 bytes viewed as the storage dtype; a float view needs whole elements, so zero bytes are appended,
+        which `packed_bytes` and `state_tensor` cut off again."""
+        item = torch.empty((), dtype=self.storage_dtype).element_size()
+        return F.pad(flat_bytes, (0, -flat_bytes.numel() % item)).view(self.storage_dtype)
 
     def packed_bytes(self) -> torch.Tensor:
         """The packed weight as uint8 (whatever parameter FSDP put in `weight`: shard view or unsharded tensor)."""
@@ -95,7 +113,8 @@ class QuantizedLinear(nn.Linear):
 
     def state_tensor(self, name: str) -> torch.Tensor:
         dtype, shape = self.layouts[name]
-        return getattr(self, name).view(dtype).view(shape)
+        nbytes = shape.numel() * torch.empty((), dtype=dtype).element_size()
+        return getattr(self, name).view(torch.uint8)[:nbytes].view(dtype).view(shape)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """Every quantization-state tensor in its own dtype and shape."""
@@ -124,7 +143,8 @@ class QuantizedLinear(nn.Linear):
         raise NotImplementedError
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, storage={self.storage_dtype}, compute={self.compute_dtype}"
+        state = "parameters" if self.state_as_parameters else "replicated"
+        return f"{super().extra_repr()}, storage={self.storage_dtype}, state={state}, compute={self.compute_dtype}"
 
 
 class QuantBackend(ABC):
@@ -132,13 +152,16 @@ class QuantBackend(ABC):
 
     name: str
 
-    def __init__(self, *, storage_dtype: torch.dtype, compute_dtype: torch.dtype) -> None:
+    def __init__(self, *, storage_dtype: torch.dtype, compute_dtype: torch.dtype, shard_state: bool = False) -> None:
         self.storage_dtype = storage_dtype
         self.compute_dtype = compute_dtype
+        self.shard_state = shard_state
 
     @classmethod
     @abstractmethod
-    def from_config(cls, cfg: QuantConfig, *, storage_dtype: torch.dtype, compute_dtype: torch.dtype) -> QuantBackend:
+    def from_config(
+        cls, cfg: QuantConfig, *, storage_dtype: torch.dtype, compute_dtype: torch.dtype, shard_state: bool = False
+    ) -> QuantBackend:
         """The backend with its own flags read from the quantization config."""
 
     @property

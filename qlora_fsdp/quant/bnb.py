@@ -33,10 +33,18 @@ class Bnb4bitLinear(QuantizedLinear):
         bias: bool,
         storage_dtype: torch.dtype,
         compute_dtype: torch.dtype,
+        shard_state: bool = False,
         quant_type: str,
         double_quant: bool,
     ) -> None:
-        super().__init__(in_features, out_features, bias=bias, storage_dtype=storage_dtype, compute_dtype=compute_dtype)
+        super().__init__(
+            in_features,
+            out_features,
+            bias=bias,
+            storage_dtype=storage_dtype,
+            compute_dtype=compute_dtype,
+            shard_state=shard_state,
+        )
         self.quant_type = quant_type
         self.double_quant = double_quant
 
@@ -88,18 +96,22 @@ class BnbBackend(QuantBackend):
         *,
         storage_dtype: torch.dtype,
         compute_dtype: torch.dtype,
+        shard_state: bool = False,
         quant_type: str = "nf4",
         double_quant: bool = True,
     ) -> None:
-        super().__init__(storage_dtype=storage_dtype, compute_dtype=compute_dtype)
+        super().__init__(storage_dtype=storage_dtype, compute_dtype=compute_dtype, shard_state=shard_state)
         self.quant_type = quant_type
         self.double_quant = double_quant
 
     @classmethod
-    def from_config(cls, cfg: QuantConfig, *, storage_dtype: torch.dtype, compute_dtype: torch.dtype) -> BnbBackend:
+    def from_config(
+        cls, cfg: QuantConfig, *, storage_dtype: torch.dtype, compute_dtype: torch.dtype, shard_state: bool = False
+    ) -> BnbBackend:
         return cls(
             storage_dtype=storage_dtype,
             compute_dtype=compute_dtype,
+            shard_state=shard_state,
             quant_type=cfg.bnb_quant_type,
             double_quant=cfg.bnb_double_quant,
         )
@@ -115,6 +127,7 @@ class BnbBackend(QuantBackend):
             bias=linear.bias is not None,
             storage_dtype=self.storage_dtype,
             compute_dtype=self.compute_dtype,
+            shard_state=self.shard_state,
             quant_type=self.quant_type,
             double_quant=self.double_quant,
         )

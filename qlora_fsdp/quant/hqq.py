@@ -85,16 +85,28 @@ class HqqBackend(QuantBackend):
     name = "hqq"
 
     def __init__(
-        self, *, storage_dtype: torch.dtype, compute_dtype: torch.dtype, nbits: int = 4, group_size: int = 64
+        self,
+        *,
+        storage_dtype: torch.dtype,
+        compute_dtype: torch.dtype,
+        shard_state: bool = False,
+        nbits: int = 4,
+        group_size: int = 64,
     ) -> None:
-        super().__init__(storage_dtype=storage_dtype, compute_dtype=compute_dtype)
+        super().__init__(storage_dtype=storage_dtype, compute_dtype=compute_dtype, shard_state=shard_state)
         self.nbits = nbits
         self.group_size = group_size
 
     @classmethod
-    def from_config(cls, cfg: QuantConfig, *, storage_dtype: torch.dtype, compute_dtype: torch.dtype) -> HqqBackend:
+    def from_config(
+        cls, cfg: QuantConfig, *, storage_dtype: torch.dtype, compute_dtype: torch.dtype, shard_state: bool = False
+    ) -> HqqBackend:
         return cls(
-            storage_dtype=storage_dtype, compute_dtype=compute_dtype, nbits=cfg.hqq_bits, group_size=cfg.hqq_group_size
+            storage_dtype=storage_dtype,
+            compute_dtype=compute_dtype,
+            shard_state=shard_state,
+            nbits=cfg.hqq_bits,
+            group_size=cfg.hqq_group_size,
         )
 
     @property
@@ -108,6 +120,7 @@ class HqqBackend(QuantBackend):
             bias=linear.bias is not None,
             storage_dtype=self.storage_dtype,
             compute_dtype=self.compute_dtype,
+            shard_state=self.shard_state,
         )
 
     def padded(self, numel: int) -> int:

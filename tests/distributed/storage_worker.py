@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 from qlora_fsdp.config import FSDPConfig, LoraConfig, ModelConfig, QuantConfig
 from qlora_fsdp.distributed import init_distributed
+from qlora_fsdp.errors import UserError
 from qlora_fsdp.fsdp import PRECISIONS, PackedWeightsChanged, Precision, make_sharder, verify_packed
 from qlora_fsdp.lora import init_adapters, inject_lora, lora_layers
 from qlora_fsdp.model import build_skeleton, stream_weights
@@ -56,30 +57,39 @@ def check(
     version: int,
     precision: Precision,
     storage: torch.dtype | None = None,
+    packed_layout: str = "auto",
     ignore_quantized: bool = True,
     verify: bool = True,
     env,
 ) -> dict:
     sharder = make_sharder(
-        FSDPConfig(fsdp_version=version, gradient_checkpointing=False),
+        FSDPConfig(fsdp_version=version, gradient_checkpointing=False, packed_layout=packed_layout),
         env=env,
         precision=precision,
         ignore=(QuantizedLinear,) if ignore_quantized else (),
         adapters_own_units=True,
     )
+    layout = sharder.layout
     backend = make_backend(
-        QuantConfig(quant=quant), storage_dtype=storage or sharder.storage_dtype, compute_dtype=torch.bfloat16
+        QuantConfig(quant=quant),
+        storage_dtype=storage or layout.storage_dtype,
+        compute_dtype=torch.bfloat16,
+        shard_state=storage is None and layout.state_sharded,
     )
     skeleton = build_skeleton(ModelConfig(model=model_dir), backend=backend, param_dtype=precision.param_dtype)
     quantized = {m: n for n, m in skeleton.model.named_modules() if isinstance(m, QuantizedLinear)}
     peft_model = inject_lora(skeleton.model, LoraConfig(lora_rank=8), dtype=precision.param_dtype)
     before: dict[str, dict[str, str]] = {}
+    nan_patterns = [0]
 
     def shard_layer(name: str, layer: torch.nn.Module) -> None:
         init_adapters(lora_layers(layer), seed=0, name=name)
         for module in layer.modules():
             if module in quantized:
                 before[quantized[module]] = snapshot(module)
+                # Float views of packed bytes hold NaN bit patterns, which a cast or canonicalizing copy rewrites.
+                if module.weight.is_floating_point():
+                    nan_patterns[0] += int(module.weight.isnan().sum())
         sharder.shard_unit(name, layer, root=skeleton.model)
 
     stream_weights(skeleton, backend=backend, device=env.device, on_unit_ready=shard_layer, env=env)
@@ -88,7 +98,13 @@ def check(
     at_forward: dict[str, dict[str, str]] = {}
     for module, name in quantized.items():
         module.register_forward_pre_hook(lambda m, _, name=name: at_forward.__setitem__(name, snapshot(m)))
-    report = {"layers": len(before), "identical_across_ranks": all(b == everyone[0] for b in everyone)}
+    report = {
+        "layers": len(before),
+        "identical_across_ranks": all(b == everyone[0] for b in everyone),
+        "nan_patterns": nan_patterns[0],
+        "state_parameters": all(m.state_as_parameters for m in quantized),
+        "layout": layout.describe(),
+    }
     if quant == "bnb":
         one_process = {"blocksize": 64, "compress_statistics": True, "quant_type": "nf4"}
         report["bnb_matches_one_process"] = all(
@@ -118,6 +134,11 @@ def check(
                 digest(gathered[m]["weight"].view(torch.uint8)[: m.packed_nbytes]) == before[n]["packed"]
                 for m, n in quantized.items()
             )
+            if report["state_parameters"]:
+                report["gathered_state_identical"] = all(
+                    digest(torch.cat([gathered[m][k].view(torch.uint8) for k in m.layouts])) == before[n]["state"]
+                    for m, n in quantized.items()
+                )
     dist.barrier()
     return report
 
@@ -131,6 +152,12 @@ def main() -> None:
         for version in (2, 1):
             reports[f"v{version}-{quant}-mp_bf16"] = check(
                 model_dir, quant=quant, version=version, precision=mp_bf16, env=env
+            )
+        # FSDP2's float view (the layout of torch < 2.12, forced here on any torch): bf16, the dtype mp_bf16 gathers
+        # in, and fp32 and bf16 parameters without a policy.
+        for name in ("mp_bf16", "fp32", "bf16"):
+            reports[f"v2float-{quant}-{name}"] = check(
+                model_dir, quant=quant, version=2, precision=PRECISIONS[name], packed_layout="float", env=env
             )
         # FSDP1 views the packed bytes as the parameter dtype: each, under a policy that casts parameters to another.
         for storage, cast_to in ((BF16, FP32), (FP16, FP32), (FP32, BF16)):
@@ -150,6 +177,11 @@ def main() -> None:
     reports["control-v2-float-storage"] = check(
         model_dir, quant="bnb", version=2, precision=mp_bf16, storage=FP32, env=env
     )
+    try:
+        check(model_dir, quant="bnb", version=2, precision=mp_bf16, packed_layout="uint8", env=env)
+        reports["forced-uint8-error"] = None
+    except UserError as exc:  # refused before anything is loaded where this torch's FSDP2 cannot shard uint8
+        reports["forced-uint8-error"] = str(exc)
     (out_dir / f"rank{env.rank}.json").write_text(json.dumps(reports, indent=1))
     dist.destroy_process_group()
 

@@ -77,10 +77,14 @@ def kill_job(job: subprocess.Popen) -> None:
         time.sleep(0.05)
 
 
-# Resume restores adapters, optimizer shards and RNG, never quantized weights: one backend per FSDP version suffices.
-@pytest.mark.parametrize(("quant", "version"), [("bnb", 2), ("bnb", 1)])
-def test_sigkill_then_resume_matches_uninterrupted(quant: str, version: int, tiny_model: Path, tmp_path: Path) -> None:
+# Resume restores adapters, optimizer shards and RNG, never quantized weights: one backend per FSDP version suffices,
+# and FSDP2's float view (the layout of torch < 2.12) once, with the other backend.
+@pytest.mark.parametrize(("quant", "version", "layout"), [("bnb", 2, "auto"), ("bnb", 1, "auto"), ("hqq", 2, "float")])
+def test_sigkill_then_resume_matches_uninterrupted(
+    quant: str, version: int, layout: str, tiny_model: Path, tmp_path: Path
+) -> None:
     args = ["--model", str(tiny_model), "--quant", quant, "--fsdp_version", str(version), *RESUME_ARGS]
+    args += ["--packed_layout", layout]
     reference = tmp_path / "reference"
     train([*args, "--output_dir", str(reference), "--save_model", "false"], nproc=2)
     expected = [r["loss"] for r in read_metrics(reference)]

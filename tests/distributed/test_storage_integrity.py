@@ -7,13 +7,17 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import launch
 
 pytestmark = pytest.mark.distributed
 WORKER = Path(__file__).with_name("storage_worker.py")
+# FSDP2 of torch 2.12+ shards uint8 parameters; older ones get the float view by default.
+UINT8_FSDP2 = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 12)
 CASES = [
     *(f"v2-{q}-mp_bf16" for q in ("bnb", "hqq")),
+    *(f"v2float-{q}-{p}" for q in ("bnb", "hqq") for p in ("mp_bf16", "fp32", "bf16")),
     *(f"v1-{q}-{p}" for q in ("bnb", "hqq") for p in ("mp_bf16", "torch.bfloat16", "torch.float16", "torch.float32")),
 ]
 
@@ -42,8 +46,32 @@ def test_packed_bytes_bit_identical_in_forward_and_after_gathering(reports: list
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.startswith("v2")])
-def test_fsdp2_keeps_packed_bytes_as_uint8_under_a_casting_policy(reports: list[dict], case: str) -> None:
-    assert reports[0][case]["storage_dtype"] == "torch.uint8"
+def test_fsdp2_shards_packed_bytes_and_state_in_the_layout_of_this_torch(reports: list[dict], case: str) -> None:
+    """uint8 where FSDP2 can shard it (auto on 2.12+), else viewed as the dtype FSDP2 gathers in: bf16 under
+    mp_bf16's policy, the parameter dtype without one. The state is sharded either way, and gathers back whole."""
+    expected = {"mp_bf16": "torch.bfloat16", "fp32": "torch.float32", "bf16": "torch.bfloat16"}[case.split("-")[-1]]
+    if case.startswith("v2-") and UINT8_FSDP2:
+        expected = "torch.uint8"
+    for report in reports:
+        assert report[case]["storage_dtype"] == expected, report[case]["layout"]
+        assert report[case]["state_parameters"], "FSDP2 should shard the quantization state with the weights"
+    assert reports[0][case]["gathered_state_identical"]
+
+
+@pytest.mark.parametrize("quant", ["bnb", "hqq"])
+def test_nan_bit_patterns_in_a_bf16_view_survive_mixed_precision(reports: list[dict], quant: str) -> None:
+    """The float view is only safe if FSDP2 moves the bytes without touching NaN patterns: the case has some."""
+    r = reports[0][f"v2float-{quant}-mp_bf16"]
+    assert r["nan_patterns"] > 0, "the control is void: no packed byte pair is a bf16 NaN"
+    assert r["forward_identical"] and r["gathered_identical"]
+
+
+def test_forcing_uint8_where_fsdp2_cannot_shard_it_is_refused_with_the_fix(reports: list[dict]) -> None:
+    error = reports[0]["forced-uint8-error"]
+    if UINT8_FSDP2:
+        assert error is None
+    else:
+        assert "--packed_layout uint8" in error and "use --packed_layout auto" in error
 
 
 def test_without_the_exclusion_mixed_precision_casts_the_bytes_and_verify_packed_says_so(reports: list[dict]) -> None:
@@ -66,7 +94,7 @@ def test_a_same_size_cast_is_silent_without_verify_packed_and_caught_with_it(rep
         assert caught["forward_changed"] == ["model.layers.0.self_attn.q_proj"]
 
 
-def test_fsdp2_would_cast_a_float_view_which_is_why_it_stores_uint8(reports: list[dict]) -> None:
+def test_fsdp2_would_cast_a_float_view_of_another_dtype_than_it_gathers_in(reports: list[dict]) -> None:
     for report in reports:
         r = report["control-v2-float-storage"]
         assert r["storage_dtype"] == "torch.float32" and r["forward_dtypes"] == ["torch.bfloat16"]

@@ -440,6 +440,8 @@ def test_empty_yaml_value_keeps_the_default(tmp_path) -> None:
         ),
         ({"fsdp_version": 3}, "--fsdp_version 3 is not one of 1, 2"),
         ({"compile": True, "fsdp_version": 1}, "--compile true needs --fsdp_version 2"),
+        ({"packed_layout": "int8"}, "--packed_layout 'int8' is not one of auto, uint8, float"),
+        ({"packed_layout": "float", "fsdp_version": 1}, "--packed_layout chooses FSDP2's layout"),
         ({"loss_chunk_tokens": -1}, "--loss_chunk_tokens must be >= 0"),
         ({"lora_alpha": 0}, "--lora_alpha must be > 0"),
         ({"profile_steps": "²,3"}, "--profile_steps"),
