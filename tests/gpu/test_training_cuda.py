@@ -66,31 +66,37 @@ def test_fsdp2_step_on_cuda_matches_the_cpu_in_fp32(runs: dict[str, list[dict]])
     assert cuda[1]["loss"] != cuda[0]["loss"]  # the first step changed the adapters, on both devices alike
 
 
-def guarded(quant: str, storage: torch.dtype) -> nn.Sequential:
+def guarded(quant: str, storage: torch.dtype, *, shard_state: bool = False) -> nn.Sequential:
     """One layer quantized on CUDA, with verify_packed's check armed for its first forward."""
-    backend = make_backend(QuantConfig(quant=quant), storage_dtype=storage, compute_dtype=torch.float32)
+    backend = make_backend(
+        QuantConfig(quant=quant), storage_dtype=storage, compute_dtype=torch.float32, shard_state=shard_state
+    )
     layer = backend.make_module(nn.Linear(128, 64, bias=False, device="meta"))
-    backend.load_weight(layer, torch.randn(64, 128) * 0.02, device=torch.device("cuda"))
+    weight = torch.randn(64, 128, generator=torch.Generator().manual_seed(0)) * 0.02
+    backend.load_weight(layer, weight, device=torch.device("cuda"))
     assert layer.weight.is_cuda
     model = nn.Sequential(layer)
     verify_packed(model, {id(layer): ("model.q_proj", packed_digest(layer))})
     return model
 
 
-@pytest.mark.parametrize("storage", [torch.uint8, torch.bfloat16], ids=["uint8", "bf16"])
+# The packed layouts: FSDP2 on torch 2.12+, FSDP2 before 2.12 (bytes and state viewed as bf16), FSDP1.
+LAYOUTS = [(torch.uint8, False), (torch.bfloat16, True), (torch.bfloat16, False)]
+
+
+@pytest.mark.parametrize(("storage", "shard_state"), LAYOUTS, ids=["uint8", "bf16-view", "bf16-fsdp1"])
 @pytest.mark.parametrize("quant", ["bnb", "hqq"])
-def test_verify_packed_on_cuda(quant: str, storage: torch.dtype) -> None:
+def test_verify_packed_on_cuda(quant: str, storage: torch.dtype, shard_state: bool) -> None:
     x = torch.randn(2, 128, device="cuda")
-    guarded(quant, storage)(x)  # untouched bytes pass
-    model = guarded(quant, storage)
+    guarded(quant, storage, shard_state=shard_state)(x)  # untouched bytes pass
+    model = guarded(quant, storage, shard_state=shard_state)
     model[0].weight.data.view(torch.uint8)[3] ^= 0x01  # one flipped bit: same dtype, same size
     with pytest.raises(PackedWeightsChanged, match=r"of model\.q_proj .*\(bytes differ\)"):
         model(x)
-    model = guarded(quant, storage)
+    model = guarded(quant, storage, shard_state=shard_state)
     packed = model[0].weight.data.view(torch.uint8)
-    first, second = packed[:2].clone()
-    assert first != second
-    packed[0], packed[1] = second, first  # the same bytes in another order
+    other = int((packed != packed[0]).nonzero()[0])
+    packed[[0, other]] = packed[[other, 0]].clone()  # the same bytes in another order
     with pytest.raises(PackedWeightsChanged, match="bytes differ"):
         model(x)
 
