@@ -192,9 +192,11 @@ def run_gpu_suite(
         if variants:
             jobs.append(("write_model", "write_model", {"out": str(model_dir), "sizes": p["model"], **common}))
             jobs.append(("peer", "peer", {**common, "shapes": peer_shapes}))
+        # --compile compiles the layers at the second step (after the first has run eagerly): one more warmup step.
         jobs += [
             (v.name, "ours", {**common, "shape": p["small"] if v.small else p["big"], "quant": v.quant,
-                              "fsdp_version": v.fsdp_version, "flags": v.flags})
+                              "fsdp_version": v.fsdp_version, "flags": v.flags,
+                              "warmup": p["warmup"] + bool(v.flags.get("compile"))})
             for v in variants
         ]  # fmt: skip
         for i, (key, worker, args) in enumerate(jobs):
