@@ -184,6 +184,8 @@ def run_gpu_suite(
                 job, tier = _test_tier(work, timeout_s=min(TEST_TIER_TIMEOUT_S, left()))
                 results["tests"] = tier
                 results["errors"] += [f"{TESTS}: {cause}" for cause in tier["causes"]]
+                if tier["causes"]:
+                    results.setdefault("logs", {})[TESTS] = job.log[-4000:]
                 done(TESTS, job, missing=[TESTS] if tier["causes"] else [])
         model_dir = work / "model"
         common = {"model": str(model_dir), "warmup": p["warmup"], "measured": p["measured"], "device": p["device"]}
