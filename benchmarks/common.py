@@ -231,6 +231,16 @@ def peak_rss_bytes() -> int:
         return maxrss_bytes()
 
 
+def reset_peak_rss() -> None:
+    """Restart this process's VmHWM from its current RSS (Linux's clear_refs "5"), so a peak after loading is the
+    training's own; where the kernel refuses, the peak keeps counting from the start."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+    except OSError:
+        pass
+
+
 def maxrss_bytes() -> int:
     """getrusage's ru_maxrss (KiB on Linux, bytes on macOS), which includes the launcher's peak; kept for reference."""
     scale = 1 if sys.platform == "darwin" else 1024

@@ -1,14 +1,19 @@
-"""The GPU suite: a Llama-2-7B-shaped random model, bnb and HQQ against the HF + PEFT + bitsandbytes loop.
+"""The GPU suite: the GPU test tier, then a Llama-2-7B-shaped random model, ours against the HF + PEFT + bnb loop.
+
+The plan runs in priority order, so a run stopped by the machine's time keeps what matters most: (1) the GPU test
+tier (`pytest -m gpu`), (2) our default bnb FSDP2 run against the peer at batch 8 x 2048, then one option at a time
+against that peer: (3) HQQ, (4) `--compile true`, (5) whole logits, (6) FSDP1, (7) batch 1 x 512. `--only` picks
+some of them for a second run. results.json and results.md are written again after every job.
 
 Orchestrator (`run_gpu_suite`) and workers (`python -m benchmarks.gpu_suite NAME JSON`) live here. The model is
 written once as bf16 safetensors shards to local disk (random weights generated on the GPU, about 13.5 GB, so the
-page cache keeps it), then both sides load it the way they always do: ours through the real CLI code
-(`qlora_fsdp.cli.main`, in-process so the worker can read the CUDA allocator's reserved peak afterwards), the peer
-through `from_pretrained(..., BitsAndBytesConfig(load_in_4bit=True, ...))`. Each side is one fresh process that
-runs the small shape, then the large one (the cache is emptied and the peaks reset in between).
+page cache keeps it). Each side is one fresh process per variant that loads it the way it always does: ours through
+the real CLI code (`qlora_fsdp.cli.main`, in-process so the worker can read the CUDA allocator's peaks), the peer
+through `from_pretrained(..., BitsAndBytesConfig(load_in_4bit=True, ...))`, once for every shape it is compared at.
+Both sides reset the peaks once the model is built: loading and training peaks are separate figures.
 
 `--dry-run` runs exactly this on the CPU with tiny shapes and a few steps; peak memory is then the process's
-peak RSS (the CPU has no allocator statistics) and MFU is computed against the same --peak_flops.
+peak RSS (reset with /proc/self/clear_refs) and MFU is computed against the same --peak_flops.
 """
 
 from __future__ import annotations
@@ -16,14 +21,18 @@ from __future__ import annotations
 import gc
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
 import time
+import xml.etree.ElementTree as ET
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import base_env, launch, machine_info, read_json, worker_cmd, write_json
+from benchmarks.common import Launch, base_env, launch, machine_info, read_json, worker_cmd
 from benchmarks.rows import row
 
 MODULE = "benchmarks.gpu_suite"
@@ -39,101 +48,91 @@ LLAMA2_7B = dict(
 DRY_MODEL = dict(
     hidden_size=128, num_layers=2, intermediate_size=256, num_heads=4, num_kv_heads=2, vocab_size=512, num_shards=2
 )
-# (batch, context): the small shape first, so the large one's reserved peak is not inherited from it.
-SHAPES = ((1, 512), (8, 2048))
-DRY_SHAPES = ((1, 64), (2, 96))
 LORA = {"lora_rank": 64, "lora_alpha": 16.0}
 CHECKPOINTING = True
-# Our runs: (record key, --quant, --fsdp_version, other flags); FSDP2 is the default, FSDP1 kept for comparison.
-# The variants after them measure one option each against the default run of their backend: whole logits
-# (--loss_chunk_tokens 0, the loss before chunking) and compiled decoder layers.
-OUR_RUNS: tuple[tuple[str, str, int, dict[str, Any]], ...] = (
-    ("bnb", "bnb", 2, {}),
-    ("hqq", "hqq", 2, {}),
-    ("bnb-whole-logits", "bnb", 2, {"loss_chunk_tokens": 0}),
-    ("bnb-compile", "bnb", 2, {"compile": True}),
-    ("hqq-compile", "hqq", 2, {"compile": True}),
-    ("bnb-fsdp1", "bnb", 1, {}),
-)
-DEFAULT_BUDGET_S = 480.0
 PEER_LABEL = "HF from_pretrained 4-bit + PEFT + AdamW, 1 process"
+TESTS = "tests"
+TEST_TIER_TIMEOUT_S = 150.0  # the tier is sized for 2 minutes on one GPU
+# GPU: inside the machine's 9 minutes with gpu.sh's install. Dry run: a 2-core CPU, where --compile alone takes
+# minutes (inductor compiles C++).
+DEFAULT_BUDGET_S = {"gpu": 500.0, "dry": 1100.0}
+# A job is not started with less of the budget left: on a GPU every training job loads a 7B model first.
+MIN_START_S = {"gpu": 45.0, "dry": 5.0}
+ERROR_LINE = re.compile(r"^(error: |[\w.]*(Error|Exception|Exit|Interrupt)\b)")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One of our runs, measured against the peer at the same shape."""
+
+    name: str
+    """What `--only` calls it."""
+    label: str
+    quant: str = "bnb"
+    fsdp_version: int = 2
+    flags: dict[str, Any] = field(default_factory=dict)
+    small: bool = False
+    """Batch 1 x 512 (dry run: 1 x 64) instead of 8 x 2048 (dry run: 2 x 96)."""
+
+
+VARIANTS = (
+    Variant("bnb", "bnb FSDP2 (defaults)"),
+    Variant("hqq", "hqq 4-bit g64 FSDP2", quant="hqq"),
+    Variant("compile", "bnb FSDP2, --compile true", flags={"compile": True}),
+    Variant("whole-logits", "bnb FSDP2, --loss_chunk_tokens 0 (whole logits)", flags={"loss_chunk_tokens": 0}),
+    Variant("fsdp1", "bnb FSDP1", fsdp_version=1),
+    Variant("bnb-1x512", "bnb FSDP2 (defaults)", small=True),
+)
+NAMES = (TESTS, *(v.name for v in VARIANTS))
+
+
+def parse_only(text: str | None) -> tuple[str, ...]:
+    """`--only a,b` as plan names in priority order; every name must be one of NAMES."""
+    if not text:
+        return NAMES
+    asked = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in asked if n not in NAMES]
+    if unknown or not asked:
+        raise ValueError(f"--only {text}: unknown {', '.join(unknown) or 'nothing'}; choose from {','.join(NAMES)}")
+    return tuple(n for n in NAMES if n in asked)
 
 
 def _plan(dry_run: bool, quick: bool) -> dict[str, Any]:
     if dry_run:
-        # Inductor on a CPU takes minutes per variant; the test suite trains a compiled model of its own.
-        runs = tuple(r for r in OUR_RUNS if not r[3].get("compile"))
-        return {"model": DRY_MODEL, "shapes": DRY_SHAPES, "warmup": 1, "measured": 2, "device": "cpu", "runs": runs}
+        return {"model": DRY_MODEL, "big": (2, 96), "small": (1, 64), "warmup": 1, "measured": 2, "device": "cpu"}
     warmup, measured = (1, 2) if quick else (2, 3)
-    return {"model": LLAMA2_7B, "shapes": SHAPES, "warmup": warmup, "measured": measured, "device": "cuda",
-            "runs": OUR_RUNS}  # fmt: skip
+    return {"model": LLAMA2_7B, "big": (8, 2048), "small": (1, 512), "warmup": warmup, "measured": measured,
+            "device": "cuda"}  # fmt: skip
 
 
 def run_gpu_suite(
-    out_dir: Path, *, dry_run: bool, peak_flops: float, budget_s: float | None, quick: bool = False
+    out_dir: Path,
+    *,
+    dry_run: bool,
+    peak_flops: float,
+    budget_s: float | None,
+    quick: bool = False,
+    only: tuple[str, ...] = NAMES,
+    save: Callable[[dict[str, Any]], None],
 ) -> dict[str, Any]:
-    """Write the model, run the peer and each of our runs in fresh processes within the budget, return the results."""
+    """Run the selected plan in priority order within the budget; `save(results)` after every job."""
     suite_start = time.perf_counter()
-    budget = budget_s or DEFAULT_BUDGET_S
+    kind = "dry" if dry_run else "gpu"
+    budget = budget_s or DEFAULT_BUDGET_S[kind]
     p = _plan(dry_run, quick)
-    threads = os.cpu_count() or 1
-    errors: list[str] = []
-    records: dict[str, dict[str, Any]] = {}
-    launches = []
-    work = Path(tempfile.mkdtemp(prefix="bench-gpu-"))
-    try:
-        model_dir = work / "model"
-        jobs = [("write_model", "write_model", {"out": str(model_dir), "sizes": p["model"], "device": p["device"]})]
-        common = {
-            "model": str(model_dir),
-            "shapes": p["shapes"],
-            "warmup": p["warmup"],
-            "measured": p["measured"],
-            "device": p["device"],
-        }
-        jobs += [("peer", "peer", common)]
-        jobs += [
-            (f"ours-{run}", "ours", {**common, "quant": q, "fsdp_version": v, "flags": flags})
-            for run, q, v, flags in p["runs"]
-        ]
-        for key, name, args in jobs:
-            left = budget - (time.perf_counter() - suite_start)
-            if left < 20:
-                errors.append(f"{key}: skipped, the {budget:.0f} s budget is spent")
-                continue
-            result = str(work / f"{key}.json")
-            done = launch([worker_cmd(MODULE, name, {**args, "result": result})], [base_env(threads)], timeout_s=left)
-            launches.append({"what": key, "wall_s": round(done.wall_s, 1), "returncode": done.returncode})
-            print(f"  {key}: {done.wall_s:.1f} s, exit {done.returncode}", flush=True)
-            if done.returncode != 0 or not Path(result).is_file():
-                errors.append(f"{key}: exit status {done.returncode}\n{done.log[-3000:]}")
-                if key == "write_model":
-                    break
-                continue
-            records[key] = read_json(result)
-            write_json(out_dir / "results.partial.json", {"records": records, "errors": errors})
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    rows = _rows(records, p, peak_flops)
-    (out_dir / "results.partial.json").unlink(missing_ok=True)
-    machine = machine_info()
-    gpu = next((r.get("device_name") for r in records.values() if r.get("device_name")), None)
-    if gpu:
-        machine["gpu"] = gpu
+    min_start = MIN_START_S[kind]
+    variants = [v for v in VARIANTS if v.name in only]
     factor = 8 if CHECKPOINTING else 4
-    return {
+    results: dict[str, Any] = {
         "suite": "gpu",
         "dry_run": dry_run,
         "quick": quick,
-        "model": {
-            "parameters": records.get("write_model", {}).get("parameters", 0),
-            "shards": p["model"]["num_shards"],
-            "sizes": p["model"],
-        },
+        "plan": list(only),
+        "model": {"parameters": 0, "shards": p["model"]["num_shards"], "sizes": p["model"]},
         "settings": {
             "device": p["device"],
-            "shapes": ", ".join(f"{b} x {s}" for b, s in p["shapes"]),
-            "steps": f"{p['warmup']} warmup + {p['measured']} measured (median) per shape",
+            "shapes": f"batch {_shape(p['big'])}; the bnb-1x512 variant batch {_shape(p['small'])}",
+            "steps": f"{p['warmup']} warmup + {p['measured']} measured (median)",
             "precision": "bf16 parameters, storage and compute; activation checkpointing on both sides",
             "quantization": "bnb nf4 + double quant (ours and peer), hqq 4-bit group 64 (ours)",
             "adapters": f"LoRA r{LORA['lora_rank']} alpha {LORA['lora_alpha']} on every linear but the head, dropout 0",
@@ -141,70 +140,182 @@ def run_gpu_suite(
             "inputs (the base weights get no gradient); with activation checkpointing the harness counts 8, as "
             "specified (an exact count of the recomputed forward would be 6)",
             "memory": "CUDA allocator peaks" if not dry_run else "dry run: peak RSS stands in for both memory figures",
+            "peaks": "reset once the model is built, on both sides: loading and training peaks are separate rows",
             "peak_flops": peak_flops,
             "budget_s": budget,
         },
-        "rows": rows,
-        "details": {k: v for k, v in records.items() if k != "write_model"},
-        "conditions": {"launches": launches},
-        "errors": errors,
-        "machine": machine,
-        "wall_time_s": time.perf_counter() - suite_start,
+        "tests": None,
+        "rows": [],
+        "details": {},
+        "conditions": {"launches": []},
+        "errors": [],
+        "missing": [],
+        "machine": machine_info(),
+        "wall_time_s": 0.0,
     }
+    records: dict[str, dict[str, Any]] = {}
+
+    def left() -> float:
+        return max(budget - (time.perf_counter() - suite_start), 0.0)
+
+    def done(name: str, job: Launch | None, *, missing: list[str] | None = None) -> None:
+        if job is not None:
+            results["conditions"]["launches"].append(
+                {"what": name, "wall_s": round(job.wall_s, 1), "returncode": job.returncode}
+            )
+            print(f"  {name}: {job.wall_s:.1f} s, exit {job.returncode}", flush=True)
+        results["missing"] += missing or []
+        results["rows"] = _rows(records, variants, p, peak_flops)
+        results["details"] = {k: v for k, v in records.items() if k != "write_model"}
+        results["model"]["parameters"] = records.get("write_model", {}).get("parameters", 0)
+        gpu = next((r.get("device_name") for r in records.values() if r.get("device_name")), None)
+        if gpu:
+            results["machine"]["gpu"] = gpu
+        results["wall_time_s"] = time.perf_counter() - suite_start
+        save(results)
+
+    work = Path(tempfile.mkdtemp(prefix="bench-gpu-"))
+    try:
+        if TESTS in only:
+            if left() < min_start:
+                results["errors"].append(f"{TESTS}: skipped, {left():.0f} s of the {budget:.0f} s budget left")
+                done(TESTS, None, missing=[TESTS])
+            else:
+                job, tier = _test_tier(work, timeout_s=min(TEST_TIER_TIMEOUT_S, left()))
+                results["tests"] = tier
+                results["errors"] += [f"{TESTS}: {cause}" for cause in tier["causes"]]
+                if tier["causes"]:
+                    results.setdefault("logs", {})[TESTS] = job.log[-4000:]
+                done(TESTS, job, missing=[TESTS] if tier["causes"] else [])
+        model_dir = work / "model"
+        common = {"model": str(model_dir), "warmup": p["warmup"], "measured": p["measured"], "device": p["device"]}
+        peer_shapes = sorted({p["small"] if v.small else p["big"] for v in variants}, reverse=True)
+        jobs: list[tuple[str, str, dict[str, Any]]] = []
+        if variants:
+            jobs.append(("write_model", "write_model", {"out": str(model_dir), "sizes": p["model"], **common}))
+            jobs.append(("peer", "peer", {**common, "shapes": peer_shapes}))
+        # --compile compiles the layers at the second step (after the first has run eagerly): one more warmup step.
+        jobs += [
+            (v.name, "ours", {**common, "shape": p["small"] if v.small else p["big"], "quant": v.quant,
+                              "fsdp_version": v.fsdp_version, "flags": v.flags,
+                              "warmup": p["warmup"] + bool(v.flags.get("compile"))})
+            for v in variants
+        ]  # fmt: skip
+        for i, (key, worker, args) in enumerate(jobs):
+            if left() < min_start:
+                results["errors"].append(f"{key}: skipped, {left():.0f} s of the {budget:.0f} s budget left")
+                done(key, None, missing=[key] if key in NAMES else [])
+                continue
+            result = work / f"{key}.json"
+            job = launch(
+                [worker_cmd(MODULE, worker, {**args, "result": str(result)})],
+                [base_env(os.cpu_count() or 1)],
+                timeout_s=left(),
+            )
+            if job.returncode == 0 and result.is_file():
+                records[key] = read_json(result)
+                done(key, job)
+                continue
+            results["errors"].append(f"{key}: {failure_cause(job)}")
+            results.setdefault("logs", {})[key] = job.log[-4000:]
+            if key in ("write_model", "peer"):  # nothing after it can be compared
+                rest = [k for k, _, _ in jobs[i + 1 :]]
+                results["errors"] += [f"{k}: not run, {key} failed" for k in rest]
+                done(key, job, missing=[k for k in rest if k in NAMES])
+                break
+            done(key, job, missing=[key])
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    results["wall_time_s"] = time.perf_counter() - suite_start
+    return results
 
 
-def _rows(records: dict[str, dict[str, Any]], p: dict[str, Any], peak_flops: float) -> list[dict[str, Any]]:
-    """Rows for every backend whose run finished (a run that failed or ran out of budget is listed in errors)."""
+def failure_cause(job: Launch) -> str:
+    """One line saying why a job failed: its last error line (an exception, or the CLI's `error:` line)."""
+    if job.returncode == 124:
+        return f"killed at its time limit, after {job.wall_s:.0f} s"
+    lines = [re.sub(r"^\[rank\d+\]:\s*", "", ln).strip() for ln in job.log.splitlines()]
+    lines = [ln for ln in lines if ln and not ln.startswith("--- process ")]
+    cause = next((ln for ln in reversed(lines) if ERROR_LINE.match(ln)), lines[-1] if lines else "no output")
+    return f"{cause} (exit status {job.returncode})"
+
+
+def _shape(shape: tuple[int, int]) -> str:
+    return f"{shape[0]} x {shape[1]}"
+
+
+def _test_tier(work: Path, *, timeout_s: float) -> tuple[Launch, dict[str, Any]]:
+    """`pytest -m gpu` in a fresh process: its counts, and one line per failing test."""
+    report = work / "gpu-tests.xml"
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
+           "tests/gpu"]  # fmt: skip
+    # Only the plugins pytest itself brings: the GPU machine's image has others, built for its own pytest.
+    env = {**base_env(os.cpu_count() or 1), "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    job = launch([cmd], [env], timeout_s=timeout_s)
+    tier: dict[str, Any] = {"command": "python -m pytest -m gpu tests/gpu", "wall_s": round(job.wall_s, 1),
+                            "returncode": job.returncode, "causes": []}  # fmt: skip
+    if not report.is_file():
+        tier["causes"].append(failure_cause(job))
+        return job, tier
+    counts = {"passed": 0, "failed": 0, "skipped": 0, "xfailed": 0}
+    for case in ET.parse(report).getroot().iter("testcase"):
+        name = case.get("name", "?")
+        outcome = next((c for c in case if c.tag in ("failure", "error", "skipped")), None)
+        if outcome is None:
+            counts["passed"] += 1
+        elif outcome.tag == "skipped":
+            counts["xfailed" if outcome.get("type") == "pytest.xfail" else "skipped"] += 1
+            tier.setdefault("skipped_because", (outcome.get("message") or "").strip())
+        else:
+            counts["failed"] += 1
+            message = (outcome.get("message") or outcome.text or "").strip().splitlines()
+            tier["causes"].append(f"{name}: {message[0] if message else outcome.tag}")
+    tier.update(counts)
+    if job.returncode not in (0, 1) or (job.returncode == 1 and not counts["failed"]):
+        tier["causes"].append(failure_cause(job))
+    return job, tier
+
+
+def _rows(
+    records: dict[str, dict[str, Any]], variants: list[Variant], p: dict[str, Any], peak_flops: float
+) -> list[dict[str, Any]]:
+    """Rows for every variant that finished, each beside the peer at its shape."""
     if "peer" not in records:
         return []
     params = records["write_model"]["parameters"]
     factor = 8 if CHECKPOINTING else 4
-    peer = records["peer"]["shapes"]
+    peer = records["peer"]
+    by_shape = {(s["batch"], s["context"]): s for s in peer["shapes"]}
     rows = []
-    for run, quant, version, flags in p["runs"]:
-        if f"ours-{run}" not in records:
+    for v in variants:
+        if v.name not in records:
             continue
-        ours = records[f"ours-{run}"]["shapes"]
-        options = "".join(f", --{k} {str(v).lower()}" for k, v in flags.items())
-        for (batch, context), o, q in zip(p["shapes"], ours, peer, strict=True):
-            shape = f"{batch} x {context}"
-            label = f"qlora-fsdp CLI code, {quant}, FSDP{version}{options}, 1 GPU"
-            kw = {"ours_label": label, "peer_label": PEER_LABEL}
-            section = f"{quant} FSDP{version}{options}, batch {shape}"
-            slug = f"{run.replace('-', '_')}_b{batch}_s{context}"
-            rows += [
-                row(section, f"tokens_per_s_{slug}", "tokens/s", "tokens/s", "higher", o["tps"], q["tps"], **kw),
-                row(
-                    section,
-                    f"mfu_{slug}",
-                    "MFU",
-                    "fraction",
-                    "higher",
-                    [factor * params * t / peak_flops for t in o["tps"]],
-                    [factor * params * t / peak_flops for t in q["tps"]],
-                    **kw,
-                ),
-                row(
-                    section,
-                    f"peak_reserved_{slug}",
-                    "peak reserved memory",
-                    "bytes",
-                    "lower",
-                    [o["peak_reserved_bytes"]],
-                    [q["peak_reserved_bytes"]],
-                    **kw,
-                ),
-                row(
-                    section,
-                    f"peak_allocated_{slug}",
-                    "peak allocated memory",
-                    "bytes",
-                    "lower",
-                    [o["peak_allocated_bytes"]],
-                    [q["peak_allocated_bytes"]],
-                    **kw,
-                ),
-            ]
+        o, q = records[v.name], by_shape[tuple(p["small"] if v.small else p["big"])]
+        kw = {
+            "ours_label": f"qlora-fsdp CLI code, {v.label}, 1 process",
+            "peer_label": PEER_LABEL,
+        }
+        section = f"{v.label}, batch {_shape((o['batch'], o['context']))}"
+        slug = v.name.replace("-", "_")
+        mfu = [[factor * params * t / peak_flops for t in side["tps"]] for side in (o, q)]
+        rows += [
+            row(section, f"tokens_per_s_{slug}", "tokens/s", "tokens/s", "higher", o["tps"], q["tps"], **kw),
+            row(section, f"mfu_{slug}", "MFU", "fraction", "higher", *mfu, **kw),
+        ]
+        for key, figure in (
+            ("peak_allocated", "peak allocated memory, training"),
+            ("peak_reserved", "peak reserved memory, training"),
+        ):
+            rows.append(row(section, f"{key}_{slug}", figure, "bytes", "lower", [o[f"{key}_bytes"]],
+                            [q[f"{key}_bytes"]], **kw))  # fmt: skip
+        for key, figure in (
+            ("peak_allocated", "peak allocated memory, loading"),
+            ("peak_reserved", "peak reserved memory, loading"),
+        ):
+            rows.append(row(section, f"load_{key}_{slug}", figure, "bytes", "lower", [o["load"][f"{key}_bytes"]],
+                            [peer["load"][f"{key}_bytes"]], **kw))  # fmt: skip
+        rows.append(row(section, f"load_s_{slug}", "loading time", "s", "lower", [o["load"]["s"]],
+                        [peer["load"]["s"]], **kw))  # fmt: skip
     return rows
 
 
@@ -213,32 +324,50 @@ def _rows(records: dict[str, dict[str, Any]], p: dict[str, Any], peak_flops: flo
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _device_peaks(device: Any) -> tuple[int, int]:
-    """(peak reserved, peak allocated) since the last reset; peak RSS twice on the CPU."""
+def _peaks(device: Any) -> dict[str, int]:
+    """Peak allocated and reserved memory since the last reset; on the CPU the peak RSS, for both."""
     import torch
 
     from benchmarks.common import peak_rss_bytes
 
     if device.type == "cuda":
-        return int(torch.cuda.max_memory_reserved(device)), int(torch.cuda.max_memory_allocated(device))
+        return {
+            "peak_allocated_bytes": int(torch.cuda.max_memory_allocated(device)),
+            "peak_reserved_bytes": int(torch.cuda.max_memory_reserved(device)),
+        }
     rss = peak_rss_bytes()
-    return rss, rss
+    return {"peak_allocated_bytes": rss, "peak_reserved_bytes": rss}
 
 
 def _reset_peaks(device: Any) -> None:
+    """Start both peaks afresh from what is in use now (the cache is emptied first, on both sides alike)."""
     import torch
+
+    from benchmarks.common import reset_peak_rss
 
     gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+    else:
+        reset_peak_rss()
+
+
+def _device(args: dict[str, Any]) -> Any:
+    import torch
+
+    device = torch.device(args["device"])
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("the GPU suite needs a CUDA GPU (use --dry-run on a CPU machine)")
+    return device
 
 
 def write_model(args: dict[str, Any]) -> None:
     """A random bf16 Llama with these sizes, generated on the device, as HF safetensors shards + tokenizer."""
     import torch
 
+    from benchmarks.common import write_json
     from qlora_fsdp.model import meta_model
     from scripts.make_tiny_model import (
         DEFAULT_DATA,
@@ -270,7 +399,7 @@ def write_model(args: dict[str, Any]) -> None:
     )
     config.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    device = torch.device(args["device"])
+    device = _device(args)
     model = meta_model(out, dtype=torch.bfloat16, trust_remote_code=False)
     generator = torch.Generator(device=device).manual_seed(0)
     state = {}
@@ -295,78 +424,78 @@ def write_model(args: dict[str, Any]) -> None:
 
 
 def ours(args: dict[str, Any]) -> None:
-    """Our training step through the CLI code path, once per shape, in this one process."""
+    """Our training through the CLI code path at one shape; the loading peaks are read at the first forward."""
     import torch
+    from torch.nn.modules.module import register_module_forward_pre_hook
 
+    from benchmarks.common import write_json
     from qlora_fsdp.cli import main as cli_main
 
-    device = torch.device(args["device"])
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("the GPU suite needs a CUDA GPU (use --dry-run on a CPU machine)")
-    shapes = []
-    for batch, context in args["shapes"]:
-        out = Path(args["result"]).with_suffix(f".{batch}x{context}")
-        steps = args["warmup"] + args["measured"]
+    device = _device(args)
+    batch, context = args["shape"]
+    out = Path(args["result"]).with_suffix(".run")
+    steps = args["warmup"] + args["measured"]
+    load: dict[str, Any] = {}
+    start = time.perf_counter()
+
+    def loaded(module: torch.nn.Module, inputs: Any) -> None:
+        """The model is built and the first forward begins: what was held until now is the loading peak."""
+        hook.remove()
+        load.update(s=time.perf_counter() - start, **_peaks(device))
         _reset_peaks(device)
-        # A fresh rendezvous port per run: the previous process group was torn down with its store.
-        for var in ("MASTER_ADDR", "MASTER_PORT"):
-            os.environ.pop(var, None)
-        try:
-            cli_main(
-                model=args["model"],
-                quant=args["quant"],
-                fsdp_version=args["fsdp_version"],
-                hqq_bits=4,
-                hqq_group_size=64,
-                precision="bf16",
-                dataset="dummy",
-                dataset_samples=batch * steps,
-                context_length=context,
-                batch_size=batch,
-                lora_dropout=0.0,
-                lora_target_modules="all",
-                gradient_checkpointing=CHECKPOINTING,
-                max_steps=steps,
-                lr=1e-5,
-                log_to="stdout",
-                save_model=False,
-                device=args["device"],
-                output_dir=str(out),
-                **LORA,
-                **args["flags"],
-            )
-        except SystemExit as exc:
-            raise RuntimeError(f"train.py code exited with {exc.code} at batch {batch} x {context}") from None
-        with open(out / "metrics.jsonl") as fh:
-            metrics = [json.loads(line) for line in fh if line.strip()]
-        reserved, allocated = _device_peaks(device)
-        shapes.append(
-            {
-                "batch": batch,
-                "context": context,
-                "tps": [m["tokens_per_s"] for m in metrics[args["warmup"] :]],
-                "peak_reserved_bytes": reserved,
-                # On the GPU the CLI logs the allocator's peak too; on the CPU it logs ru_maxrss, which would add
-                # the launcher's high-water mark, so only VmHWM counts there.
-                "peak_allocated_bytes": max(allocated, *(m["peak_memory_bytes"] for m in metrics))
-                if device.type == "cuda"
-                else allocated,
-            }
-        )
-    write_json(args["result"], {"shapes": shapes, **_device_name(device)})
+
+    # Fired before every module's forward until it removes itself: the CLI's model has no other way in.
+    hook = register_module_forward_pre_hook(loaded)
+    # The CLI reports an error as one `error:` line and exit status 2: left to end this process, it is the line the
+    # orchestrator reports.
+    cli_main(
+        model=args["model"],
+        quant=args["quant"],
+        fsdp_version=args["fsdp_version"],
+        hqq_bits=4,
+        hqq_group_size=64,
+        precision="bf16",
+        dataset="dummy",
+        dataset_samples=batch * steps,
+        context_length=context,
+        batch_size=batch,
+        lora_dropout=0.0,
+        lora_target_modules="all",
+        gradient_checkpointing=CHECKPOINTING,
+        max_steps=steps,
+        lr=1e-5,
+        log_to="stdout",
+        save_model=False,
+        device=args["device"],
+        output_dir=str(out),
+        **LORA,
+        **args["flags"],
+    )
+    with open(out / "metrics.jsonl") as fh:
+        metrics = [m for m in map(json.loads, filter(str.strip, fh)) if "tokens_per_s" in m]  # steps, not evals
+    write_json(
+        args["result"],
+        {
+            "batch": batch,
+            "context": context,
+            "tps": [m["tokens_per_s"] for m in metrics[args["warmup"] :]],
+            **_peaks(device),
+            "load": load,
+            **_device_name(device),
+        },
+    )
 
 
 def peer(args: dict[str, Any]) -> None:
-    """The HF + PEFT + bitsandbytes loop: load once, then each shape's steps."""
-    import torch
-
+    """The HF + PEFT + bitsandbytes loop: load once, then each shape's steps, peaks reset before each."""
+    from benchmarks.common import write_json
     from benchmarks.peer import add_lora, dummy_batches, load_peer, train_steps
 
-    device = torch.device(args["device"])
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("the GPU suite needs a CUDA GPU (use --dry-run on a CPU machine)")
+    device = _device(args)
+    start = time.perf_counter()
     model = load_peer(args["model"], device=args["device"])
     model = add_lora(model, rank=LORA["lora_rank"], alpha=LORA["lora_alpha"], dropout=0.0, checkpointing=CHECKPOINTING)
+    load = {"s": time.perf_counter() - start, **_peaks(device)}
     shapes = []
     for batch, context in args["shapes"]:
         batches = dummy_batches(
@@ -374,17 +503,10 @@ def peer(args: dict[str, Any]) -> None:
         )
         _reset_peaks(device)
         steps = list(train_steps(model, batches, device=device))
-        reserved, allocated = _device_peaks(device)
         shapes.append(
-            {
-                "batch": batch,
-                "context": context,
-                "tps": [n / s for n, s in steps[args["warmup"] :]],
-                "peak_reserved_bytes": reserved,
-                "peak_allocated_bytes": allocated,
-            }
+            {"batch": batch, "context": context, "tps": [n / s for n, s in steps[args["warmup"] :]], **_peaks(device)}
         )
-    write_json(args["result"], {"shapes": shapes, **_device_name(device)})
+    write_json(args["result"], {"load": load, "shapes": shapes, **_device_name(device)})
 
 
 def _device_name(device: Any) -> dict[str, str]:

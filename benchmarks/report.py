@@ -59,6 +59,11 @@ def render(results: dict[str, Any]) -> str:
     notes = [f"{k}: {settings[k]}" for k in keys if k in settings]
     if notes:
         lines += ["", *[f"- {n}" for n in notes]]
+    tests = results.get("tests")
+    if tests:
+        counts = ", ".join(f"{tests[k]} {k}" for k in ("passed", "failed", "skipped", "xfailed") if tests.get(k))
+        why = f" ({tests['skipped_because']})" if tests.get("skipped_because") and not tests.get("passed") else ""
+        lines += ["", f"GPU test tier (`{tests['command']}`): {counts or 'no result'}{why}, {tests['wall_s']:.0f} s."]
     lines += ["", "Every figure is a median over runs (`runs` in results.json); ratio = ours / peer."]
     sections: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
@@ -97,4 +102,7 @@ def render(results: dict[str, Any]) -> str:
     if errors:
         lines += ["", "Errors (these measurements are missing):", ""]
         lines += [f"- {e.splitlines()[0]}" for e in errors]
+    missing = results.get("missing") or []
+    if missing:
+        lines += ["", f"To measure what is missing: `bash benchmarks/gpu.sh OUT_DIR --only {','.join(missing)}`."]
     return "\n".join(lines) + "\n"

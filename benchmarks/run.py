@@ -4,7 +4,8 @@
     python benchmarks/run.py --suite cpu-large [--out DIR]   (loading only, on a 1.1B model built once)
     python benchmarks/run.py --suite cpu-loss [--out DIR] [--quick]   (chunked vs whole-logit loss: memory, speed)
     python benchmarks/run.py --suite cpu-packing [--out DIR] [--quick]   (packed vs unpacked training, 2 ranks)
-    python benchmarks/run.py --suite gpu [--out DIR] [--dry-run] [--peak_flops 989e12]   (benchmarks/gpu.sh wraps it)
+    python benchmarks/run.py --suite gpu [--out DIR] [--dry-run] [--only tests,bnb,...] [--peak_flops 989e12]
+        (benchmarks/gpu.sh wraps it: it installs the carried wheels first)
 
 Without --model the CPU suite builds its own random Llama (scripts/make_tiny_model.py; about 171M parameters in 3
 shards, cached under --cache). Each measurement runs in fresh processes; see benchmarks/README.md.
@@ -15,8 +16,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 # `python benchmarks/run.py` puts benchmarks/ first on sys.path; the harness imports itself as a package.
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -49,8 +52,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--dry-run", dest="dry_run", action="store_true", help="GPU suite: tiny shapes on the CPU")
     p.add_argument("--peak_flops", type=float, default=989e12, help="GPU suite: the device's dense bf16 peak FLOP/s")
-    p.add_argument("--budget_s", type=float, default=None, help="GPU suite: seconds for all GPU work (default 480)")
+    p.add_argument(
+        "--budget_s", type=float, default=None, help="GPU suite: seconds for all of it (default 500; dry run 1100)"
+    )
+    p.add_argument(
+        "--only",
+        default=None,
+        help="GPU suite: comma-separated plan items to run (tests, bnb, hqq, compile, whole-logits, fsdp1, bnb-1x512)",
+    )
     args = p.parse_args(argv)
+    if args.only is not None:
+        from benchmarks.gpu_suite import parse_only
+
+        try:
+            args.only = parse_only(args.only)
+        except ValueError as exc:
+            p.error(str(exc))
     if args.model is not None and not (args.model / "config.json").is_file():
         p.error(f"--model {args.model}: no config.json there")
     if args.reps is not None and args.reps < 1:
@@ -67,6 +84,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     started = datetime.datetime.now(datetime.UTC)
+    command = " ".join(["python", "benchmarks/run.py", *(sys.argv[1:] if argv is None else argv)])
+
+    def save(results: dict[str, Any]) -> None:
+        results["date"] = started.strftime("%Y-%m-%d %H:%M UTC")
+        results["command"] = command
+        write_json(args.out / "results.json", results)
+        (args.out / "results.md").write_text(render(results))
+
     if args.suite in ("cpu", "cpu-large", "cpu-loss", "cpu-packing"):
         from benchmarks.cpu_suite import plan, run_cpu_suite
 
@@ -83,17 +108,22 @@ def main(argv: list[str] | None = None) -> int:
         results = run_cpu_suite(cpu_plan, model=args.model, cache=args.cache)
         results["machine"] = machine_info()
     else:
-        from benchmarks.gpu_suite import run_gpu_suite
+        from benchmarks.gpu_suite import NAMES, run_gpu_suite
 
+        # gpu.sh's hard stop sends SIGTERM: as an exception it lets the launcher kill the running worker, which has
+        # a session of its own and would otherwise keep the GPU after this process is gone.
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
         results = run_gpu_suite(
-            args.out, dry_run=args.dry_run, peak_flops=args.peak_flops, budget_s=args.budget_s, quick=args.quick
+            args.out,
+            dry_run=args.dry_run,
+            peak_flops=args.peak_flops,
+            budget_s=args.budget_s,
+            quick=args.quick,
+            only=args.only or NAMES,
+            save=save,
         )
-    results["date"] = started.strftime("%Y-%m-%d %H:%M UTC")
-    results["command"] = " ".join(["python", "benchmarks/run.py", *(sys.argv[1:] if argv is None else argv)])
-    write_json(args.out / "results.json", results)
-    report = render(results)
-    (args.out / "results.md").write_text(report)
-    print(report)
+    save(results)
+    print((args.out / "results.md").read_text())
     return 0 if not results.get("errors") else 1
 
 

@@ -2,6 +2,8 @@
 
 `python benchmarks/run.py --suite cpu --quick` (small model, one repetition) and `bash benchmarks/gpu.sh OUT
 --dry-run` (the GPU suite's code on the CPU with tiny shapes) are the commands users run; nothing is mocked.
+The whole GPU plan, --compile included, runs in CI's torch 2.11 venv (scripts/gpu_dry_run.sh); here every plan item
+but --compile (inductor takes minutes on a CPU; tests/distributed covers --compile).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from benchmarks.gpu_suite import NAMES, parse_only
 from benchmarks.report import fmt, render
 from benchmarks.rows import behind, row
 
@@ -49,12 +52,14 @@ CPU_KEYS = {
         for fmt_ in ("bnb_nf4_dq", "bnb_nf4", "bnb_fp4_dq", "hqq_4bit", "hqq_3bit", "hqq_2bit")
     ),
 }  # fmt: skip
+GPU_DRY_PLAN = ("tests", "bnb", "hqq", "whole-logits", "fsdp1", "bnb-1x512")
 GPU_DRY_KEYS = {
-    f"{metric}_{run}_b{batch}_s{context}"
-    for metric in ("tokens_per_s", "mfu", "peak_reserved", "peak_allocated")
-    for run in ("bnb", "hqq", "bnb_fsdp1", "bnb_whole_logits")  # --dry-run leaves the --compile variants out
-    for batch, context in ((1, 64), (2, 96))
-}
+    f"{metric}_{run}"
+    for metric in (
+        "tokens_per_s", "mfu", "peak_reserved", "peak_allocated", "load_peak_reserved", "load_peak_allocated", "load_s"
+    )
+    for run in ("bnb", "hqq", "whole_logits", "fsdp1", "bnb_1x512")
+}  # fmt: skip
 
 
 def _env() -> dict[str, str]:
@@ -137,21 +142,58 @@ def test_cpu_suite_quick(tmp_path: Path) -> None:
 
 def test_gpu_script_dry_run(tmp_path: Path) -> None:
     out = tmp_path / "gpu"
-    _run(["bash", "benchmarks/gpu.sh", str(out), "--dry-run"], timeout=300, env={**_env(), "PYTHON": sys.executable})
+    cmd = ["bash", "benchmarks/gpu.sh", str(out), "--dry-run", "--only", ",".join(GPU_DRY_PLAN)]
+    _run(cmd, timeout=900, env={**_env(), "PYTHON": sys.executable})
 
     results = json.loads((out / "results.json").read_text())
     assert results["suite"] == "gpu" and results["dry_run"] is True and not results["errors"]
+    assert results["plan"] == list(GPU_DRY_PLAN) and not results["missing"]
     _check_rows(results, GPU_DRY_KEYS)
     _positive_numbers(results["details"], "details")
     assert results["model"]["parameters"] > 0
+    # The GPU tier is collected and skipped on a machine without CUDA, and nothing in it fails to import.
+    tier = results["tests"]
+    assert tier["skipped"] > 0 and not tier["failed"] and not tier["passed"] and not tier["causes"], tier
     by_key = {r["key"]: r for r in results["rows"]}
     # MFU is 8 x params x tokens/s / peak (activation checkpointing on), for both sides.
     params, peak = results["model"]["parameters"], results["settings"]["peak_flops"]
-    for key in ("bnb_b2_s96", "hqq_b1_s64"):
+    for key in ("bnb", "hqq", "bnb_1x512"):
         tps, mfu = by_key[f"tokens_per_s_{key}"], by_key[f"mfu_{key}"]
         for side in ("ours", "peer"):
             assert mfu[side] == pytest.approx(8 * params * tps[side] / peak, rel=1e-9)
-    assert "| tokens/s |" in (out / "results.md").read_text()
+    # Each variant is compared at its own shape: the peer's batch 1 row is not its batch 2 row.
+    assert by_key["tokens_per_s_bnb_1x512"]["runs"]["peer"] != by_key["tokens_per_s_bnb"]["runs"]["peer"]
+    report = (out / "results.md").read_text()
+    assert (
+        "| tokens/s |" in report
+        and f"GPU test tier (`python -m pytest -m gpu tests/gpu`): {tier['skipped']} skipped" in report
+    )
+
+
+@pytest.mark.parametrize(
+    ("code", "cause"),
+    [
+        ("import sys; print('error: --quant bnb: no', file=sys.stderr); sys.exit(2)", "error: --quant bnb: no"),
+        ("print('step 1'); raise ValueError('boom')", "ValueError: boom"),
+    ],
+    ids=["cli-error-line", "exception"],
+)
+def test_gpu_failure_cause_is_the_last_error_line(code: str, cause: str) -> None:
+    """What results.md says of a failed variant: its own error line, not 'exit status 1'."""
+    from benchmarks.common import base_env, launch
+    from benchmarks.gpu_suite import failure_cause
+
+    noise = "import atexit; atexit.register(print, 'teardown noise after the error')"  # the log's last line
+    job = launch([[sys.executable, "-c", f"{noise}\n{code}"]], [base_env(1)], timeout_s=60)
+    assert failure_cause(job) == f"{cause} (exit status {job.returncode})" and job.returncode in (1, 2)
+
+
+def test_gpu_plan_names() -> None:
+    """--only keeps the plan's priority order whatever order it is given in, and refuses unknown names."""
+    assert parse_only(None) == NAMES
+    assert parse_only("fsdp1,tests") == ("tests", "fsdp1")
+    with pytest.raises(ValueError, match="unknown fsdp3"):
+        parse_only("bnb,fsdp3")
 
 
 def test_rows_ratio_and_report() -> None:
