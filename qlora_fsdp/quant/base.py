@@ -131,6 +131,8 @@ class QuantBackend(ABC):
     """One quantization library behind the operations the rest of the program needs."""
 
     name: str
+    library: str
+    """Its distribution name, whose version the manifest records beside the bytes it quantized."""
 
     def __init__(self, *, storage_dtype: torch.dtype, compute_dtype: torch.dtype) -> None:
         self.storage_dtype = storage_dtype

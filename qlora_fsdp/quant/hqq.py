@@ -83,6 +83,7 @@ class _DequantizeMatmul(torch.autograd.Function):
 
 class HqqBackend(QuantBackend):
     name = "hqq"
+    library = "hqq"
 
     def __init__(
         self, *, storage_dtype: torch.dtype, compute_dtype: torch.dtype, nbits: int = 4, group_size: int = 64
