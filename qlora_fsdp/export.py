@@ -32,7 +32,7 @@ from torch import nn
 from qlora_fsdp.config import MANIFEST_FILE, OUTPUT_DTYPES, ExportConfig, MergeConfig, ModelConfig, QuantConfig
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.fsdp import PRECISIONS, quant_compute_dtype
-from qlora_fsdp.manifest import read_manifest
+from qlora_fsdp.manifest import intra_op_threads, read_manifest
 from qlora_fsdp.metrics import peak_memory_bytes
 from qlora_fsdp.model import (
     INDEX_FILE,
@@ -244,6 +244,8 @@ class Base:
 
     device: torch.device
     verify: Callable[[str, QuantizedLinear], None] | None = None
+    threads: int | None = None
+    """Intra-op threads to quantize with on the CPU (None: as they are); see Manifest.cpu_threads."""
 
 
 def training_base(skeleton: Skeleton, backend: QuantBackend, *, adapter: str, model_name: str) -> Base:
@@ -254,7 +256,7 @@ def training_base(skeleton: Skeleton, backend: QuantBackend, *, adapter: str, mo
     verify = manifest.verifier(
         quantized=skeleton.quantized, backend=backend, model_path=skeleton.path, model_name=model_name
     )
-    return Base(manifest.device, verify)
+    return Base(manifest.device, verify, manifest.cpu_threads)
 
 
 def _stream_layers(
@@ -277,7 +279,8 @@ def _stream_layers(
             # Emptied in place: the loader still tracks these parameters, and must not allocate them again.
             param.data = torch.empty(0, dtype=param.dtype, device=param.device)
 
-    stream_weights(skeleton, backend=backend, device=base.device, on_unit_ready=on_unit_ready)
+    with intra_op_threads(base.threads):
+        stream_weights(skeleton, backend=backend, device=base.device, on_unit_ready=on_unit_ready)
     in_layers = {id(m) for layer in skeleton.units.values() for m in layer.modules()}
     checked({n: m for n, m in skeleton.model.named_modules() if id(m) not in in_layers})
 

@@ -22,7 +22,7 @@ from qlora_fsdp.data import format_prompt
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.export import HQQ_WEIGHTS, check_adapter, read_adapter, training_backend, training_base
 from qlora_fsdp.fsdp import PRECISIONS, quant_compute_dtype
-from qlora_fsdp.manifest import read_manifest
+from qlora_fsdp.manifest import intra_op_threads, read_manifest
 from qlora_fsdp.model import build_skeleton, load_tokenizer, resolve_model_path, stream_weights
 
 EXIT_WORDS = ("exit", "quit")
@@ -63,7 +63,8 @@ def load_for_generation(cfg: TrainConfig, options: GenerateConfig) -> tuple[nn.M
         base = training_base(skeleton, backend, adapter=options.adapter, model_name=cfg.model.model)  # type: ignore[arg-type]
         # Quantized where training quantized (see training_base), then moved to where it generates.
         quantize_on = base.device if base.verify is not None else device
-        stream_weights(skeleton, backend=backend, device=quantize_on)
+        with intra_op_threads(base.threads):
+            stream_weights(skeleton, backend=backend, device=quantize_on)
         if base.verify is not None:
             for name in skeleton.quantized:
                 base.verify(name, skeleton.model.get_submodule(name))

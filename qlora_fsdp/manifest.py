@@ -12,10 +12,11 @@ the CPU: the same bytes give the same digest whatever layout the layer stores th
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, fields
 from importlib import metadata
 from pathlib import Path
@@ -72,9 +73,12 @@ class LayerDigests:
                 self.layers[name] = layer_digests(sub)
 
 
-def environment(*, device: torch.device, backend: QuantBackend | None) -> dict[str, str]:
-    """Where and with what the base is quantized: the device type, the compute dtype and the library versions."""
+def environment(*, device: torch.device, backend: QuantBackend | None, threads: int | None = None) -> dict[str, str]:
+    """Where and with what the base is quantized: the device type (and on the CPU the intra-op threads, `threads`
+    or torch's current count), the compute dtype and the library versions."""
     out = {"device": device.type, "torch": torch.__version__, "transformers": metadata.version("transformers")}
+    if device.type == "cpu":
+        out["cpu_threads"] = str(threads or torch.get_num_threads())
     if backend is not None:
         out["compute_dtype"] = str(backend.compute_dtype).removeprefix("torch.")
         out[backend.library] = metadata.version(backend.library)
@@ -101,6 +105,13 @@ class Manifest:
         (directory / MANIFEST_FILE).write_text(json.dumps(asdict(self), indent=1) + "\n")
 
     @property
+    def cpu_threads(self) -> int | None:
+        """The intra-op threads to quantize with on the CPU: training's count, since HQQ's optimizer on the CPU gives
+        other bytes with one thread than with several (torchrun starts each rank with one). None: as it is."""
+        recorded = self.quantized_with.get("cpu_threads")
+        return int(recorded) if recorded and self.device.type == "cpu" else None
+
+    @property
     def device(self) -> torch.device:
         """Where the after-training scripts quantize: on CUDA if training did and a GPU is visible, else the CPU."""
         cuda = self.quantized_with.get("device") == "cuda" and torch.cuda.is_available()
@@ -112,7 +123,7 @@ class Manifest:
         """Check now that the model quantizes the layers training did; returns the check each of them must pass
         once `backend` has quantized it on `self.device` (raises DigestMismatch)."""
         self.check_layer_names(quantized, model_name=model_name)
-        here = environment(device=self.device, backend=backend)
+        here = environment(device=self.device, backend=backend, threads=self.cpu_threads)
         return functools.partial(self.check_layer, here=here, identity=model_identity(model_path))
 
     def check_layer_names(self, quantized: list[str], *, model_name: str) -> None:
@@ -137,7 +148,8 @@ class Manifest:
         if not differ:
             return
         causes = []
-        for key in sorted(self.quantized_with.keys() | here.keys()):
+        same_device = self.quantized_with.get("device") == here.get("device")
+        for key in sorted((self.quantized_with.keys() | here.keys()) - (set() if same_device else {"cpu_threads"})):
             was, now = self.quantized_with.get(key, "none"), here.get(key, "none")
             if was != now:
                 causes.append(_CAUSES.get(key, _VERSION).format(key=key, was=was, now=now))
@@ -169,6 +181,7 @@ def training_manifest(
 
 
 _CAUSES = {
+    "cpu_threads": "training quantized with {was} CPU threads, this run with {now}: set OMP_NUM_THREADS={was}",
     "device": "training quantized on {was}, this run on {now}: run this where a {was} device is visible",
     "compute_dtype": (
         "training quantized in {was}, this run in {now}: the manifest's flags do not give the dtype its digests "
@@ -176,6 +189,18 @@ _CAUSES = {
     ),
 }
 _VERSION = "training used {key} {was}, this run {key} {now}: install {key}=={was}"
+
+
+@contextlib.contextmanager
+def intra_op_threads(count: int | None) -> Iterator[None]:
+    """torch's intra-op thread count set to `count` inside (None: left as it is)."""
+    before = torch.get_num_threads()
+    if count is not None:
+        torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 class DigestMismatch(UserError):

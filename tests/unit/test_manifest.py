@@ -58,7 +58,7 @@ def test_the_manifest_records_flags_environment_and_every_quantized_layer(tiny_m
     assert manifest.flags == {"quant": "hqq", "hqq_bits": 4, "hqq_group_size": 64, "compute_dtype": "auto",
                               "precision": "fp32"}  # fmt: skip
     assert manifest.quantized_with["device"] == "cpu" and manifest.quantized_with["compute_dtype"] == "float32"
-    assert {"torch", "transformers", "hqq"} <= manifest.quantized_with.keys()
+    assert {"torch", "transformers", "hqq", "cpu_threads"} <= manifest.quantized_with.keys()
     assert sorted(manifest.layers) == sorted(trained.packed()) == sorted(trained.skeleton.quantized)
 
 
