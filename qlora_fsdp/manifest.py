@@ -96,7 +96,8 @@ class Manifest:
     model_identity: str
     """checkpoint.model_identity of the base model directory: tells a different base from a renamed copy."""
     quantized_with: dict[str, str]
-    """environment() of training's quantization: device, compute dtype, torch, transformers, the backend library."""
+    """environment() of training's quantization: device (CPU threads), compute dtype, torch, transformers and the
+    backend library's versions."""
     layers: dict[str, dict[str, str]]
     """Quantized module name (as in the base model) -> layer_digests()."""
     format: int = FORMAT
@@ -148,8 +149,8 @@ class Manifest:
         if not differ:
             return
         causes = []
-        same_device = self.quantized_with.get("device") == here.get("device")
-        for key in sorted((self.quantized_with.keys() | here.keys()) - (set() if same_device else {"cpu_threads"})):
+        # Not the threads: the scripts quantize with training's count (cpu_threads) wherever it applies.
+        for key in sorted((self.quantized_with.keys() | here.keys()) - {"cpu_threads"}):
             was, now = self.quantized_with.get(key, "none"), here.get(key, "none")
             if was != now:
                 causes.append(_CAUSES.get(key, _VERSION).format(key=key, was=was, now=now))
@@ -181,7 +182,6 @@ def training_manifest(
 
 
 _CAUSES = {
-    "cpu_threads": "training quantized with {was} CPU threads, this run with {now}: set OMP_NUM_THREADS={was}",
     "device": "training quantized on {was}, this run on {now}: run this where a {was} device is visible",
     "compute_dtype": (
         "training quantized in {was}, this run in {now}: the manifest's flags do not give the dtype its digests "
