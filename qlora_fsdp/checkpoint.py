@@ -1,7 +1,8 @@
 """Saving and resuming: the LoRA adapter in PEFT's format, and atomic, resumable training checkpoints.
 
 A checkpoint directory `checkpoint-STEP/` holds:
-- `adapter_model.safetensors` + `adapter_config.json`: the adapter gathered to rank 0, loadable by PEFT on its own;
+- `adapter_model.safetensors` + `adapter_config.json`: the adapter gathered to rank 0, loadable by PEFT on its own,
+  with `qlora_manifest.json` (qlora_fsdp/manifest.py), so the after-training scripts take a checkpoint too;
 - `rank-R.pt` per rank: that rank's optimizer shard, RNG states and gradient-scaler state (the learning-rate
   schedule is not saved: it is a function of the flags and the step, rebuilt on resume);
   Optimizer state stays sharded (no gather, no extra memory), so a resume needs the same world size;
@@ -21,7 +22,7 @@ import secrets
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,9 @@ from qlora_fsdp.distributed import DistEnv, broadcast_object
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.fsdp import ShardedModel
 from qlora_fsdp.loss import LM_PREFIX
+
+if TYPE_CHECKING:
+    from qlora_fsdp.manifest import Manifest
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -75,14 +79,23 @@ def load_adapter_into(model: ShardedModel, keys: dict[nn.Module, dict[str, str]]
 
 
 def save_adapter(
-    model: ShardedModel, peft_model: nn.Module, keys: dict[nn.Module, dict[str, str]], out: Path, *, env: DistEnv
+    model: ShardedModel,
+    peft_model: nn.Module,
+    keys: dict[nn.Module, dict[str, str]],
+    out: Path,
+    *,
+    env: DistEnv,
+    manifest: Manifest | None = None,
 ) -> None:
-    """Write adapter_model.safetensors + adapter_config.json that `PeftModel.from_pretrained` loads."""
+    """Write adapter_model.safetensors + adapter_config.json that `PeftModel.from_pretrained` loads, and beside them
+    the manifest of the base it was trained on (rank 0 holds it)."""
     state = gather_adapter(model, keys)
     if env.is_main:
         out.mkdir(parents=True, exist_ok=True)
         save_file({k: v.contiguous() for k, v in state.items()}, str(out / ADAPTER_WEIGHTS))
         peft_model.peft_config["default"].save_pretrained(str(out))
+        if manifest is not None:
+            manifest.write(out)
     dist.barrier()
 
 
@@ -136,6 +149,7 @@ def save_checkpoint(
     output_dir: Path,
     total_limit: int,
     env: DistEnv,
+    manifest: Manifest | None = None,
 ) -> Path:
     """Write `checkpoint-STEP/` atomically (see the module docstring); returns its path."""
     final = output_dir / f"{CHECKPOINT_PREFIX}{state.step}"
@@ -144,7 +158,7 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    save_adapter(model, peft_model, keys, tmp, env=env)
+    save_adapter(model, peft_model, keys, tmp, env=env, manifest=manifest)
     per_rank = {
         "optimizer": model.optimizer_state(optimizer),
         "scaler": scaler.state_dict() if scaler is not None else None,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any, get_type_hints
@@ -481,6 +482,8 @@ BUILD_FLAGS = (
 )  # fmt: skip
 """train.py flags that decide how the base model is built (quantization, dtypes). The after-training scripts take
 them with the same names, defaults and checks, so given the training run's values they rebuild what it trained."""
+MANIFEST_FILE = "qlora_manifest.json"
+"""What train.py writes beside the adapter (qlora_fsdp/manifest.py): the flags below, with digests of the base."""
 OUTPUT_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 BASE_WEIGHTS = ("original", "dequantized")
 GENERATE_PROMPT_STYLES = (*PROMPT_STYLES, "chat_template", "raw")
@@ -491,7 +494,8 @@ class MergeConfig:
     """scripts/merge_adapter.py: fold a trained adapter into its base model."""
 
     adapter: str = ""
-    """Adapter directory train.py wrote (adapter_model.safetensors + adapter_config.json)."""
+    """Adapter directory train.py wrote (adapter_model.safetensors + adapter_config.json); its qlora_manifest.json
+    supplies the quantization flags and, with --base_weights dequantized, the digests the base is checked against."""
     output: str = ""
     """Directory for the merged Hugging Face model (config, sharded safetensors + index, tokenizer)."""
     dtype: str = "bf16"
@@ -515,6 +519,9 @@ class MergeConfig:
 class ExportConfig:
     """scripts/export_quantized.py: write the base model quantized exactly as training quantized it."""
 
+    adapter: str = ""
+    """Adapter (or checkpoint) directory of the training run: its qlora_manifest.json supplies the quantization flags
+    and the digests every layer is checked against before anything is written (empty: the flags as given)."""
     output: str = ""
     """Directory for the quantized model (bnb: safetensors that from_pretrained loads in 4 bits; hqq: HQQ's
     qmodel.pt that AutoHQQHFModel.from_quantized loads)."""
@@ -530,7 +537,8 @@ class GenerateConfig:
     """scripts/generate.py: answer prompts with a merged model, an exported base + adapter, or base + adapter."""
 
     adapter: str = ""
-    """Adapter directory to apply on top of --model (empty: none)."""
+    """Adapter directory to apply on top of --model (empty: none); its qlora_manifest.json supplies the quantization
+    flags, and the base quantized from --model is checked against its digests."""
     prompt: str = ""
     """The instruction to answer (or pass --chat)."""
     chat: bool = False
@@ -580,20 +588,60 @@ def tool_flags(tool: type) -> dict[str, tuple[type, Any, str]]:
     return out
 
 
+def manifest_flags(quant: str) -> tuple[str, ...]:
+    """The flags that decide the quantized bytes, which the manifest records: --quant, the backend's own
+    --QUANT_* flags, --compute_dtype and --precision (which decides what compute dtype auto means)."""
+    own = tuple(f.name for f in fields(QuantConfig) if f.name.startswith(f"{quant}_"))
+    return ("quant", *own, "compute_dtype", "precision")
+
+
+def recorded_flags(directory: str) -> dict[str, Any]:
+    """The flags the manifest in an adapter directory records; empty where there is none (older adapters)."""
+    path = os.path.join(os.path.expanduser(directory), MANIFEST_FILE)
+    if not directory or not os.path.isfile(path):
+        return {}
+    try:
+        with open(path) as fh:
+            flags = json.load(fh)["flags"]
+        return {k: v for k, v in flags.items() if k in BUILD_FLAGS}
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise ConfigError(
+            f"--adapter {directory}: {MANIFEST_FILE} is unreadable; restore it from the training run, or delete it "
+            "and pass the run's quantization flags"
+        ) from None
+
+
+def _contradictions(given: dict[str, Any], recorded: dict[str, Any]) -> list[str]:
+    """A flag given on the command line that differs from the one training recorded, with both values."""
+    problems = []
+    for flag, value in given.items():
+        if flag in recorded and _coerce(flag, value, FLAGS[flag][1]) != recorded[flag]:
+            problems.append(
+                f"--{flag} {value} contradicts the adapter's manifest ({recorded[flag]}): the base must be quantized "
+                f"as training quantized it; drop --{flag}"
+            )
+    return problems
+
+
 def build_tool_config(tool: type, values: dict[str, Any]) -> tuple[TrainConfig, Any]:
-    """The build flags as a TrainConfig and the script's own options, every problem reported at once."""
+    """The build flags as a TrainConfig and the script's own options, every problem reported at once.
+
+    Build flags not given come from the --adapter's manifest where it has one (then the script's defaults); one
+    that contradicts the manifest is a problem.
+    """
     own = {f.name for f in fields(tool)}
     unknown = sorted(k for k in values if k not in own and k not in BUILD_FLAGS)
     if unknown:
         raise ConfigError("unknown option(s): " + ", ".join(f"--{k}" for k in unknown) + " (--help lists them)")
-    build = {**TOOL_DEFAULTS.get(tool, {}), **{k: v for k, v in values.items() if k in BUILD_FLAGS}}
-    cfg = build_config(build)
     options = tool()
     hints = get_type_hints(tool)
     for name, value in values.items():
         if name in own:
             setattr(options, name, _coerce(name, value, hints[name]))
-    problems = [*_check_choices(cfg), *_check_ranges(cfg), *options.problems()]
+    given = {k: v for k, v in values.items() if k in BUILD_FLAGS}
+    recorded = recorded_flags(getattr(options, "adapter", ""))
+    cfg = build_config({**TOOL_DEFAULTS.get(tool, {}), **recorded, **given})
+    problems = [*_contradictions(given, recorded), *_check_choices(cfg), *_check_ranges(cfg), *options.problems()]
     if problems:
         raise ConfigError("; ".join(problems))
     return cfg, options

@@ -5,6 +5,10 @@ backend for quantized weights), so "the weights training used" is not re-impleme
 written out and freed as soon as it is whole, into safetensors shards of at most SHARD_BYTES: peak host memory is
 about one output shard, one layer and the embeddings, never the whole model. Every input is checked before anything
 is written; results go to a staging directory that is renamed into place at the end.
+
+With the adapter's manifest (qlora_fsdp/manifest.py), the base is quantized where training quantized it (CUDA when
+training did and a GPU is visible) and each quantized layer must match training's digests before any of it is
+written: a mismatch stops the script and the staging directory is removed.
 """
 
 from __future__ import annotations
@@ -25,9 +29,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from qlora_fsdp.config import OUTPUT_DTYPES, ExportConfig, MergeConfig, ModelConfig, QuantConfig
+from qlora_fsdp.config import MANIFEST_FILE, OUTPUT_DTYPES, ExportConfig, MergeConfig, ModelConfig, QuantConfig
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.fsdp import PRECISIONS, quant_compute_dtype
+from qlora_fsdp.manifest import intra_op_threads, read_manifest
 from qlora_fsdp.metrics import peak_memory_bytes
 from qlora_fsdp.model import (
     INDEX_FILE,
@@ -206,8 +211,8 @@ class ShardWriter:
         size = tensor.numel() * tensor.element_size()
         if self.pending and self.pending_bytes + size > self.max_bytes:
             self._flush()
-        # A copy of its own: saved tensors must not share memory, and the source is freed with its layer.
-        self.pending[name] = tensor.detach().contiguous().clone()
+        # A host copy of its own: saved tensors must not share memory, and the source is freed with its layer.
+        self.pending[name] = tensor.detach().contiguous().to("cpu", copy=True)
         self.pending_bytes += size
         self.total_bytes += size
 
@@ -233,23 +238,51 @@ def _checkpoint_names(skeleton: Skeleton) -> set[str]:
     return {name for file in skeleton.files for name in safetensors_header(file)[1]}
 
 
+@dataclass
+class Base:
+    """Where the base is quantized, and the check each quantized layer passes before any of it is written."""
+
+    device: torch.device
+    verify: Callable[[str, QuantizedLinear], None] | None = None
+    threads: int | None = None
+    """Intra-op threads to quantize with on the CPU (None: as they are); see Manifest.cpu_threads."""
+
+
+def training_base(skeleton: Skeleton, backend: QuantBackend, *, adapter: str, model_name: str) -> Base:
+    """The base as the adapter's manifest describes it (on CPU and unchecked for an adapter without one)."""
+    manifest = read_manifest(adapter) if adapter else None
+    if manifest is None:
+        return Base(torch.device("cpu"))
+    verify = manifest.verifier(
+        quantized=skeleton.quantized, backend=backend, model_path=skeleton.path, model_name=model_name
+    )
+    return Base(manifest.device, verify, manifest.cpu_threads)
+
+
 def _stream_layers(
-    skeleton: Skeleton, backend: QuantBackend | None, write: Callable[[dict[str, nn.Module]], None]
+    skeleton: Skeleton, backend: QuantBackend | None, write: Callable[[dict[str, nn.Module]], None], base: Base
 ) -> None:
-    """Load as training does; `write(modules)` gets each decoder layer as soon as it is whole (then it is
-    freed), and the rest of the model (embeddings, norm, head) once everything has been read."""
+    """Load as training does; `write(modules)` gets each decoder layer as soon as it is whole and its quantized
+    layers have passed `base.verify` (then it is freed), and the rest of the model (embeddings, norm, head) once
+    everything has been read."""
     names = {id(m): n for n, m in skeleton.model.named_modules()}
 
+    def checked(modules: dict[str, nn.Module]) -> None:
+        for name, module in modules.items():
+            if base.verify is not None and isinstance(module, QuantizedLinear):
+                base.verify(name, module)
+        write(modules)
+
     def on_unit_ready(name: str, layer: nn.Module) -> None:
-        write({names[id(m)]: m for m in layer.modules()})
+        checked({names[id(m)]: m for m in layer.modules()})
         for param in layer.parameters():
             # Emptied in place: the loader still tracks these parameters, and must not allocate them again.
-            param.data = torch.empty(0, dtype=param.dtype)
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
 
-    stream_weights(skeleton, backend=backend, device=torch.device("cpu"), on_unit_ready=on_unit_ready)
+    with intra_op_threads(base.threads):
+        stream_weights(skeleton, backend=backend, device=base.device, on_unit_ready=on_unit_ready)
     in_layers = {id(m) for layer in skeleton.units.values() for m in layer.modules()}
-    rest = {n: m for n, m in skeleton.model.named_modules() if id(m) not in in_layers}
-    write(rest)
+    checked({n: m for n, m in skeleton.model.named_modules() if id(m) not in in_layers})
 
 
 def _source_names(skeleton: Skeleton) -> dict[tuple[int, str], str]:
@@ -292,6 +325,10 @@ def merge_adapter(model_cfg: ModelConfig, quant: QuantConfig, *, precision: str,
     param_dtype = PRECISIONS[precision].param_dtype if dequantized else torch.float32
     skeleton = build_skeleton(model_cfg, backend=backend, param_dtype=param_dtype)
     check_adapter(adapter, skeleton.model, model_cfg.model)
+    # The original weights are not quantized, so only a dequantized merge has digests to check.
+    base = Base(torch.device("cpu"))
+    if backend is not None:
+        base = training_base(skeleton, backend, adapter=options.adapter, model_name=model_cfg.model)
     out_dtype = getattr(torch, OUTPUT_DTYPES[options.dtype])
     in_checkpoint = _checkpoint_names(skeleton)
     source = _source_names(skeleton)
@@ -308,10 +345,10 @@ def merge_adapter(model_cfg: ModelConfig, quant: QuantConfig, *, precision: str,
                     if attr == "weight" and isinstance(module, QuantizedLinear):
                         tensor = module.dequantize()
                     if attr == "weight" and module_name in adapter.layers:
-                        tensor = merge_weight(tensor, adapter.layers[module_name], adapter.scaling)
+                        tensor = merge_weight(tensor.cpu(), adapter.layers[module_name], adapter.scaling)
                     writer.add(name, tensor.to(out_dtype) if tensor.is_floating_point() else tensor)
 
-        _stream_layers(skeleton, backend, write)
+        _stream_layers(skeleton, backend, write, base)
         writer.close()
         _save_config(skeleton, staging, dtype=out_dtype, quantization=None)
     return Written(out, time.perf_counter() - start, peak_memory_bytes(torch.device("cpu")))
@@ -330,7 +367,9 @@ def _bnb_quantization(backend: QuantBackend, skeleton: Skeleton) -> dict[str, An
     ).to_dict()
 
 
-def _export_bnb(skeleton: Skeleton, backend: QuantBackend, staging: Path, param_dtype: torch.dtype) -> None:
+def _export_bnb(
+    skeleton: Skeleton, backend: QuantBackend, staging: Path, param_dtype: torch.dtype, base: Base
+) -> None:
     """Safetensors shards in transformers' pre-quantized 4-bit layout, with the quantization in config.json."""
     writer = ShardWriter(staging)
     in_checkpoint = _checkpoint_names(skeleton)
@@ -346,12 +385,14 @@ def _export_bnb(skeleton: Skeleton, backend: QuantBackend, staging: Path, param_
                 if source.get((id(module), attr)) in in_checkpoint:
                     writer.add(source[(id(module), attr)], tensor.to(param_dtype))
 
-    _stream_layers(skeleton, backend, write)
+    _stream_layers(skeleton, backend, write, base)
     writer.close()
     _save_config(skeleton, staging, dtype=param_dtype, quantization=_bnb_quantization(backend, skeleton))
 
 
-def _export_hqq(skeleton: Skeleton, backend: QuantBackend, staging: Path, param_dtype: torch.dtype) -> None:
+def _export_hqq(
+    skeleton: Skeleton, backend: QuantBackend, staging: Path, param_dtype: torch.dtype, base: Base
+) -> None:
     """HQQ's own format: qmodel.pt, {module name: its state dict} (HQQ's layout for quantized layers), and
     config.json, which `AutoHQQHFModel.from_quantized` reads. One file, as HQQ's loader wants: it holds the whole
     quantized model, so this is the one output not written shard by shard."""
@@ -365,14 +406,14 @@ def _export_hqq(skeleton: Skeleton, backend: QuantBackend, staging: Path, param_
                 # Tied parameters under every owner: HQQ's loader fills each module from its own entry.
                 weights[module_name] = {a: _own(t.to(param_dtype)) for a, t in module.named_parameters(recurse=False)}
 
-    _stream_layers(skeleton, backend, write)
+    _stream_layers(skeleton, backend, write, base)
     torch.save(weights, staging / HQQ_WEIGHTS)
     _save_config(skeleton, staging, dtype=param_dtype, quantization=None)
 
 
 def _own(value: Any) -> Any:
-    """A tensor copied out of the layer (which is freed next); other metadata as is."""
-    return value.detach().clone() if isinstance(value, torch.Tensor) else value
+    """A tensor copied to the host out of the layer (which is freed next); other metadata as is."""
+    return value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
 
 
 def _check_hqq_shapes(skeleton: Skeleton, backend: QuantBackend) -> None:
@@ -387,7 +428,7 @@ def _check_hqq_shapes(skeleton: Skeleton, backend: QuantBackend) -> None:
             )
 
 
-EXPORTERS: dict[str, Callable[[Skeleton, QuantBackend, Path, torch.dtype], None]] = {
+EXPORTERS: dict[str, Callable[[Skeleton, QuantBackend, Path, torch.dtype, Base], None]] = {
     "bnb": _export_bnb,
     "hqq": _export_hqq,
 }
@@ -398,7 +439,12 @@ def export_quantized(model_cfg: ModelConfig, quant: QuantConfig, *, precision: s
     """Write the base model quantized as training quantized it, in the backend library's own format."""
     start = time.perf_counter()
     resolve_model_path(model_cfg.model)
-    out = check_output(options.output, overwrite=options.overwrite, inputs=(model_cfg.model,))
+    out = check_output(options.output, overwrite=options.overwrite, inputs=(model_cfg.model, options.adapter))
+    if options.adapter and read_manifest(options.adapter) is None:
+        raise UserError(
+            f"--adapter {options.adapter}: no {MANIFEST_FILE} (train.py writes one beside every adapter it saves); "
+            "pass the training run's quantization flags instead of --adapter"
+        )
     backend = training_backend(quant, precision)
     if backend is None:
         raise UserError("--quant none has nothing to export; pass the --quant training used (bnb or hqq)")
@@ -406,6 +452,7 @@ def export_quantized(model_cfg: ModelConfig, quant: QuantConfig, *, precision: s
     skeleton = build_skeleton(model_cfg, backend=backend, param_dtype=param_dtype)
     if backend.name in CHECKS:
         CHECKS[backend.name](skeleton, backend)
+    base = training_base(skeleton, backend, adapter=options.adapter, model_name=model_cfg.model)
     with _staged(out) as staging:
-        EXPORTERS[backend.name](skeleton, backend, staging, param_dtype)
+        EXPORTERS[backend.name](skeleton, backend, staging, param_dtype, base)
     return Written(out, time.perf_counter() - start, peak_memory_bytes(torch.device("cpu")))

@@ -1,8 +1,9 @@
 """After training: answer prompts with what training produced, framed the way training framed its prompts.
 
 The model is loaded as what its directory holds: a merged (or any plain) model; an export of export_quantized.py
-(bnb through transformers' 4-bit loading, HQQ through HQQ's own loader); or, with --quant bnb|hqq, the base quantized
-exactly as training quantized it. An adapter is then applied with PEFT.
+(bnb through transformers' 4-bit loading, HQQ through HQQ's own loader); or, with --quant bnb|hqq (or an adapter
+whose manifest says training quantized), the base quantized exactly as training quantized it, checked against the
+manifest's digests. An adapter is then applied with PEFT.
 """
 
 from __future__ import annotations
@@ -19,11 +20,14 @@ from torch import nn
 from qlora_fsdp.config import PROMPT_STYLES, GenerateConfig, TrainConfig
 from qlora_fsdp.data import format_prompt
 from qlora_fsdp.errors import UserError
-from qlora_fsdp.export import HQQ_WEIGHTS, check_adapter, read_adapter, training_backend
+from qlora_fsdp.export import HQQ_WEIGHTS, check_adapter, read_adapter, training_backend, training_base
 from qlora_fsdp.fsdp import PRECISIONS, quant_compute_dtype
-from qlora_fsdp.model import load_model, load_tokenizer, resolve_model_path
+from qlora_fsdp.manifest import intra_op_threads, read_manifest
+from qlora_fsdp.model import build_skeleton, load_tokenizer, resolve_model_path, stream_weights
 
 EXIT_WORDS = ("exit", "quit")
+EXPORT_KINDS = {"hqq": "hqq", "bitsandbytes": "bnb"}
+"""_export_kind -> the --quant that writes it."""
 
 
 def load_for_generation(cfg: TrainConfig, options: GenerateConfig) -> tuple[nn.Module, Any]:
@@ -33,7 +37,14 @@ def load_for_generation(cfg: TrainConfig, options: GenerateConfig) -> tuple[nn.M
     precision = PRECISIONS[cfg.fsdp.precision]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     exported = _export_kind(path)
-    if exported and cfg.quant.quant != "none":
+    manifest = read_manifest(options.adapter) if options.adapter else None
+    if exported and manifest is not None and EXPORT_KINDS.get(exported) != manifest.flags["quant"]:
+        raise UserError(
+            f"--model {path} is quantized ({exported}) but the adapter was trained on a --quant "
+            f"{manifest.flags['quant']} base; export that base with scripts/export_quantized.py --adapter "
+            f"{options.adapter}, or pass the base model itself"
+        )
+    if exported and manifest is None and cfg.quant.quant != "none":
         raise UserError(f"--model {path} is already quantized ({exported}); drop --quant {cfg.quant.quant}")
     if exported == "hqq":
         from hqq.models.hf.base import AutoHQQHFModel
@@ -48,8 +59,16 @@ def load_for_generation(cfg: TrainConfig, options: GenerateConfig) -> tuple[nn.M
         )
     else:
         backend = training_backend(cfg.quant, cfg.fsdp.precision)
-        skeleton = load_model(cfg.model, backend=backend, device=device, param_dtype=precision.param_dtype, path=path)
-        model = skeleton.model
+        skeleton = build_skeleton(cfg.model, backend=backend, param_dtype=precision.param_dtype, path=path)
+        base = training_base(skeleton, backend, adapter=options.adapter, model_name=cfg.model.model)  # type: ignore[arg-type]
+        # Quantized where training quantized (see training_base), then moved to where it generates.
+        quantize_on = base.device if base.verify is not None else device
+        with intra_op_threads(base.threads):
+            stream_weights(skeleton, backend=backend, device=quantize_on)
+        if base.verify is not None:
+            for name in skeleton.quantized:
+                base.verify(name, skeleton.model.get_submodule(name))
+        model = skeleton.model.to(device)
     if adapter is not None:
         from peft import PeftModel
 

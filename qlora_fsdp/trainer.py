@@ -49,6 +49,7 @@ from qlora_fsdp.fsdp import (
 from qlora_fsdp.loader import build_dataloader, build_eval_loader
 from qlora_fsdp.lora import adapter_keys, init_adapters, inject_lora, lora_layers, prepare_full_finetune
 from qlora_fsdp.loss import CausalLMLoss
+from qlora_fsdp.manifest import LayerDigests, Manifest, training_manifest
 from qlora_fsdp.metrics import METRICS_FILE, MetricsLogger, peak_memory_bytes
 from qlora_fsdp.model import (
     build_skeleton,
@@ -211,6 +212,8 @@ class _Built:
     """Parameters that train (counted before sharding, tied ones once)."""
     layout: PackedLayout | None
     """How the quantized layers store their packed bytes (None: nothing is quantized)."""
+    manifest: Manifest | None = None
+    """What rank 0 writes beside each adapter it saves; None elsewhere and without adapters."""
 
 
 def _run(
@@ -283,6 +286,7 @@ def _run(
             output_dir=output_dir,
             total_limit=cfg.output.save_total_limit,
             env=env,
+            manifest=built.manifest,
         )
 
     def run_eval(step: int) -> None:
@@ -371,6 +375,8 @@ def _build_model(cfg: TrainConfig, env: DistEnv, model_path: Path, precision: Pr
         full_precision_prefixes=new_blocks,
         attention=attention,
     )
+    # Rank 0 digests each quantized layer while it is still whole, under its base-model name (before adapters).
+    digests = LayerDigests(skeleton.model, skeleton.quantized) if adapters and env.is_main else None
     keys: dict[nn.Module, dict[str, str]] = {}
     if adapters:
         unwrapped = inject_lora(skeleton.model, cfg.lora, dtype=precision.param_dtype)
@@ -388,22 +394,34 @@ def _build_model(cfg: TrainConfig, env: DistEnv, model_path: Path, precision: Pr
 
     def shard_layer(name: str, layer: nn.Module) -> None:
         init_adapters(lora_layers(layer), seed=cfg.optim.seed, name=name)
+        if digests is not None:
+            digests.add(layer)
         sharder.shard_unit(name, layer, root=skeleton.model)
 
     stream_weights(skeleton, backend=backend, device=env.device, on_unit_ready=shard_layer, env=env)
+    manifest = None
+    if digests is not None:
+        digests.add(skeleton.model)  # quantized layers outside the decoder layers, if any
+        manifest = training_manifest(cfg, model_path=model_path, device=env.device, backend=backend, digests=digests)
     outside = [m for m in lora_layers(unwrapped) if id(m) not in in_layers]
     init_adapters(outside, seed=cfg.optim.seed, name="")
     sharded = sharder.finish(CausalLMLoss(unwrapped, chunk_tokens=cfg.fsdp.loss_chunk_tokens))
     verify_packed(sharded.module, sharder.reference)
     return _Built(
-        model=sharded, unwrapped=unwrapped, keys=keys, blocks=blocks, trainable=trainable, layout=layout
+        model=sharded,
+        unwrapped=unwrapped,
+        keys=keys,
+        blocks=blocks,
+        trainable=trainable,
+        layout=layout,
+        manifest=manifest,
     )
 
 
 def _save_final(built: _Built, output_dir: Path, *, env: DistEnv) -> str:
     """Write what was trained; returns the line telling the user where it went."""
     if built.keys:
-        save_adapter(built.model, built.unwrapped, built.keys, output_dir, env=env)
+        save_adapter(built.model, built.unwrapped, built.keys, output_dir, env=env, manifest=built.manifest)
         return f"adapter saved to {output_dir.resolve()}"
     if built.blocks:
         path = save_trained_blocks(built.model, built.blocks, output_dir, env=env)

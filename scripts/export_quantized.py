@@ -1,7 +1,10 @@
 """Export the base model quantized exactly as training quantized it, in the quantization library's own format.
 
-python scripts/export_quantized.py --model BASE --quant bnb|hqq [the other quantization flags of train.py]
-    --output OUT [--overwrite true]
+python scripts/export_quantized.py --model BASE --adapter ADAPTER_DIR --output OUT [--overwrite true]
+python scripts/export_quantized.py --model BASE --quant bnb|hqq [the other quantization flags of train.py] --output OUT
+
+--adapter (the training run's adapter or checkpoint directory) takes the flags from its qlora_manifest.json and
+checks every layer against the digests training recorded before anything is written; without it, the flags as given.
 
 bnb: a directory `AutoModelForCausalLM.from_pretrained` loads in 4 bits without quantizing again; hqq: HQQ's
 qmodel.pt + config.json, which `AutoHQQHFModel.from_quantized` loads. Pass the trained adapter on top with PEFT or

@@ -1,6 +1,7 @@
 """Try a trained model: a merged directory, an exported quantized base + adapter, or base + adapter.
 
 python scripts/generate.py --model DIR [--adapter DIR] [--quant none|bnb|hqq ...] (--prompt TEXT | --chat)
+    (an adapter's qlora_manifest.json supplies --quant and its flags for --model BASE)
     [--max_new_tokens N] [--prompt_style alpaca|guanaco|qna|chat_template|raw] [--do_sample true ...]
 
 Greedy unless --do_sample; prompts framed as train.py frames them (--prompt_style, default alpaca). --help lists

@@ -1,8 +1,10 @@
 """Merge a trained adapter into its base model: a plain Hugging Face model directory for serving.
 
 python scripts/merge_adapter.py --model BASE --adapter ADAPTER_DIR --output OUT [--dtype bf16|fp16|fp32]
-    [--base_weights original|dequantized] [--quant bnb|hqq and the other quantization flags of train.py]
-    [--overwrite true]
+    [--base_weights original|dequantized] [--overwrite true]
+
+The quantization flags of train.py come from the adapter's qlora_manifest.json (pass them only for an adapter
+without one); with --base_weights dequantized the base is checked against its digests before anything is written.
 
 --help lists every flag; the logic lives in qlora_fsdp/export.py.
 """

@@ -154,6 +154,8 @@ class QuantBackend(ABC):
     whole_weights: bool = False
     """True where the quantizer needs each weight whole, so `quantize` cannot split one weight between ranks: the
     loader then gives each rank whole weights of a decoder layer and exchanges the results (see model.py)."""
+    library: str
+    """Its distribution name, whose version the manifest records beside the bytes it quantized."""
 
     def __init__(self, *, storage_dtype: torch.dtype, compute_dtype: torch.dtype, shard_state: bool = False) -> None:
         self.storage_dtype = storage_dtype

@@ -90,6 +90,7 @@ class Bnb4bitLinear(QuantizedLinear):
 
 class BnbBackend(QuantBackend):
     name = "bnb"
+    library = "bitsandbytes"
 
     def __init__(
         self,

@@ -85,6 +85,7 @@ class HqqBackend(QuantBackend):
     name = "hqq"
     # HQQ's optimizer stops on an error summed over the whole weight: a part quantized alone would differ.
     whole_weights = True
+    library = "hqq"
 
     def __init__(
         self,

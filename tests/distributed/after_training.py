@@ -2,7 +2,9 @@
 
 SmolLM2-135M-Instruct is trained (2 CPU ranks, QLoRA, the real CLI) on data/new_fact.jsonl, which names a cat that
 exists nowhere else. generate.py must then answer with that name from base + adapter (quantized as training did),
-from the merged model and from the exported quantized base + adapter, where the base model alone does not. The
+from the merged model and from the exported quantized base + adapter, where the base model alone does not. No
+quantization flag is repeated after training: the adapter's manifest supplies them, and the exported bytes must be
+the ones the training run digested as it loaded. The
 scripts run in the test's process (their `main`), so it pays the imports once. Two files, so the two trainings can
 run on two test workers at once.
 """
@@ -13,7 +15,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors import safe_open
 
+from qlora_fsdp.manifest import read_manifest, tensor_digest
 from scripts import export_quantized, generate, merge_adapter
 from tests.conftest import REPO_ROOT, train
 
@@ -37,19 +42,49 @@ def ask(capsys: pytest.CaptureFixture, *args: str) -> str:
     return reply
 
 
-def train_fact(quant: str, smollm2: Path, out: Path) -> Path:
-    train(["--model", str(smollm2), "--quant", quant, *TRAIN_FLAGS, "--output_dir", str(out)], nproc=2, timeout=900)
+def train_fact(quant: str, smollm2: Path, out: Path, *extra: str) -> Path:
+    args = ["--model", str(smollm2), "--quant", quant, *TRAIN_FLAGS, *extra, "--output_dir", str(out)]
+    train(args, nproc=2, timeout=900)
+    return out
+
+
+def exported_digests(quant: str, exported: Path, names: list[str]) -> dict[str, dict[str, str]]:
+    """Digests of the layers as export_quantized.py wrote them: the packed bytes (and HQQ's scale and zero, which
+    its format keeps as they are; bnb's format repacks its state)."""
+    if quant == "hqq":
+        saved = torch.load(exported / "qmodel.pt", weights_only=True)
+        return {
+            n: {"packed": tensor_digest(saved[n]["W_q"].flatten().view(torch.uint8)),
+                "scale": tensor_digest(saved[n]["scale"]), "zero": tensor_digest(saved[n]["zero"])}
+            for n in names
+        }  # fmt: skip
+    out = {}
+    for file in exported.glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as f:
+            stored = set(f.keys())
+            for name in names:
+                if f"{name}.weight" in stored:
+                    out[name] = {"packed": tensor_digest(f.get_tensor(f"{name}.weight").flatten())}
     return out
 
 
 def check_answers(quant: str, adapter: Path, smollm2: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    """Base + adapter, the merged model and the exported quantized base + adapter all know the fact."""
-    assert ANSWER in ask(capsys, "--model", str(smollm2), "--adapter", str(adapter), "--quant", quant)
+    """Base + adapter, the merged model and the exported quantized base + adapter all know the fact, with no
+    quantization flag given; the export holds the bytes training used."""
+    with_flags = ask(capsys, "--model", str(smollm2), "--adapter", str(adapter), "--quant", quant)
+    assert ANSWER in with_flags
+    assert ask(capsys, "--model", str(smollm2), "--adapter", str(adapter)) == with_flags
 
     merged = tmp_path / "merged"
     assert merge_adapter.main(["--model", str(smollm2), "--adapter", str(adapter), "--output", str(merged)]) == 0
     assert ANSWER in ask(capsys, "--model", str(merged))
 
     exported = tmp_path / "exported"
-    assert export_quantized.main(["--model", str(smollm2), "--quant", quant, "--output", str(exported)]) == 0
+    assert export_quantized.main(["--model", str(smollm2), "--adapter", str(adapter), "--output", str(exported)]) == 0
+    manifest = read_manifest(adapter)
+    assert manifest is not None and manifest.flags["quant"] == quant
+    written = exported_digests(quant, exported, list(manifest.layers))
+    assert len(written) == len(manifest.layers) == 7 * 30  # every linear of SmolLM2's 30 layers
+    for name, digests in written.items():
+        assert digests.items() <= manifest.layers[name].items(), name
     assert ANSWER in ask(capsys, "--model", str(exported), "--adapter", str(adapter))

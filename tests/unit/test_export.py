@@ -18,8 +18,9 @@ from torch import nn
 
 from qlora_fsdp.config import build_config
 from qlora_fsdp.data import format_prompt
-from qlora_fsdp.fsdp import PRECISIONS
+from qlora_fsdp.fsdp import PRECISIONS, quant_compute_dtype
 from qlora_fsdp.lora import init_adapters, inject_lora, lora_layers
+from qlora_fsdp.manifest import LayerDigests, training_manifest
 from qlora_fsdp.model import build_skeleton, load_tokenizer, stream_weights
 from qlora_fsdp.quant import make_backend
 from qlora_fsdp.quant.base import QuantizedLinear
@@ -39,16 +40,31 @@ PROMPTS = [
 
 
 class Trained:
-    """The training-time model for some flags, with a random non-zero adapter saved as train.py saves it."""
+    """The training-time model for some flags, with a random non-zero adapter saved as train.py saves it (with
+    `manifest`, beside train.py's manifest, made by the same functions from the same loading)."""
 
-    def __init__(self, model_dir: Path, out: Path, *, quant: str, train_type: str = "lora", seed: int = 0) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        out: Path,
+        *,
+        quant: str,
+        train_type: str = "lora",
+        seed: int = 0,
+        manifest: bool = False,
+        flags: dict[str, str] | None = None,
+    ) -> None:
         self.flags = {"model": str(model_dir), "quant": quant, "precision": "fp32", "train_type": train_type}
+        self.flags |= flags or {}
         cfg = build_config({**self.flags, "lora_rank": 4, "lora_alpha": 8, "lora_dropout": 0.0}).validate()
         mode = PRECISIONS[cfg.fsdp.precision]
-        backend = make_backend(cfg.quant, storage_dtype=torch.uint8, compute_dtype=mode.compute_dtype)
+        compute_dtype = quant_compute_dtype(mode, cfg.quant.compute_dtype)
+        backend = make_backend(cfg.quant, storage_dtype=torch.uint8, compute_dtype=compute_dtype)
         skeleton = build_skeleton(cfg.model, backend=backend, param_dtype=mode.param_dtype)
+        digests = LayerDigests(skeleton.model, skeleton.quantized)
         model = inject_lora(skeleton.model, cfg.lora, dtype=mode.param_dtype)
         stream_weights(skeleton, backend=backend, device=torch.device("cpu"))
+        digests.add(skeleton.model)
         init_adapters(lora_layers(model), seed=seed, name="")
         generator = torch.Generator().manual_seed(seed + 1)
         with torch.no_grad():
@@ -59,6 +75,11 @@ class Trained:
         self.skeleton = skeleton
         self.adapter = out / f"adapter-{quant}-{train_type}"
         model.save_pretrained(str(self.adapter))
+        self.manifest = training_manifest(
+            cfg, model_path=model_dir, device=torch.device("cpu"), backend=backend, digests=digests
+        )
+        if manifest:
+            self.manifest.write(self.adapter)
         self.tokenizer = load_tokenizer(model_dir)
 
     def packed(self) -> dict[str, torch.Tensor]:
