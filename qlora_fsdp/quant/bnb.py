@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import bitsandbytes as bnb
 import bitsandbytes.functional as bnbf
 import torch
@@ -26,25 +28,10 @@ class Bnb4bitLinear(QuantizedLinear):
     """
 
     def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        *,
-        bias: bool,
-        storage_dtype: torch.dtype,
-        compute_dtype: torch.dtype,
-        shard_state: bool = False,
-        quant_type: str,
-        double_quant: bool,
+        self, in_features: int, out_features: int, *, quant_type: str, double_quant: bool, **layout: Any
     ) -> None:
-        super().__init__(
-            in_features,
-            out_features,
-            bias=bias,
-            storage_dtype=storage_dtype,
-            compute_dtype=compute_dtype,
-            shard_state=shard_state,
-        )
+        """`layout`: QuantizedLinear's bias, storage_dtype, compute_dtype and shard_state."""
+        super().__init__(in_features, out_features, **layout)
         self.quant_type = quant_type
         self.double_quant = double_quant
 
