@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any, get_type_hints
@@ -597,18 +596,12 @@ def manifest_flags(quant: str) -> tuple[str, ...]:
 
 def recorded_flags(directory: str) -> dict[str, Any]:
     """The flags the manifest in an adapter directory records; empty where there is none (older adapters)."""
-    path = os.path.join(os.path.expanduser(directory), MANIFEST_FILE)
-    if not directory or not os.path.isfile(path):
+    if not directory:
         return {}
-    try:
-        with open(path) as fh:
-            flags = json.load(fh)["flags"]
-        return {k: v for k, v in flags.items() if k in BUILD_FLAGS}
-    except (ValueError, KeyError, TypeError, AttributeError):
-        raise ConfigError(
-            f"--adapter {directory}: {MANIFEST_FILE} is unreadable; restore it from the training run, or delete it "
-            "and pass the run's quantization flags"
-        ) from None
+    from qlora_fsdp.manifest import read_manifest  # torch and the backends: only where an adapter is given
+
+    manifest = read_manifest(directory)
+    return {} if manifest is None else {k: v for k, v in manifest.flags.items() if k in BUILD_FLAGS}
 
 
 def _contradictions(given: dict[str, Any], recorded: dict[str, Any]) -> list[str]:

@@ -247,6 +247,12 @@ class Base:
     threads: int | None = None
     """Intra-op threads to quantize with on the CPU (None: as they are); see Manifest.cpu_threads."""
 
+    def check(self, modules: dict[str, nn.Module]) -> None:
+        """Every quantized layer among `modules` (by base-model name) against training's digests, if there are any."""
+        for name, module in modules.items():
+            if self.verify is not None and isinstance(module, QuantizedLinear):
+                self.verify(name, module)
+
 
 def training_base(skeleton: Skeleton, backend: QuantBackend, *, adapter: str, model_name: str) -> Base:
     """The base as the adapter's manifest describes it (on CPU and unchecked for an adapter without one)."""
@@ -268,9 +274,7 @@ def _stream_layers(
     names = {id(m): n for n, m in skeleton.model.named_modules()}
 
     def checked(modules: dict[str, nn.Module]) -> None:
-        for name, module in modules.items():
-            if base.verify is not None and isinstance(module, QuantizedLinear):
-                base.verify(name, module)
+        base.check(modules)
         write(modules)
 
     def on_unit_ready(name: str, layer: nn.Module) -> None:

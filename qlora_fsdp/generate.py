@@ -65,9 +65,7 @@ def load_for_generation(cfg: TrainConfig, options: GenerateConfig) -> tuple[nn.M
         quantize_on = base.device if base.verify is not None else device
         with intra_op_threads(base.threads):
             stream_weights(skeleton, backend=backend, device=quantize_on)
-        if base.verify is not None:
-            for name in skeleton.quantized:
-                base.verify(name, skeleton.model.get_submodule(name))
+        base.check({name: skeleton.model.get_submodule(name) for name in skeleton.quantized})
         model = skeleton.model.to(device)
     if adapter is not None:
         from peft import PeftModel

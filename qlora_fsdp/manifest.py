@@ -215,7 +215,7 @@ def read_manifest(directory: str | Path) -> Manifest | None:
     try:
         raw = json.loads(path.read_text())
         known = {f.name for f in fields(Manifest)}
-        if raw.get("format") != FORMAT or not known.issuperset(raw) or not known.issubset(raw):
+        if raw.get("format") != FORMAT or known != set(raw) or not isinstance(raw["flags"], dict):
             raise ValueError
         return Manifest(**raw)
     except (ValueError, AttributeError):

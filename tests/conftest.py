@@ -10,12 +10,15 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 
 from scripts.make_tiny_model import build_tiny_model
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DATASET = REPO_ROOT / "data" / "alpaca_tiny.jsonl"
 TORCHRUN = Path(sys.executable).with_name("torchrun")
+# FSDP2 of torch 2.12+ shards uint8 parameters; older ones get the float view by default (qlora_fsdp/fsdp2.py).
+UINT8_FSDP2 = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 12)
 
 
 # The longest test files (several multi-process launches each) first: pytest-xdist hands whole files to its workers

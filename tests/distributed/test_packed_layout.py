@@ -12,11 +12,10 @@ import pytest
 import torch
 
 from qlora_fsdp.metrics import read_metrics
-from tests.conftest import DATASET, REPO_ROOT, train, worker_env
+from tests.conftest import DATASET, REPO_ROOT, UINT8_FSDP2, train, worker_env
 
 pytestmark = pytest.mark.distributed
 
-UINT8_FSDP2 = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 12)
 # Set by .ci/run in the torch 2.11 venv: the CPU suite's python, whose run is the reference.
 REFERENCE_PYTHON = os.environ.get("QLORA_REFERENCE_PYTHON", "")
 STEPS = 8

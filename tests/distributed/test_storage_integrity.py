@@ -7,14 +7,11 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
-from tests.conftest import launch
+from tests.conftest import UINT8_FSDP2, launch
 
 pytestmark = pytest.mark.distributed
 WORKER = Path(__file__).with_name("storage_worker.py")
-# FSDP2 of torch 2.12+ shards uint8 parameters; older ones get the float view by default.
-UINT8_FSDP2 = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 12)
 CASES = [
     *(f"v2-{q}-mp_bf16" for q in ("bnb", "hqq")),
     *(f"v2float-{q}-{p}" for q in ("bnb", "hqq") for p in ("mp_bf16", "fp32", "bf16")),
