@@ -8,6 +8,7 @@ storage and compute, bf16 unquantized weights, the same LoRA rank, alpha and tar
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -58,16 +59,17 @@ def add_lora(model: nn.Module, *, rank: int, alpha: float, dropout: float, check
 
 def dummy_batches(path: str | Path, *, batch_size: int, context_length: int, count: int) -> list[dict]:
     """The same rows our CLI trains on with `--dataset dummy` (no padding: every row fills the context)."""
-    from qlora_fsdp.data import load_examples, tokenize_examples
+    from qlora_fsdp.data.formats import load_examples, pad_token_id
+    from qlora_fsdp.data.rows import collate, fit_examples
     from qlora_fsdp.model import load_tokenizer
 
     tokenizer = load_tokenizer(Path(path))
     examples = load_examples("dummy", samples=batch_size * count)
-    items, _ = tokenize_examples(examples, tokenizer, context_length=context_length, train_on_inputs=False)
-    return [
-        {k: torch.stack([it[k] for it in items[i * batch_size : (i + 1) * batch_size]]) for k in items[0]}
-        for i in range(count)
-    ]
+    samples, _ = fit_examples(examples, tokenizer, context_length=context_length, train_on_inputs=False)
+    items = [{"input_ids": ids, "labels": labels} for ids, labels in samples]
+    pad = pad_token_id(tokenizer)
+    batch = functools.partial(collate, pad_id=pad, context_length=context_length, pad_to_context=True)
+    return [batch(items[i * batch_size : (i + 1) * batch_size]) for i in range(count)]
 
 
 def train_steps(

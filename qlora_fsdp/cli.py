@@ -31,6 +31,30 @@ def main(config: str | None = None, **flags: Any) -> None:
         sys.exit(2)
 
 
+def preprocess(config: str | None = None, **flags: Any) -> None:
+    """Tokenize --dataset (and --eval_dataset) into the cache a training run with the same flags and --config
+    reads, ahead of the job: prints each cache's path, examples, samples and tokens."""
+    if flags.keys() & {"help", "h"}:
+        print(preprocess.__doc__)
+        return
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = build_config({k.replace("-", "_"): v for k, v in flags.items()}, config).validate()
+        import torch
+
+        from qlora_fsdp.data.loader import prepare_caches
+        from qlora_fsdp.distributed import DistEnv
+        from qlora_fsdp.model import load_tokenizer, resolve_model_path
+
+        tokenizer = load_tokenizer(resolve_model_path(cfg.model.model))
+        alone = DistEnv(0, 0, 1, 1, torch.device("cpu"), "gloo")
+        for cache, built in prepare_caches(cfg.data, cfg.eval, tokenizer, alone):
+            print(cache.describe(built), flush=True)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
 def _quiet_known_noise() -> None:
     """Silence third-party messages that say nothing actionable to a user of this tool."""
     # bitsandbytes' optional CPU kernels package; the built-in CPU path is used instead.

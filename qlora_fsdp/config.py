@@ -115,12 +115,27 @@ class FSDPConfig:
 @dataclass
 class DataConfig:
     dataset: str = "alpaca_sample"
-    """alpaca, alpaca_sample, guanaco, sql, orca_math, dummy, or a local .json/.jsonl/.parquet file of alpaca rows
-    or chat rows (OpenAI 'messages' or ShareGPT 'conversations'); several, comma-separated, are concatenated."""
+    """alpaca, alpaca_sample, guanaco, sql, orca_math, dummy, or a local .json/.jsonl/.parquet file of alpaca,
+    chat (OpenAI 'messages' or ShareGPT 'conversations'), 'text' or 'prompt'/'completion' rows; several,
+    comma-separated, are concatenated."""
     dataset_samples: int = 0
     """Use only the first N rows of each dataset (0: all)."""
+    dataset_cache_dir: str = ""
+    """Where tokenized datasets are cached, shared by later runs and jobs (default: inside the Hugging Face datasets
+    cache, HF_DATASETS_CACHE/qlora-fsdp-tokenized)."""
+    dataset_num_proc: int = 0
+    """Processes that tokenize a dataset the first time (0: one per 5,000 rows, at most the CPUs and 16)."""
     context_length: int = 512
-    """Tokens per sample: longer rows are truncated, shorter ones padded."""
+    """Tokens per sample at most: longer samples are truncated (or split, with --packing_split)."""
+    pad_to_context: bool = False
+    """Pad every batch to --context_length (fixed shapes), not to its longest row rounded up to a multiple of 8
+    (--compile always pads to the context)."""
+    dataset_streaming: bool = False
+    """Read and tokenize rows as training goes (hub datasets too), row i on rank i % ranks, in the sources' order:
+    training starts at once, nothing is cached. Needs --max_steps; a resume re-reads the stream up to its step."""
+    group_by_length: bool = False
+    """Batch rows of similar length together (less padding); the order is still seeded and the same at every world
+    size for the same global batch."""
     batch_size: int = 1
     """Samples per rank per micro-step."""
     train_on_inputs: bool = False
@@ -131,8 +146,8 @@ class DataConfig:
     chat_template: str = ""
     """Jinja chat template file for chat data, replacing the tokenizer's own (needed when it has none)."""
     packing: bool = False
-    """Concatenate samples into rows of exactly --context_length (position ids restart and attention stops at
-    every sample), instead of one padded sample per row."""
+    """Concatenate samples into rows of up to --context_length (position ids restart and attention stops at every
+    sample), instead of one sample per row."""
     packing_split: bool = False
     """With --packing: split samples longer than --context_length into several instead of truncating them."""
 
@@ -400,6 +415,7 @@ def _check_ranges(cfg: TrainConfig) -> list[str]:
         (not 0 <= cfg.lora.lora_dropout < 1, "--lora_dropout must be in [0, 1)"),
         (not cfg.lora.lora_target_modules.strip(), "--lora_target_modules must be 'all' or layer names"),
         (cfg.data.dataset_samples < 0, "--dataset_samples must be >= 0"),
+        (cfg.data.dataset_num_proc < 0, "--dataset_num_proc must be >= 0 (0: automatic)"),
         (cfg.data.context_length < 8, "--context_length must be >= 8"),
         (cfg.data.batch_size < 1, "--batch_size must be >= 1"),
         (not 0 <= cfg.eval.eval_split < 1, "--eval_split must be in [0, 1)"),
@@ -452,6 +468,14 @@ def _check_combinations(cfg: TrainConfig) -> list[str]:
     if cfg.fsdp.fsdp_version == 1 and cfg.lora.train_type == "dora" and cfg.fsdp.precision == "mp_bf16":
         # FSDP1 keeps DoRA's quantized layers in their decoder layer's unit, whose parameters mp_bf16 casts.
         problems.append("--precision mp_bf16 with --train_type dora needs --fsdp_version 2")
+    if cfg.data.dataset_streaming:
+        for bad, flag in (
+            (not cfg.optim.max_steps, "--max_steps N (a stream has no length to count epochs by)"),
+            (cfg.eval.eval_split, "--eval_dataset instead of --eval_split (holding rows out needs the whole dataset)"),
+            (cfg.data.group_by_length, "no --group_by_length (grouping needs every row's length)"),
+        ):
+            if bad:
+                problems.append(f"--dataset_streaming true needs {flag}")
     if cfg.data.packing_split and not cfg.data.packing:
         problems.append("--packing_split splits samples into packed rows and needs --packing true")
     if cfg.eval.eval_dataset and cfg.eval.eval_split:

@@ -6,12 +6,16 @@ import datetime
 import gc
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
 from qlora_fsdp.errors import UserError
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -99,3 +103,31 @@ def gather_ints(value: int, env: DistEnv) -> list[int]:
     out = [torch.zeros((), dtype=torch.int64, device=env.device) for _ in range(env.world_size)]
     dist.all_gather(out, torch.tensor(value, dtype=torch.int64, device=env.device))
     return [int(t) for t in out]
+
+
+def leaders_first(work: Callable[[], T], env: DistEnv, *, timeout_s: float = 6 * 3600) -> T:
+    """`work()` on each node's local rank 0, then, once every leader is done, on the other ranks.
+
+    For work whose first run leaves its result on disk (a tokenized cache): the others then find it there. The
+    wait uses a gloo group of its own with a long timeout, since a first build may outlast the job's collective
+    timeout; a UserError on any leader is raised on every rank.
+    """
+    if env.world_size == 1 or not dist.is_initialized():
+        return work()
+    leader = env.local_rank == 0
+    outcome: tuple[bool, object] = (True, None)
+    if leader:
+        try:
+            outcome = (True, work())
+        except UserError as exc:
+            outcome = (False, str(exc))
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        outcomes: list[tuple[bool, object] | None] = [None] * env.world_size
+        dist.all_gather_object(outcomes, (outcome[0], None if outcome[0] else outcome[1]), group=group)
+    finally:
+        dist.destroy_process_group(group)
+    failed = next((message for ok, message in outcomes if not ok), None)
+    if failed is not None:
+        raise UserError(str(failed))
+    return outcome[1] if leader else work()  # type: ignore[return-value]

@@ -36,7 +36,7 @@ def evaluate(
     """Sum the loss and count the label tokens of this rank's rows, add both over ranks, divide once.
 
     `loss_sum(batch)` is the training forward (the summed cross-entropy of a batch). Each rank's shard holds every
-    row once across ranks (loader.eval_shard), and one float64 all-reduce of (sum, count) makes the mean exact: a
+    row once across ranks (data.loader.EvalShard), and one float64 all-reduce of (sum, count) makes the mean exact: a
     mean of per-rank means would weight ranks, not tokens. `model.eval()` turns LoRA dropout off; no_grad keeps no
     activations. The quantized layers' forwards are the training ones and never rewrite their weights (unlike
     bitsandbytes' Linear4bit, which repacks its weight in place in eval mode on some CPUs), so the training that

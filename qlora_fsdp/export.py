@@ -371,9 +371,7 @@ def _bnb_quantization(backend: QuantBackend, skeleton: Skeleton) -> dict[str, An
     ).to_dict()
 
 
-def _export_bnb(
-    skeleton: Skeleton, backend: QuantBackend, staging: Path, param_dtype: torch.dtype, base: Base
-) -> None:
+def _export_bnb(skeleton: Skeleton, backend: QuantBackend, staging: Path, param_dtype: torch.dtype, base: Base) -> None:
     """Safetensors shards in transformers' pre-quantized 4-bit layout, with the quantization in config.json."""
     writer = ShardWriter(staging)
     in_checkpoint = _checkpoint_names(skeleton)
@@ -394,9 +392,7 @@ def _export_bnb(
     _save_config(skeleton, staging, dtype=param_dtype, quantization=_bnb_quantization(backend, skeleton))
 
 
-def _export_hqq(
-    skeleton: Skeleton, backend: QuantBackend, staging: Path, param_dtype: torch.dtype, base: Base
-) -> None:
+def _export_hqq(skeleton: Skeleton, backend: QuantBackend, staging: Path, param_dtype: torch.dtype, base: Base) -> None:
     """HQQ's own format: qmodel.pt, {module name: its state dict} (HQQ's layout for quantized layers), and
     config.json, which `AutoHQQHFModel.from_quantized` reads. One file, as HQQ's loader wants: it holds the whole
     quantized model, so this is the one output not written shard by shard."""

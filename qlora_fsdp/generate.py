@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from qlora_fsdp.config import PROMPT_STYLES, GenerateConfig, TrainConfig
-from qlora_fsdp.data import format_prompt
+from qlora_fsdp.data.formats import format_prompt
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.export import HQQ_WEIGHTS, check_adapter, read_adapter, training_backend, training_base
 from qlora_fsdp.fsdp import PRECISIONS, quant_compute_dtype

@@ -34,6 +34,8 @@ from qlora_fsdp.checkpoint import (
 )
 from qlora_fsdp.config import OptimConfig, OutputConfig, TrainConfig, profile_window
 from qlora_fsdp.data import IGNORE_INDEX
+from qlora_fsdp.data.loader import build_loaders
+from qlora_fsdp.data.rows import FLASH_ATTENTION, attention_implementation, model_inputs
 from qlora_fsdp.distributed import DistEnv, broadcast_object, gather_ints, init_distributed, teardown
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.evaluate import evaluate
@@ -46,7 +48,6 @@ from qlora_fsdp.fsdp import (
     quant_compute_dtype,
     verify_packed,
 )
-from qlora_fsdp.loader import build_dataloader, build_eval_loader
 from qlora_fsdp.lora import adapter_keys, init_adapters, inject_lora, lora_layers, prepare_full_finetune
 from qlora_fsdp.loss import CausalLMLoss
 from qlora_fsdp.manifest import LayerDigests, Manifest, training_manifest
@@ -59,7 +60,6 @@ from qlora_fsdp.model import (
     stream_weights,
 )
 from qlora_fsdp.optim import build_optimizer, build_scheduler
-from qlora_fsdp.packing import FLASH_ATTENTION, attention_implementation, model_inputs
 from qlora_fsdp.quant import make_backend
 from qlora_fsdp.quant.base import QuantizedLinear
 
@@ -160,7 +160,8 @@ def run(cfg: TrainConfig) -> TrainResult:
 # meaning of the saved adapter and optimizer shards. Refused with the flag's name if they differ.
 MUST_MATCH_ON_RESUME = (
     "dataset", "dataset_samples", "context_length", "batch_size", "gradient_accumulation_steps", "seed",
-    "prompt_style", "train_on_inputs", "packing", "packing_split", "eval_split",
+    "prompt_style", "train_on_inputs", "packing", "packing_split", "eval_split", "group_by_length",
+    "dataset_streaming",
     "train_type", "quant", "bnb_quant_type", "bnb_double_quant", "hqq_bits",
     "hqq_group_size", "compute_dtype", "lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "precision",
     "fsdp_version", "sharding_strategy", "shard_group_size", "optimizer", "chat_template",
@@ -229,9 +230,10 @@ def _run(
     precision = PRECISIONS[cfg.fsdp.precision]
     torch.manual_seed(cfg.optim.seed)
     tokenizer = load_tokenizer(model_path)
-    loader = build_dataloader(cfg.data, tokenizer, env, seed=cfg.optim.seed, eval_split=cfg.eval.eval_split)
-    eval_loader = build_eval_loader(cfg.data, cfg.eval, tokenizer, env, seed=cfg.optim.seed)
-    total_steps = _total_steps(cfg.optim, len(loader))
+    loader, eval_loader = build_loaders(
+        cfg.data, cfg.eval, tokenizer, env, seed=cfg.optim.seed, fixed_shapes=cfg.fsdp.compile
+    )
+    total_steps = cfg.optim.max_steps or _epoch_steps(cfg.optim, len(loader))  # a stream has no length
     attention = attention_implementation(packing=cfg.data.packing, device=env.device, dtype=precision.compute_dtype)
     varlen = attention == FLASH_ATTENTION
     built = _build_model(cfg, env, model_path, precision, attention=attention)
@@ -430,9 +432,7 @@ def _save_final(built: _Built, output_dir: Path, *, env: DistEnv) -> str:
     return f"model saved to {output_dir.resolve()}"
 
 
-def _total_steps(cfg: OptimConfig, micro_batches_per_epoch: int) -> int:
-    if cfg.max_steps:
-        return cfg.max_steps
+def _epoch_steps(cfg: OptimConfig, micro_batches_per_epoch: int) -> int:
     steps = cfg.num_epochs * (micro_batches_per_epoch // cfg.gradient_accumulation_steps)
     if steps < 1:
         raise UserError(
@@ -445,9 +445,11 @@ def _total_steps(cfg: OptimConfig, micro_batches_per_epoch: int) -> int:
 def _micro_batches(
     loader: torch.utils.data.DataLoader, *, epoch: int, skip: int
 ) -> Iterator[tuple[int, int, dict[str, torch.Tensor]]]:
-    """(epoch, index in epoch, batch) forever from a data position; each epoch reshuffles via the sampler."""
+    """(epoch, index in epoch, batch) forever from a data position; each epoch reshuffles via the sampler (a stream,
+    which has none, is one endless epoch)."""
     while True:
-        loader.sampler.set_epoch(epoch)
+        if hasattr(loader.sampler, "set_epoch"):
+            loader.sampler.set_epoch(epoch)
         for index, batch in enumerate(loader):
             if index >= skip:
                 yield epoch, index, batch
@@ -524,13 +526,13 @@ def train_loop(
             [
                 sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for _, _, b in micro),
                 sum(int(b["attention_mask"].sum()) for _, _, b in micro),
+                sum(b["input_ids"].numel() for _, _, b in micro),  # each rank pads its batches to their own width
             ],
             dtype=torch.float64,
             device=env.device,
         )
         dist.all_reduce(counts)
-        label_tokens, input_tokens = counts.tolist()
-        row_tokens = sum(b["input_ids"].numel() for _, _, b in micro) * env.world_size
+        label_tokens, input_tokens, row_tokens = counts.tolist()
         loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
         if profiler is not None:
             profiler.before_step(state.step + 1)
@@ -675,6 +677,6 @@ def _forward_loss_sum(
     model: nn.Module, batch: dict[str, torch.Tensor], *, env: DistEnv, precision: Precision, varlen: bool = False
 ) -> torch.Tensor:
     """The batch's summed loss over its label tokens, from the root (CausalLMLoss) that FSDP wraps; a packed batch
-    goes with position_ids and no attention mask (see qlora_fsdp/packing.py)."""
+    goes with position_ids and no attention mask (see qlora_fsdp/data/rows.py)."""
     with _autocast(precision, env.device):
         return model(**model_inputs(batch, env.device, varlen=varlen))

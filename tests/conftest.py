@@ -19,6 +19,8 @@ DATASET = REPO_ROOT / "data" / "alpaca_tiny.jsonl"
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 # FSDP2 of torch 2.12+ shards uint8 parameters; older ones get the float view by default (qlora_fsdp/fsdp2.py).
 UINT8_FSDP2 = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 12)
+# Tokenized caches of a test session stay in a directory of its own (launched CLIs inherit it), not the user's.
+os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="qlora-test-datasets-"))
 
 
 # The longest test files (several multi-process launches each) first: pytest-xdist hands whole files to its workers

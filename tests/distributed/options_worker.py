@@ -21,10 +21,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from qlora_fsdp.config import PRECISIONS, TrainConfig, build_config
+from qlora_fsdp.data.loader import build_loaders
 from qlora_fsdp.distributed import DistEnv, init_distributed, teardown
 from qlora_fsdp.fsdp import PRECISIONS as MODES
 from qlora_fsdp.fsdp import quant_compute_dtype
-from qlora_fsdp.loader import build_dataloader
 from qlora_fsdp.lora import init_adapters, inject_lora, lora_layers, prepare_full_finetune
 from qlora_fsdp.metrics import read_metrics
 from qlora_fsdp.model import build_skeleton, expanded_layer_prefixes, load_tokenizer, stream_weights
@@ -117,11 +117,15 @@ class SavedBytes:
 
 def first_global_batch(cfg: TrainConfig, world_size: int) -> dict[str, torch.Tensor]:
     """The rows of step 1: what one rank with batch world x batch x accumulation draws first (the data design every
-    rank relies on)."""
+    rank relies on). Padded to the longest of them, not to each rank's own longest: right padding under the
+    attention mask changes nothing the loss sees."""
     env = DistEnv(0, 0, 1, 1, torch.device("cpu"), "gloo")
     data = dict(vars(cfg.data), batch_size=cfg.data.batch_size * world_size * cfg.optim.gradient_accumulation_steps)
     tokenizer = load_tokenizer(Path(cfg.model.model))
-    return next(iter(build_dataloader(type(cfg.data)(**data), tokenizer, env, seed=cfg.optim.seed)))
+    loader, _ = build_loaders(
+        type(cfg.data)(**data), cfg.eval, tokenizer, env, seed=cfg.optim.seed, fixed_shapes=cfg.fsdp.compile
+    )
+    return next(iter(loader))
 
 
 def unsharded_model(cfg: TrainConfig) -> torch.nn.Module:

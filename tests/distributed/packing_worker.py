@@ -22,10 +22,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from qlora_fsdp.config import TrainConfig, build_config, replace
+from qlora_fsdp.data.rows import model_inputs
 from qlora_fsdp.distributed import init_distributed, teardown
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.metrics import read_metrics
-from qlora_fsdp.packing import model_inputs
 from qlora_fsdp.trainer import run
 from tests.distributed.options_worker import first_global_batch, unsharded_model
 

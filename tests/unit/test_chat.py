@@ -1,5 +1,5 @@
-"""Chat data (qlora_fsdp.chat through qlora_fsdp.data): formats, detection, the assistant-only label mask on three
-chat templates, row errors, and dataset mixtures.
+"""Chat data (qlora_fsdp.data.chat through qlora_fsdp.data): formats, detection, the assistant-only label mask on
+three chat templates, row errors, and dataset mixtures.
 
 The mask is checked against the tokenizer, not against the code's own rendering: the labelled tokens of each reply
 must decode to the reply as the template writes it plus its end-of-turn token, and must be the tokens the tokenizer
@@ -17,12 +17,15 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from qlora_fsdp.chat import Conversation
-from qlora_fsdp.config import DataConfig
-from qlora_fsdp.data import IGNORE_INDEX, Example, load_examples, load_sources, tokenize_examples
+from qlora_fsdp.config import DataConfig, EvalConfig
+from qlora_fsdp.data import IGNORE_INDEX
+from qlora_fsdp.data.chat import Conversation
+from qlora_fsdp.data.formats import Example, load_examples, pad_token_id, special_prefix
+from qlora_fsdp.data.loader import build_loaders
+from qlora_fsdp.data.rows import PAD_MULTIPLE, collate, fit_examples
+from qlora_fsdp.data.sources import read_rows, source_names
 from qlora_fsdp.distributed import DistEnv
 from qlora_fsdp.errors import UserError
-from qlora_fsdp.loader import build_dataloader
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "data" / "chat_templates"
 LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
@@ -70,6 +73,12 @@ def chatml(smollm2: Path):
     return AutoTokenizer.from_pretrained(smollm2)
 
 
+def _train_loader(cfg: DataConfig, tokenizer):
+    """The training loader of one CPU rank, without evaluation."""
+    loader, _ = build_loaders(cfg, EvalConfig(), tokenizer, _cpu_env(), seed=0)
+    return loader
+
+
 def _tokenizer(smollm2: Path, template: str):
     tok = AutoTokenizer.from_pretrained(smollm2)
     if template == "llama3_style":
@@ -84,11 +93,11 @@ def _write_jsonl(path: Path, rows: list) -> Path:
     return path
 
 
-def _labelled_runs(item: dict[str, torch.Tensor]) -> list[list[int]]:
-    """The token ids of each maximal run of labelled positions."""
+def _labelled_runs(sample: tuple[list[int], list[int]]) -> list[list[int]]:
+    """The token ids of each maximal run of labelled positions of an (input_ids, labels) sample."""
     runs: list[list[int]] = []
     previous = False
-    for token, label in zip(item["input_ids"].tolist(), item["labels"].tolist(), strict=True):
+    for token, label in zip(*sample, strict=True):
         labelled = label != IGNORE_INDEX
         if labelled:
             assert label == token  # a label is the token at its position; the loss shifts it
@@ -108,15 +117,15 @@ def test_labels_are_exactly_the_assistant_replies_and_end_of_turn(smollm2: Path,
     eot, *replies = EXPECTED_REPLIES[template]
     path = _write_jsonl(tmp_path / "chat.jsonl", [SYSTEM_AND_TWO_TURNS, REASONING_NO_SYSTEM])
     examples = load_examples(str(path))
-    items, stats = tokenize_examples(examples, tok, context_length=160, train_on_inputs=False)
+    items, stats = fit_examples(examples, tok, context_length=160, train_on_inputs=False)
     assert len(items) == 2 and stats.truncated == 0 and stats.dropped == 0
+    assert special_prefix(tok) == []  # SmolLM2's tokenizer adds no BOS: the rendering is the whole sequence
 
     expected_label_tokens = 0
     for item, row, row_replies in zip(items, [SYSTEM_AND_TWO_TURNS, REASONING_NO_SYSTEM], replies, strict=True):
-        n_real = int(item["attention_mask"].sum())
         # The row is the template's rendering, tokenized whole (system prompt and all) ...
         rendered = tok.apply_chat_template(row["messages"], tokenize=False)
-        assert tok.decode(item["input_ids"][:n_real]) == rendered
+        assert tok.decode(item[0]) == rendered
         runs = _labelled_runs(item)
         # ... and its labels are each reply as written in that rendering, with the end-of-turn token.
         assert [tok.decode(run) for run in runs] == [reply + eot for reply in row_replies]
@@ -125,19 +134,25 @@ def test_labels_are_exactly_the_assistant_replies_and_end_of_turn(smollm2: Path,
         expected_label_tokens += sum(len(run) for run in runs)
         if template == "qwen_style":  # an inserted block the mask must leave out
             assert f"<think>\n\n</think>\n\n{row_replies[-1]}<|im_end|>" in rendered
-    assert stats.total_label_tokens == expected_label_tokens
+    assert stats.label_tokens == expected_label_tokens  # no reply starts a sample: every labelled token counts
 
 
 @pytest.mark.parametrize("template", list(EXPECTED_REPLIES))
 def test_train_on_inputs_labels_every_real_token(smollm2: Path, template: str) -> None:
     tok = _tokenizer(smollm2, template)
     conv = Conversation(tuple((m["role"], m["content"]) for m in REASONING_NO_SYSTEM["messages"]))
-    (item,), stats = tokenize_examples([conv], tok, context_length=160, train_on_inputs=True)
-    n_real = int(item["attention_mask"].sum())
-    assert n_real < 160
-    assert item["labels"][:n_real].tolist() == item["input_ids"][:n_real].tolist()
-    assert (item["labels"][n_real:] == IGNORE_INDEX).all()
-    assert stats.total_label_tokens == n_real - 1  # nothing predicts position 0
+    ((ids, labels),), stats = fit_examples([conv], tok, context_length=160, train_on_inputs=True)
+    n_real = len(ids)
+    assert n_real < 160 and stats.truncated == 0
+    assert labels == ids
+    assert stats.label_tokens == n_real - 1  # nothing predicts position 0
+    # A batch pads the row to a multiple of 8 tokens, and the padding is neither learned nor attended to.
+    pad = pad_token_id(tok)
+    batch = collate([{"input_ids": ids, "labels": labels}], pad_id=pad, context_length=160, pad_to_context=False)
+    assert batch["input_ids"].shape == (1, -(-n_real // PAD_MULTIPLE) * PAD_MULTIPLE)
+    assert (batch["input_ids"][0, n_real:] == pad).all()
+    assert batch["labels"][0, :n_real].tolist() == ids and (batch["labels"][0, n_real:] == IGNORE_INDEX).all()
+    assert batch["attention_mask"][0].tolist() == [1] * n_real + [0] * (batch["input_ids"].shape[1] - n_real)
 
 
 def test_template_text_built_from_the_reply_is_learned_with_it(smollm2: Path) -> None:
@@ -152,19 +167,19 @@ def test_template_text_built_from_the_reply_is_learned_with_it(smollm2: Path) ->
         "{% else %}{{ m['content'] }}{% endif %}{{ '<|im_end|>\\n' }}{% endfor %}"
     )
     conv = Conversation((("user", "What is 2+2?"), ("assistant", "<think>Two and two.</think>Four.")))
-    (item,), _ = tokenize_examples([conv], tok, context_length=96, train_on_inputs=False)
-    assert "<|im_start|>assistant\n<think>\nTwo and two.\n</think>\n\nFour.<|im_end|>" in tok.decode(item["input_ids"])
+    (item,), _ = fit_examples([conv], tok, context_length=96, train_on_inputs=False)
+    assert "<|im_start|>assistant\n<think>\nTwo and two.\n</think>\n\nFour.<|im_end|>" in tok.decode(item[0])
     assert [tok.decode(run) for run in _labelled_runs(item)] == ["Two and two.\n</think>\n\nFour.<|im_end|>"]
 
 
 def test_truncated_reply_keeps_the_labels_that_fit(chatml) -> None:
     conv = Conversation((("user", "Count."), ("assistant", "one two three four five six seven eight nine ten")))
-    (full,), _ = tokenize_examples([conv], chatml, context_length=128, train_on_inputs=False)
-    n_real = int(full["attention_mask"].sum())
-    (cut,), stats = tokenize_examples([conv], chatml, context_length=n_real - 4, train_on_inputs=False)
+    ((full_ids, full_labels),), _ = fit_examples([conv], chatml, context_length=128, train_on_inputs=False)
+    n_real = len(full_ids)
+    ((ids, labels),), stats = fit_examples([conv], chatml, context_length=n_real - 4, train_on_inputs=False)
     assert stats.truncated == 1
-    assert cut["input_ids"].tolist() == full["input_ids"][: n_real - 4].tolist()
-    assert cut["labels"].tolist() == full["labels"][: n_real - 4].tolist()
+    assert ids == full_ids[: n_real - 4]
+    assert labels == full_labels[: n_real - 4]
 
 
 # --- formats and detection ---------------------------------------------------------------------------------------
@@ -210,16 +225,16 @@ def test_chat_rows_are_detected_beside_alpaca_rows_and_style_chat_renders_alpaca
 
     forced, _ = load_examples(path, prompt_style="chat")
     assert forced == Conversation((("user", "Add the numbers.\n\n2 and 3"), ("assistant", "5")))
-    (item,), _ = tokenize_examples([forced], chatml, context_length=96, train_on_inputs=False)
+    (item,), _ = fit_examples([forced], chatml, context_length=96, train_on_inputs=False)
     assert [chatml.decode(run) for run in _labelled_runs(item)] == ["5<|im_end|>"]
-    assert "<|im_start|>user\nAdd the numbers.\n\n2 and 3<|im_end|>" in chatml.decode(item["input_ids"])
+    assert "<|im_start|>user\nAdd the numbers.\n\n2 and 3<|im_end|>" in chatml.decode(item[0])
 
 
 def test_chat_template_flag_replaces_the_tokenizers_template(tmp_path: Path, smollm2: Path) -> None:
     tok = AutoTokenizer.from_pretrained(smollm2)
     path = str(_write_jsonl(tmp_path / "chat.jsonl", [SYSTEM_AND_TWO_TURNS] * 2))
     cfg = DataConfig(dataset=path, context_length=128, chat_template=str(TEMPLATES / "qwen_style.jinja"))
-    batch = next(iter(build_dataloader(cfg, tok, _cpu_env(), seed=0)))
+    batch = next(iter(_train_loader(cfg, tok)))
     assert "<think>\n\n</think>\n\nRome." in tok.decode(batch["input_ids"][0])
 
 
@@ -227,10 +242,13 @@ def test_chat_template_flag_replaces_the_tokenizers_template(tmp_path: Path, smo
 
 
 def _one_line_error(path: Path, tokenizer=None, **kwargs) -> str:
-    """The UserError that loading (and, given a tokenizer, tokenizing) the file raises, checked to be one line."""
+    """The UserError that loading the file raises (given a tokenizer: that building a training loader from it raises,
+    through the tokenized cache), checked to be one line."""
     with pytest.raises(UserError) as info:
-        examples = load_examples(str(path), **kwargs)
-        tokenize_examples(examples, tokenizer, context_length=128, train_on_inputs=False)
+        if tokenizer is None:
+            load_examples(str(path), **kwargs)
+        else:
+            _train_loader(DataConfig(dataset=str(path), context_length=128, **kwargs), tokenizer)
     message = str(info.value)
     assert "\n" not in message
     return message
@@ -283,10 +301,10 @@ def test_bad_chat_template_file_names_file_and_line(tmp_path: Path, chatml) -> N
     bad.write_text("{% for m in messages %}\n{{ m.content }\n{% endfor %}")
     path = _write_jsonl(tmp_path / "chat.jsonl", [SYSTEM_AND_TWO_TURNS])
     with pytest.raises(UserError, match=rf"--chat_template {bad} line 2: not a valid Jinja template"):
-        build_dataloader(DataConfig(dataset=str(path), chat_template=str(bad)), chatml, _cpu_env(), seed=0)
+        _train_loader(DataConfig(dataset=str(path), chat_template=str(bad)), chatml)
     missing = DataConfig(dataset=str(path), chat_template=str(tmp_path / "missing.jinja"))
     with pytest.raises(UserError, match=r"--chat_template .*missing\.jinja: cannot read the file"):
-        build_dataloader(missing, chatml, _cpu_env(), seed=0)
+        _train_loader(missing, chatml)
 
 
 def test_template_that_refuses_a_conversation_names_the_row(tmp_path: Path, smollm2: Path) -> None:
@@ -304,10 +322,10 @@ def test_conversations_without_assistant_turn_are_dropped_and_counted(tmp_path: 
     unanswered = {"messages": [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Hello?"}]}
     path = _write_jsonl(tmp_path / "chat.jsonl", [SYSTEM_AND_TWO_TURNS, unanswered, REASONING_NO_SYSTEM])
     for train_on_inputs in (False, True):
-        items, stats = tokenize_examples(
+        items, stats = fit_examples(
             load_examples(str(path)), chatml, context_length=160, train_on_inputs=train_on_inputs
         )
-        assert (stats.rows, stats.dropped, len(items)) == (3, 1, 2)
+        assert (stats.rows, stats.dropped, stats.samples, len(items)) == (3, 1, 2, 2)
     only_unanswered = _write_jsonl(tmp_path / "none.jsonl", [unanswered, unanswered])
     message = _one_line_error(only_unanswered, chatml)
     assert "all 2 rows were dropped: no conversation has an assistant turn" in message
@@ -323,22 +341,30 @@ def test_mixture_concatenates_sources_and_logs_per_source_counts(
     first = _write_jsonl(tmp_path / "a.jsonl", alpaca)
     second = _write_jsonl(tmp_path / "b.jsonl", [SYSTEM_AND_TWO_TURNS, REASONING_NO_SYSTEM, SYSTEM_AND_TWO_TURNS])
     dataset = f"{first},{second}"
-    sources = load_sources(dataset)
-    assert [(name, len(examples)) for name, examples in sources] == [(str(first), 5), (str(second), 3)]
+    assert source_names(dataset) == [str(first), str(second)]
+    assert [len(list(read_rows(name))) for name in source_names(dataset)] == [5, 3]
     assert load_examples(dataset) == load_examples(str(first)) + load_examples(str(second))
     # --dataset_samples applies to each source; a named dataset mixes with files.
-    assert [len(e) for _, e in load_sources(f"dummy, {second}", samples=2)] == [2, 2]
+    mixed = f"dummy, {second}"
+    assert source_names(mixed) == ["dummy", str(second)]
+    assert [len(list(read_rows(name, samples=2))) for name in source_names(mixed)] == [2, 2]
+    assert load_examples(mixed, samples=2) == load_examples("dummy", samples=2) + load_examples(str(second))[:2]
 
     cfg = DataConfig(dataset=dataset, context_length=160, batch_size=2)
-    with caplog.at_level(logging.INFO, logger="qlora_fsdp.loader"):
-        loader = build_dataloader(cfg, chatml, _cpu_env(), seed=0)
+    with caplog.at_level(logging.INFO, logger="qlora_fsdp.data.loader"):
+        loader = _train_loader(cfg, chatml)
     assert len(loader) == 4  # 8 rows, batch 2
-    assert f"dataset {dataset}: 8 rows ({first}: 5, {second}: 3)," in caplog.text
+    assert re.search(
+        rf"dataset {re.escape(dataset)}: tokenized cache (built|reused) .*: 8 examples "
+        rf"\({re.escape(str(first))}: 5, {re.escape(str(second))}: 3\),",
+        caplog.text,
+    ), caplog.text
+    assert "training rows: 8 rows, 0 truncated at 160 tokens, 0 dropped" in caplog.text
 
 
 def test_mixture_with_an_empty_name_is_an_error(tmp_path: Path) -> None:
     path = _write_jsonl(tmp_path / "a.jsonl", [SYSTEM_AND_TWO_TURNS])
     with pytest.raises(UserError, match="empty name in the comma-separated list"):
-        load_sources(f"{path},")
+        source_names(f"{path},")
     with pytest.raises(UserError, match=r"--dataset .*nope\.jsonl: no such file"):
-        load_sources(f"{path},{tmp_path / 'nope.jsonl'}")
+        load_examples(f"{path},{tmp_path / 'nope.jsonl'}")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from qlora_fsdp.data import Example, format_prompt, load_examples
+from qlora_fsdp.data.formats import Example, format_prompt, load_examples
 from scripts.make_dataset import generate_rows
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -5,6 +5,7 @@ Agreement across ranks is tested on real 2-rank jobs (tests/distributed/test_pac
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,9 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from qlora_fsdp.data import IGNORE_INDEX
+from qlora_fsdp.data.loader import EvalShard
+from qlora_fsdp.data.rows import collate
 from qlora_fsdp.distributed import DistEnv
 from qlora_fsdp.evaluate import evaluate
-from qlora_fsdp.loader import eval_shard
 
 VOCAB = 11
 
@@ -49,52 +51,54 @@ def loss_sum(model: Toy, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     )
 
 
-def rows(labelled: list[int], length: int = 9) -> list[dict[str, torch.Tensor]]:
-    """Rows with the given numbers of label tokens (the rest -100)."""
+def rows(labelled: list[int], length: int = 9) -> list[dict[str, list[int]]]:
+    """Rows as the data path stores them (unpadded lists) with the given numbers of label tokens (the rest -100)."""
     gen = torch.Generator().manual_seed(1)
     out = []
     for n in labelled:
-        ids = torch.randint(0, VOCAB, (length,), generator=gen)
-        labels = torch.full((length,), IGNORE_INDEX)
-        labels[length - n :] = ids[length - n :]
-        out.append({"input_ids": ids, "labels": labels})
+        ids = torch.randint(0, VOCAB, (length,), generator=gen).tolist()
+        out.append({"input_ids": ids, "labels": [IGNORE_INDEX] * (length - n) + ids[length - n :]})
     return out
+
+
+def loader(items, batch_size: int = 2) -> torch.utils.data.DataLoader:
+    """Batches padded as the training loaders pad them."""
+    pad = functools.partial(collate, pad_id=0, context_length=16, pad_to_context=False)
+    return torch.utils.data.DataLoader(items, batch_size, collate_fn=pad)
 
 
 def test_loss_is_token_weighted_with_dropout_off_and_the_mode_restored(group: None) -> None:
     model = Toy()
     items = rows([8, 1, 1, 2, 8])  # batches of very different label counts: a mean of batch means would differ
-    loader = torch.utils.data.DataLoader(eval_shard(items, DistEnv(0, 0, 1, 1, torch.device("cpu"), "gloo"), 2), 2)
+    shard = EvalShard(items, DistEnv(0, 0, 1, 1, torch.device("cpu"), "gloo"), 2)
+    assert len(shard) == 6 and set(shard[5]["labels"]) == {IGNORE_INDEX}  # filled to whole batches, with a blank row
+    batches = loader(shard)
 
     model.train()
-    result = evaluate(model, loader, loss_sum=lambda b: loss_sum(model, b), device=torch.device("cpu"))
+    result = evaluate(model, batches, loss_sum=lambda b: loss_sum(model, b), device=torch.device("cpu"))
 
     assert model.training, "evaluate must hand the model back in training mode"
     assert all(p.grad is None for p in model.parameters())
     model.eval()
+    tensors = [{k: torch.tensor(v) for k, v in r.items()} for r in items]
     with torch.no_grad():
         per_token = [
-            F.cross_entropy(model(r["input_ids"][None])[0, :-1], r["labels"][1:], reduction="none") for r in items
+            F.cross_entropy(model(r["input_ids"][None])[0, :-1], r["labels"][1:], reduction="none") for r in tensors
         ]
-    expected = torch.cat([t[r["labels"][1:] != IGNORE_INDEX] for t, r in zip(per_token, items, strict=True)])
+    expected = torch.cat([t[r["labels"][1:] != IGNORE_INDEX] for t, r in zip(per_token, tensors, strict=True)])
     assert result.tokens == expected.numel() == 20
     assert result.loss == pytest.approx(expected.double().mean().item(), rel=1e-6)
     assert result.perplexity == pytest.approx(torch.exp(expected.double().mean()).item(), rel=1e-6)
-    batch_means = [loss_sum(model, b).item() / int((b["labels"][:, 1:] != -100).sum()) for b in loader]
+    batch_means = [loss_sum(model, b).item() / int((b["labels"][:, 1:] != -100).sum()) for b in batches]
     assert abs(sum(batch_means) / len(batch_means) - result.loss) > 1e-3, "the data should tell the two means apart"
 
 
 def test_blank_rows_add_nothing(group: None, tmp_path: Path) -> None:
     model = Toy()
     items = rows([3, 5, 2])
-    blank = {**items[0], "labels": torch.full_like(items[0]["labels"], IGNORE_INDEX)}
+    blank = {**items[0], "labels": [IGNORE_INDEX] * len(items[0]["labels"])}
     results = [
-        evaluate(
-            model,
-            torch.utils.data.DataLoader(data, 2),
-            loss_sum=lambda b: loss_sum(model, b),
-            device=torch.device("cpu"),
-        )
+        evaluate(model, loader(data), loss_sum=lambda b: loss_sum(model, b), device=torch.device("cpu"))
         for data in (items, [*items, blank, blank, blank])
     ]
     assert results[0] == results[1]

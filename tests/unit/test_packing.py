@@ -1,4 +1,5 @@
-"""qlora_fsdp.packing: what packed rows hold, splitting, and attention that stops at every sample boundary."""
+"""qlora_fsdp.data.rows: what packed rows hold, splitting, per-batch padding, and attention that stops at every
+sample boundary."""
 
 from __future__ import annotations
 
@@ -6,13 +7,23 @@ import math
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
-from torch.utils.data import default_collate
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from qlora_fsdp.data import IGNORE_INDEX, encode_examples, learned_tokens, load_examples
-from qlora_fsdp.packing import assign_rows, fit_samples, model_inputs, pack_examples
+from qlora_fsdp.data import IGNORE_INDEX
+from qlora_fsdp.data.formats import encode_examples, learned_tokens, load_examples, pad_token_id
+from qlora_fsdp.data.rows import (
+    PAD_MULTIPLE,
+    PackedRows,
+    assign_rows,
+    build_rows,
+    collate,
+    fit_examples,
+    fit_sample,
+    model_inputs,
+)
 from tests.conftest import DATASET
 
 CPU = torch.device("cpu")
@@ -34,51 +45,78 @@ def segments(row: dict[str, torch.Tensor]) -> list[tuple[int, int]]:
     return list(zip(starts, [*starts[1:], len(row["position_ids"])], strict=True))
 
 
+def pack(examples, tokenizer, *, context_length: int) -> tuple[PackedRows, str, int]:
+    """The examples' samples packed into rows (unpadded), the log line on how full they are, and the label tokens."""
+    samples, stats = fit_examples(examples, tokenizer, context_length=context_length, train_on_inputs=False)
+    lengths = np.array([len(ids) for ids, _ in samples], dtype=np.int64)
+    rows, line = build_rows(samples, np.arange(len(samples)), lengths, context_length=context_length, packing=True)
+    assert isinstance(rows, PackedRows)
+    return rows, line, stats.label_tokens
+
+
+def padded(rows, tokenizer, *, context_length: int, pad_to_context: bool = False) -> dict[str, torch.Tensor]:
+    return collate(
+        list(rows), pad_id=pad_token_id(tokenizer), context_length=context_length, pad_to_context=pad_to_context
+    )
+
+
 def test_rows_hold_every_sample_once_with_restarting_positions(tokenizer, examples) -> None:
     context = 256
     samples = encode_examples(examples, tokenizer, train_on_inputs=False)
     assert max(len(ids) for ids, _ in samples) <= context  # nothing to truncate here
-    items, stats = pack_examples(examples, tokenizer, context_length=context, train_on_inputs=False, split=False)
-
-    seen = []
-    for row in items:
-        assert all(t.shape == (context,) and t.dtype == torch.long for t in row.values())
-        for start, end in segments(row):
-            ids, labels = row["input_ids"][start:end].tolist(), row["labels"][start:end].tolist()
-            assert row["position_ids"][start:end].tolist() == list(range(end - start))
-            # Nothing is learned at a sample's first token: no label is predicted across a boundary.
-            assert labels[0] == IGNORE_INDEX
-            if row["attention_mask"][start:end].all():
-                seen.append((ids, labels[1:]))
-            else:  # the padding at the end of the row: a segment of its own, never learned
-                assert not row["attention_mask"][start:end].any() and end == context
-                assert set(labels) == {IGNORE_INDEX}
-    assert sorted(seen) == sorted((ids, labels[1:]) for ids, labels in samples)
-
-    labelled = sum(int((row["labels"] != IGNORE_INDEX).sum()) for row in items)
-    assert labelled == stats.total_label_tokens == sum(learned_tokens(labels) for _, labels in samples)
+    rows, line, label_tokens = pack(examples, tokenizer, context_length=context)
     real = sum(len(ids) for ids, _ in samples)
-    assert stats.efficiency == real / (len(items) * context)
-    assert len(items) < len(samples) / 3  # the short bundled rows really share rows
+    assert sum(len(rows[i]["input_ids"]) for i in range(len(rows))) == real  # rows are stored unpadded
+    assert int(rows.lengths.sum()) == real
+
+    # Each row as a batch of its own (padded to its length rounded up to a multiple of 8), and every row padded to
+    # the context (--pad_to_context): the padding is a segment of its own either way.
+    for pad_to_context in (False, True):
+        seen = []
+        labelled = 0
+        for i in range(len(rows)):
+            batch = padded([rows[i]], tokenizer, context_length=context, pad_to_context=pad_to_context)
+            row = {k: v[0] for k, v in batch.items()}
+            n_real = len(rows[i]["input_ids"])
+            width = context if pad_to_context else min(context, -(-n_real // PAD_MULTIPLE) * PAD_MULTIPLE)
+            assert all(t.shape == (width,) and t.dtype == torch.long for t in row.values())
+            labelled += int((row["labels"] != IGNORE_INDEX).sum())
+            for start, end in segments(row):
+                ids, labels = row["input_ids"][start:end].tolist(), row["labels"][start:end].tolist()
+                assert row["position_ids"][start:end].tolist() == list(range(end - start))
+                # Nothing is learned at a sample's first token: no label is predicted across a boundary.
+                assert labels[0] == IGNORE_INDEX
+                if row["attention_mask"][start:end].all():
+                    seen.append((ids, labels[1:]))
+                else:  # the padding at the end of the row: a segment of its own, never learned
+                    assert not row["attention_mask"][start:end].any() and start == n_real and end == width
+                    assert set(labels) == {IGNORE_INDEX}
+        assert sorted(seen) == sorted((ids, labels[1:]) for ids, labels in samples)
+        assert labelled == label_tokens == sum(learned_tokens(labels) for _, labels in samples)
+
+    efficiency = real / (len(rows) * context)
+    assert f"{len(samples)} samples packed into {len(rows)} rows, efficiency {efficiency:.1%}" in line
+    assert len(rows) < len(samples) / 3  # the short bundled rows really share rows
 
 
 def test_split_pieces_learn_each_token_of_a_long_sample_exactly_once() -> None:
     ids = list(range(100, 130))
     labels = [IGNORE_INDEX] * 5 + ids[5:]
-    pieces, truncated, n_split, dropped = fit_samples([(ids, labels)], 8, split=True)
-    assert (truncated, n_split, dropped) == (0, 1, 0)
+    pieces, how, dropped = fit_sample((ids, labels), 8, split=True)
+    assert (how, dropped) == ("split", 0)
     assert all(len(p_ids) <= 8 for p_ids, _ in pieces)
     # Each piece repeats the token before it as context: dropping that first token gives the sample back.
     assert pieces[0][0] + [t for p_ids, _ in pieces[1:] for t in p_ids[1:]] == ids
     # What the pieces learn (labels after their first token) is what the sample learns, in order, once.
     assert [t for _, p_labels in pieces for t in p_labels[1:]] == labels[1:]
 
-    cut, truncated, n_split, dropped = fit_samples([(ids, labels)], 8, split=False)
-    assert cut == [(ids[:8], labels[:8])] and (truncated, n_split, dropped) == (1, 0, 0)
+    cut, how, dropped = fit_sample((ids, labels), 8, split=False)
+    assert cut == [(ids[:8], labels[:8])] and (how, dropped) == ("truncated", 0)
+    assert fit_sample((ids, labels), 30, split=True) == ([(ids, labels)], "whole", 0)
 
     # A piece with nothing to learn is dropped, not packed.
     tail_masked = ids[:15], labels[:8] + [IGNORE_INDEX] * 7
-    pieces, _, _, dropped = fit_samples([tail_masked], 8, split=True)
+    pieces, _, dropped = fit_sample(tail_masked, 8, split=True)
     assert len(pieces) == 1 and dropped == 1
 
 
@@ -103,8 +141,8 @@ def model(request: pytest.FixtureRequest, tiny_model: Path) -> torch.nn.Module:
 
 
 def test_packed_row_logits_equal_each_sample_run_alone(model, tokenizer, examples) -> None:
-    items, _ = pack_examples(examples[:60], tokenizer, context_length=192, train_on_inputs=False, split=False)
-    batch = default_collate(items[:2])
+    rows, _, _ = pack(examples[:60], tokenizer, context_length=192)
+    batch = padded([rows[0], rows[1]], tokenizer, context_length=192)  # padded to the longer row, as in training
     model.eval()
 
     def logits(inputs: dict) -> torch.Tensor:
@@ -120,7 +158,7 @@ def test_packed_row_logits_equal_each_sample_run_alone(model, tokenizer, example
 
     checked = crossed = 0
     for r in range(2):
-        for start, end in segments(items[r]):
+        for start, end in segments({"position_ids": batch["position_ids"][r]}):
             with torch.no_grad():
                 alone = model(input_ids=batch["input_ids"][r : r + 1, start:end]).logits[0]
             torch.testing.assert_close(packed[r, start:end], alone, rtol=1e-5, atol=1e-5)

@@ -32,10 +32,12 @@ class Conversation:
     """(role, content) pairs in order."""
     where: str = field(default="", compare=False)
     """The row's location (file and row), for errors raised when it is rendered."""
+    learn_from: int = 0
+    """Assistant turns before this message are context (a prompt/completion row learns its completion only)."""
 
     @property
     def has_reply(self) -> bool:
-        return any(role == "assistant" for role, _ in self.messages)
+        return any(role == "assistant" for role, _ in self.messages[self.learn_from :])
 
     def as_dicts(self) -> list[dict[str, str]]:
         return [{"role": role, "content": content} for role, content in self.messages]
@@ -46,11 +48,9 @@ def is_chat_row(row: Any) -> bool:
     return isinstance(row, dict) and any(row.get(key) is not None for key in CHAT_FORMATS)
 
 
-def conversation_from_row(row: dict[str, Any], where: str) -> Conversation:
-    """The row's `messages` or `conversations` list as a Conversation, or a UserError naming the row and the field."""
-    key = next(k for k in CHAT_FORMATS if row.get(k) is not None)
+def parse_messages(turns: Any, where: str, key: str = "messages") -> list[tuple[str, str]]:
+    """A list of messages in `key`'s format as (role, content) pairs, or a UserError naming the row and turn."""
     role_key, content_key = CHAT_FORMATS[key]
-    turns = row[key]
     if not isinstance(turns, list) or not turns:
         what = "is empty" if isinstance(turns, list) else f"must be a list, got {type(turns).__name__}"
         raise UserError(f"{where}: field {key!r} {what} (a list of {{{role_key!r}, {content_key!r}}} objects)")
@@ -69,7 +69,13 @@ def conversation_from_row(row: dict[str, Any], where: str) -> Conversation:
         if not isinstance(content, str):
             raise UserError(f"{at}: {content_key!r} must be a string, got {type(content).__name__}")
         messages.append((_ROLES[role], content))
-    return Conversation(tuple(messages), where)
+    return messages
+
+
+def conversation_from_row(row: dict[str, Any], where: str) -> Conversation:
+    """The row's `messages` or `conversations` list as a Conversation, or a UserError naming the row and the field."""
+    key = next(k for k in CHAT_FORMATS if row.get(k) is not None)
+    return Conversation(tuple(parse_messages(row[key], where, key)), where)
 
 
 def conversation_from_pair(prompt: str, response: str, where: str) -> Conversation:
@@ -150,7 +156,7 @@ def _reply_spans(conv: Conversation, text: str, tokenizer: Any) -> list[tuple[in
     specials = _special_tokens(tokenizer)
     spans = []
     for i, (role, _) in enumerate(conv.messages):
-        if role != "assistant":
+        if role != "assistant" or i < conv.learn_from:
             continue
         messages = conv.as_dicts()
         messages[i] = {"role": role, "content": _PLACEHOLDER}

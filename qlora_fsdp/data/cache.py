@@ -1,0 +1,344 @@
+"""The tokenized cache: every sample of a dataset, tokenized once into memory-mapped Arrow and shared.
+
+Built with `datasets` (`Dataset.from_generator` reads and validates the rows, `map` tokenizes them over
+--dataset_num_proc processes) under a key that fingerprints everything deciding the rows: the sources (a file's
+path, size and mtime; a hub dataset's fingerprint), the tokenizer and its chat template, the prompt style and the
+flags that cut or mask samples. A build is written beside its final place and renamed into it, under a file lock:
+concurrent builders (the nodes of a job on a shared disk, two jobs) wait for one build and reuse it, and a killed
+build leaves only a directory the next builder removes.
+
+Each cache row is one sample as it will be trained (at most --context_length tokens): input_ids, labels and its
+length, with the example it came from. Rows with nothing to learn are kept with length 0 (so the counts in the log
+come from the cache itself) and never served. Packing and padding happen when rows are read (rows.py), so a
+packed and an unpacked run share one cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import socket
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from qlora_fsdp.data.formats import (
+    RECORD_COLUMNS,
+    Sample,
+    encode_examples,
+    examples_of,
+    from_record,
+    learned_tokens,
+    special_prefix,
+)
+from qlora_fsdp.data.rows import FitStats, fit_sample
+from qlora_fsdp.data.sources import read_rows, source_identity, source_names
+from qlora_fsdp.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+CACHE_VERSION = 1
+"""Part of every key: raise it when encoding changes what a cached row holds."""
+_CUT = {"whole": 0, "truncated": 1, "split": 2, "no_reply": 3}
+"""How a row's sample was cut; "no_reply": a conversation without an assistant turn to learn (nothing to cut)."""
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """What decides a dataset's cached rows, besides the tokenizer (flag names as the CLI's)."""
+
+    dataset: str
+    dataset_samples: int
+    prompt_style: str
+    context_length: int
+    packing_split: bool
+    train_on_inputs: bool
+    objective: str = "sft"
+
+
+def default_cache_dir() -> Path:
+    """Inside datasets' cache home (HF_HOME / HF_DATASETS_CACHE), so later runs and other jobs find it."""
+    import datasets
+
+    return Path(datasets.config.HF_DATASETS_CACHE) / "qlora-fsdp-tokenized"
+
+
+def tokenizer_identity(tokenizer: Any) -> str:
+    """A digest of what the tokenizer turns text into: its whole model and rules, specials and chat template."""
+    digest = hashlib.sha256()
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        digest.update(backend.to_str().encode())
+    else:
+        digest.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    facts = [
+        type(tokenizer).__name__,
+        getattr(tokenizer, "chat_template", None) or "",
+        tokenizer.eos_token_id,
+        special_prefix(tokenizer),
+        list(tokenizer.all_special_tokens),
+    ]
+    digest.update(json.dumps(facts, sort_keys=True, default=str).encode())
+    return digest.hexdigest()
+
+
+def cache_key(spec: CacheSpec, tokenizer: Any) -> tuple[str, dict[str, Any]]:
+    """(key, what it fingerprints): the same key means the same rows."""
+    names = source_names(spec.dataset)
+    what = {
+        "version": CACHE_VERSION,
+        **asdict(spec),
+        "sources": [{"name": name, **source_identity(name)} for name in names],
+        "tokenizer": tokenizer_identity(tokenizer),
+    }
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:24], what
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Building
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _records(names: tuple[str, ...], samples: int, prompt_style: str) -> Iterator[dict[str, Any]]:
+    """Every example of the sources, validated as it is read, with its source and its index over all sources."""
+    index = 0
+    for source, name in enumerate(names):
+        first = index
+        for record in examples_of(read_rows(name, samples=samples), prompt_style=prompt_style):
+            yield {**record, "source": source, "source_row": index}
+            index += 1
+        if index == first:
+            raise UserError(f"--dataset {name}: no rows to train on")
+
+
+def _encode(batch: dict[str, list[Any]], tokenizer: Any, context_length: int, split: bool, train_on_inputs: bool):
+    """datasets.map's function: a batch of examples -> their samples (pieces), dropped ones with length 0."""
+    examples = [from_record({k: batch[k][i] for k in RECORD_COLUMNS}) for i in range(len(batch["where"]))]
+    out: dict[str, list[Any]] = {k: [] for k in ("input_ids", "labels", "length", "label_tokens", "source",
+                                                 "source_row", "cut")}  # fmt: skip
+    for i, sample in enumerate(encode_examples(examples, tokenizer, train_on_inputs=train_on_inputs)):
+        kept, how, dropped = fit_sample(sample, context_length, split=split)
+        how = how if sample[0] else "no_reply"
+        pieces: list[Sample] = [*kept, *[([], [])] * dropped]
+        for ids, labels in pieces:
+            out["input_ids"].append(ids)
+            out["labels"].append(labels)
+            out["length"].append(len(ids))
+            out["label_tokens"].append(learned_tokens(labels))
+            out["source"].append(batch["source"][i])
+            out["source_row"].append(batch["source_row"][i])
+            out["cut"].append(_CUT[how])
+    return out
+
+
+def _auto_procs(rows: int) -> int:
+    """One process per ~5,000 examples, at most the CPUs (and 16): small datasets skip the pool's start-up."""
+    return max(1, min(os.cpu_count() or 1, 16, rows // 5000))
+
+
+def _build(spec: CacheSpec, tokenizer: Any, work: Path, num_proc: int) -> dict[str, Any]:
+    """Tokenize into `work`/rows; returns the summary written beside them."""
+    import datasets
+    from datasets.exceptions import DatasetGenerationError
+
+    names = source_names(spec.dataset)
+    started = time.perf_counter()
+    record_features = datasets.Features(
+        {
+            **{k: datasets.Value("string") for k in ("prompt", "response", "messages", "where")},
+            "learn_from": datasets.Value("int32"),
+            "source": datasets.Value("int32"),
+            "source_row": datasets.Value("int64"),
+        }
+    )
+    try:
+        records = datasets.Dataset.from_generator(
+            _records,
+            features=record_features,
+            cache_dir=str(work / "read"),
+            # A tuple: datasets splits list arguments into shards, one generator call per source.
+            gen_kwargs={"names": tuple(names), "samples": spec.dataset_samples, "prompt_style": spec.prompt_style},
+        )
+    except DatasetGenerationError as exc:
+        if isinstance(exc.__cause__, UserError):
+            raise exc.__cause__ from None
+        raise
+    procs = num_proc or _auto_procs(len(records))
+    if procs > 1:
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the pool's processes tokenize in parallel
+    row_features = datasets.Features(
+        {
+            "input_ids": datasets.Sequence(datasets.Value("int32")),
+            "labels": datasets.Sequence(datasets.Value("int32")),
+            **{k: datasets.Value("int32") for k in ("length", "label_tokens", "source")},
+            "source_row": datasets.Value("int64"),
+            "cut": datasets.Value("int8"),
+        }
+    )
+    (work / "encoded").mkdir()
+    rows = records.map(
+        _encode,
+        batched=True,
+        batch_size=256,
+        num_proc=procs if procs > 1 else None,
+        remove_columns=records.column_names,
+        features=row_features,
+        fn_kwargs={
+            "tokenizer": tokenizer,
+            "context_length": spec.context_length,
+            "split": spec.packing_split,
+            "train_on_inputs": spec.train_on_inputs,
+        },
+        cache_file_name=str(work / "encoded" / "rows.arrow"),
+        new_fingerprint=work.name,
+    )
+    rows.save_to_disk(str(work / "rows"))
+    per_source = np.bincount(np.asarray(records.data.column("source")), minlength=len(names))
+    summary = {
+        "sources": dict(zip(names, per_source.tolist(), strict=True)),
+        "examples": len(records),
+        **asdict(_stats(rows, len(records))),
+        "bytes": sum(f.stat().st_size for f in (work / "rows").rglob("*") if f.is_file()),
+        "build_s": round(time.perf_counter() - started, 2),
+        "processes": procs,
+    }
+    del rows, records
+    shutil.rmtree(work / "read", ignore_errors=True)
+    shutil.rmtree(work / "encoded", ignore_errors=True)
+    return summary
+
+
+def _column(rows: Any, name: str) -> np.ndarray:
+    return rows.data.column(name).to_numpy()
+
+
+def _stats(rows: Any, examples: int, keep: np.ndarray | None = None) -> FitStats:
+    """FitStats of the cache's rows whose example is in `keep` (a boolean mask over examples; None: all)."""
+    length, cut, origin = _column(rows, "length"), _column(rows, "cut"), _column(rows, "source_row")
+    label_tokens = _column(rows, "label_tokens")
+    chosen = np.ones(len(length), dtype=bool) if keep is None else keep[origin]
+    valid = chosen & (length > 0)
+    return FitStats(
+        rows=examples if keep is None else int(keep.sum()),
+        truncated=int((chosen & (cut == _CUT["truncated"])).sum()),
+        split=len(np.unique(origin[chosen & (cut == _CUT["split"])])),
+        dropped=int((chosen & (length == 0)).sum()),
+        samples=int(valid.sum()),
+        tokens=int(length[valid].sum()),
+        label_tokens=int(label_tokens[valid].sum()),
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Opening
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class ArrowSamples(Sequence):
+    """The cache's (input_ids, labels) by row index, read from the memory-mapped Arrow files as they are asked for."""
+
+    def __init__(self, rows: Any) -> None:
+        self._rows = rows.select_columns(["input_ids", "labels"])
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __getitem__(self, index: int) -> Sample:  # type: ignore[override]
+        row = self._rows[index]
+        return row["input_ids"], row["labels"]
+
+
+@dataclass
+class TokenizedCache:
+    """An opened cache: its samples, their lengths and examples, and what its build counted."""
+
+    path: Path
+    samples: ArrowSamples
+    lengths: np.ndarray
+    """Tokens per row (0: nothing to learn, never served)."""
+    origin: np.ndarray
+    """The example (index over all sources) each row came from."""
+    summary: dict[str, Any]
+    rows: Any
+    """The datasets.Dataset itself."""
+
+    @property
+    def examples(self) -> int:
+        return int(self.summary["examples"])
+
+    def stats(self, keep: np.ndarray | None = None) -> FitStats:
+        return _stats(self.rows, self.examples, keep)
+
+    def all_without_reply(self, indices: np.ndarray) -> bool:
+        """Whether every row at `indices` is a conversation with no assistant turn (for the all-dropped error)."""
+        return bool((_column(self.rows, "cut")[indices] == _CUT["no_reply"]).all())
+
+    def describe(self, built: bool) -> str:
+        s = self.summary
+        origin = ", ".join(f"{name}: {n}" for name, n in s["sources"].items())
+        how = f"built in {s['build_s']} s with {s['processes']} process(es)" if built else "reused"
+        return (
+            f"tokenized cache {how} at {self.path}: {s['examples']} examples ({origin}), {s['samples']} samples, "
+            f"{s['tokens']} tokens, {s['bytes'] / 2**20:.1f} MiB"
+        )
+
+
+def _load(path: Path) -> TokenizedCache:
+    import datasets
+
+    rows = datasets.load_from_disk(str(path / "rows"))
+    summary = json.loads((path / "summary.json").read_text())
+    return TokenizedCache(path, ArrowSamples(rows), _column(rows, "length"), _column(rows, "source_row"), summary,
+                          rows)  # fmt: skip
+
+
+def open_cache(
+    spec: CacheSpec, tokenizer: Any, *, cache_dir: str | Path = "", num_proc: int = 0
+) -> tuple[TokenizedCache, bool]:
+    """The cache for `spec` and this tokenizer, built here if no one has built it: (cache, built here)."""
+    import datasets
+    from filelock import FileLock, Timeout
+
+    key, what = cache_key(spec, tokenizer)
+    root = Path(cache_dir or default_cache_dir()).expanduser()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"--dataset_cache_dir {root}: cannot create it ({exc.strerror}); pass a writable one") from None
+    final = root / key
+    lock = FileLock(str(root / f"{key}.lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        logger.info("waiting for another process building the tokenized cache %s", final)
+        lock.acquire()
+    try:
+        if (final / "summary.json").is_file():
+            return _load(final), False
+        for stale in [*root.glob(f"{key}.tmp-*"), final]:  # a killed build's: whoever built it held the lock
+            shutil.rmtree(stale, ignore_errors=True)
+        work = root / f"{key}.tmp-{socket.gethostname()}-{os.getpid()}"
+        work.mkdir()
+        progress = datasets.is_progress_bar_enabled()
+        datasets.disable_progress_bars()
+        try:
+            summary = _build(spec, tokenizer, work, num_proc)
+        except BaseException:
+            shutil.rmtree(work, ignore_errors=True)
+            raise
+        finally:
+            if progress:
+                datasets.enable_progress_bars()
+        (work / "spec.json").write_text(json.dumps(what, indent=1, sort_keys=True))
+        (work / "summary.json").write_text(json.dumps(summary, indent=1))
+        os.replace(work, final)
+        return _load(final), True
+    finally:
+        lock.release()

@@ -1,0 +1,265 @@
+"""Rows -> examples -> token ids and labels: the formats, the prompt templates and the loss mask.
+
+The encode stage. It reads the rows qlora_fsdp/data/sources.py yields, validates each one (a bad row names its
+file and row), and turns an example into the (ids, labels) of one sequence at its full length. Fitting sequences
+into rows (truncating, splitting, packing, padding) is qlora_fsdp/data/rows.py.
+
+Formats, recognised per row by their fields:
+- chat: `messages` (OpenAI) or `conversations` (ShareGPT); assistant turns are learned;
+- prompt/completion: `prompt` + `completion` strings (used verbatim) or message lists; the completion is learned;
+- alpaca: `instruction` + `output` (+ `input`), framed by --prompt_style; the output is learned;
+- text: `text`; every token is learned (continued pretraining).
+--train_on_inputs learns the prompt too. Every sequence begins as the tokenizer begins one (its BOS, where it adds
+one) exactly once, and every non-chat sequence ends with EOS.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from qlora_fsdp.data.chat import (
+    Conversation,
+    conversation_from_pair,
+    conversation_from_row,
+    encode_conversation,
+    is_chat_row,
+    parse_messages,
+)
+from qlora_fsdp.data.sources import Located, read_rows, source_names
+from qlora_fsdp.errors import UserError
+
+IGNORE_INDEX = -100
+"""Label value the cross-entropy loss skips (prompt and padding positions)."""
+
+_ROW_HELP = (
+    "each row needs 'instruction' and 'output' (alpaca), 'prompt' and 'completion', 'text', or a chat list "
+    "'messages' or 'conversations'"
+)
+
+
+@dataclass(frozen=True)
+class Example:
+    """One row as a prompt and a response; only `response` is learned unless train_on_inputs (text rows have an
+    empty prompt)."""
+
+    prompt: str
+    response: str
+
+
+AnyExample = Example | Conversation
+"""An example (prompt, response) or a chat conversation."""
+
+Sample = tuple[list[int], list[int]]
+"""(input_ids, labels) of one example at its full length, labels -100 where nothing is learned."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Prompt templates
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _alpaca_prompt(instruction: str, inp: str) -> str:
+    if inp:
+        return (
+            "Below is an instruction that describes a task, paired with an input that provides further context. "
+            "Write a response that appropriately completes the request.\n\n"
+            f"### Instruction:\n{instruction}\n\n### Input:\n{inp}\n\n### Response:\n"
+        )
+    return (
+        "Below is an instruction that describes a task. Write a response that appropriately completes the request.\n\n"
+        f"### Instruction:\n{instruction}\n\n### Response:\n"
+    )
+
+
+def _guanaco_prompt(instruction: str, inp: str) -> str:
+    body = f"{instruction}\n{inp}" if inp else instruction
+    return f"### Human: {body} ### Assistant: "
+
+
+def _qna_prompt(instruction: str, inp: str) -> str:
+    body = f"{instruction}\n{inp}" if inp else instruction
+    return f"Question: {body}\nAnswer: "
+
+
+_PROMPT_FORMATTERS: dict[str, Callable[[str, str], str]] = {
+    "alpaca": _alpaca_prompt,
+    "guanaco": _guanaco_prompt,
+    "qna": _qna_prompt,
+}
+CHAT_STYLE = "chat"
+"""Instruction rows become a user and an assistant turn, rendered with the tokenizer's chat template."""
+PROMPT_STYLES = (*_PROMPT_FORMATTERS, CHAT_STYLE)
+
+
+def _check_prompt_style(prompt_style: str) -> None:
+    if prompt_style not in PROMPT_STYLES:
+        raise UserError(f"unknown prompt style {prompt_style!r}; valid styles: {', '.join(PROMPT_STYLES)}")
+
+
+def format_prompt(instruction: str, inp: str = "", *, prompt_style: str = "alpaca") -> str:
+    """The prompt text for an alpaca-format row in the given style (the response follows it verbatim)."""
+    _check_prompt_style(prompt_style)
+    if prompt_style == CHAT_STYLE:
+        raise UserError("--prompt_style chat has no prompt text of its own: the tokenizer's chat template writes it")
+    return _PROMPT_FORMATTERS[prompt_style](instruction, inp)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Rows -> examples (every bad row is reported the same way, whatever its source)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _field(row: dict[str, Any], name: str, where: str, *, optional: bool = False) -> str:
+    """row[name] as a string, or a one-line UserError saying where the row is and what is wrong."""
+    value = row.get(name)
+    if value is None:
+        if optional:
+            return ""
+        what = "missing field" if name not in row else "null field"
+        raise UserError(f"{where}: {what} {name!r} ({_ROW_HELP})")
+    if not isinstance(value, str):
+        raise UserError(f"{where}: field {name!r} must be a string, got {type(value).__name__} ({_ROW_HELP})")
+    return value
+
+
+def _alpaca_example(row: dict[str, Any], where: str, prompt_style: str) -> AnyExample:
+    instruction = _field(row, "instruction", where)
+    output = _field(row, "output", where)
+    inp = _field(row, "input", where, optional=True)
+    if prompt_style == CHAT_STYLE:
+        return conversation_from_pair(f"{instruction}\n\n{inp}" if inp else instruction, output, where)
+    return Example(format_prompt(instruction, inp, prompt_style=prompt_style), output)
+
+
+def _prompt_completion_example(row: dict[str, Any], where: str) -> AnyExample:
+    """TRL's prompt/completion form: two strings, used verbatim, or two message lists (chat template)."""
+    prompt, completion = row.get("prompt"), row.get("completion")
+    if isinstance(prompt, list) or isinstance(completion, list):
+        if not (isinstance(prompt, list) and isinstance(completion, list)):
+            raise UserError(f"{where}: 'prompt' and 'completion' must both be strings or both message lists")
+        turns = parse_messages(prompt, f"{where} prompt")
+        replies = parse_messages(completion, f"{where} completion")
+        return Conversation((*turns, *replies), where, learn_from=len(turns))
+    return Example(_field(row, "prompt", where), _field(row, "completion", where))
+
+
+def row_example(row: Any, where: str, *, prompt_style: str) -> AnyExample:
+    """The example a row holds, by its fields (see the module docstring); a null field counts as absent."""
+    if not isinstance(row, dict):
+        raise UserError(f"{where}: expected an object, got {type(row).__name__} ({_ROW_HELP})")
+    if is_chat_row(row):
+        return conversation_from_row(row, where)
+    if row.get("completion") is not None or row.get("prompt") is not None:
+        return _prompt_completion_example(row, where)
+    if row.get("instruction") is None and row.get("output") is None and row.get("text") is not None:
+        return Example("", _field(row, "text", where))
+    return _alpaca_example(row, where, prompt_style)
+
+
+def load_examples(dataset: str, *, samples: int = 0, prompt_style: str = "alpaca") -> list[AnyExample]:
+    """Every example of --dataset in memory, for tools and tests; training reads them through the cache
+    (qlora_fsdp/data/cache.py), which never holds them all."""
+    _check_prompt_style(prompt_style)
+    return [
+        row_example(row, where, prompt_style=prompt_style)
+        for name in source_names(dataset)
+        for where, row in read_rows(name, samples=samples)
+    ]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Examples as Arrow records (the cache stores them between reading and tokenizing)
+# ---------------------------------------------------------------------------------------------------------------
+
+RECORD_COLUMNS = ("prompt", "response", "messages", "learn_from", "where")
+
+
+def to_record(example: AnyExample, where: str) -> dict[str, Any]:
+    """One example as flat columns: a conversation's messages as JSON, so every row has one schema."""
+    if isinstance(example, Example):
+        return {"prompt": example.prompt, "response": example.response, "messages": "", "learn_from": 0, "where": where}
+    return {
+        "prompt": "",
+        "response": "",
+        "messages": json.dumps(example.messages),
+        "learn_from": example.learn_from,
+        "where": where,
+    }
+
+
+def from_record(record: dict[str, Any]) -> AnyExample:
+    if record["messages"]:
+        messages = tuple((role, content) for role, content in json.loads(record["messages"]))
+        return Conversation(messages, record["where"], learn_from=record["learn_from"])
+    return Example(record["prompt"], record["response"])
+
+
+def examples_of(rows: Iterable[Located], *, prompt_style: str) -> Iterable[dict[str, Any]]:
+    """Records of the rows, each validated as it is read."""
+    _check_prompt_style(prompt_style)
+    for where, row in rows:
+        yield to_record(row_example(row, where, prompt_style=prompt_style), where)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Tokenization
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def pad_token_id(tokenizer: Any) -> int:
+    """The id that fills rows past their tokens (never learned, never attended to): pad, else eos."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def special_prefix(tokenizer: Any) -> list[int]:
+    """The ids the tokenizer puts before a text of its own accord (Llama's BOS; nothing for many others)."""
+    probe = "Hello world"
+    plain = tokenizer(probe, add_special_tokens=False)["input_ids"]
+    full = tokenizer(probe, add_special_tokens=True)["input_ids"]
+    at = next((i for i in range(len(full) - len(plain) + 1) if full[i : i + len(plain)] == plain), 0)
+    return list(full[:at])
+
+
+def learned_tokens(labels: list[int]) -> int:
+    """Label tokens the loss learns from a sample: labels[1:] (nothing predicts a sample's first token)."""
+    return sum(label != IGNORE_INDEX for label in labels[1:])
+
+
+def encode_examples(examples: list[AnyExample], tokenizer: Any, *, train_on_inputs: bool) -> list[Sample]:
+    """Each example's (ids, labels), untruncated.
+
+    Example: [prefix] + prompt + response + eos, the prompt unlabelled unless train_on_inputs. Conversation: the
+    chat template's rendering (the prefix put first only when the template did not write it), only the learned
+    assistant replies (and their end-of-turn token) labelled unless train_on_inputs; one without a reply to learn
+    is empty, so it is dropped like a row with nothing to learn.
+    """
+    eos_id = tokenizer.eos_token_id
+    if eos_id is None:
+        raise UserError("the tokenizer has no eos token; the model cannot learn where a response ends")
+    prefix = special_prefix(tokenizer)
+    unlearned = [IGNORE_INDEX] * len(prefix)
+    plain = [e for e in examples if isinstance(e, Example)]
+    prompts = tokenizer([e.prompt for e in plain], add_special_tokens=False)["input_ids"] if plain else []
+    responses = tokenizer([e.response for e in plain], add_special_tokens=False)["input_ids"] if plain else []
+    pairs = zip(prompts, responses, strict=True)
+    samples: list[Sample] = []
+    for example in examples:
+        if isinstance(example, Example):
+            prompt_ids, response_ids = next(pairs)
+            prompt_labels = list(prompt_ids) if train_on_inputs else [IGNORE_INDEX] * len(prompt_ids)
+            samples.append(
+                ([*prefix, *prompt_ids, *response_ids, eos_id], [*unlearned, *prompt_labels, *response_ids, eos_id])
+            )
+        elif not example.has_reply:
+            samples.append(([], []))
+        else:
+            ids, learned = encode_conversation(example, tokenizer)
+            if prefix and ids[: len(prefix)] != prefix:
+                ids, learned = [*prefix, *ids], [False] * len(prefix) + learned
+            samples.append(
+                (ids, [i if train_on_inputs or m else IGNORE_INDEX for i, m in zip(ids, learned, strict=True)])
+            )
+    return samples

@@ -1,0 +1,259 @@
+"""The cache's rows -> DataLoaders: training (sharded by rank, shuffled) and evaluation (in order).
+
+The top of the data path: sources -> formats -> rows -> cache -> here. Every rank opens the same cache (each
+node's local rank 0 builds it first) and serves rows from it; the sampler alone decides which rows a rank sees, so
+W ranks x batch B see, at each step, the rows 1 rank x batch W*B sees with the same seed. Packing and
+--group_by_length change what a row holds or where it falls in the order, never this.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+
+from qlora_fsdp.config import DataConfig, EvalConfig
+from qlora_fsdp.data.cache import CacheSpec, TokenizedCache, open_cache
+from qlora_fsdp.data.chat import load_chat_template
+from qlora_fsdp.data.formats import IGNORE_INDEX, pad_token_id
+from qlora_fsdp.data.rows import PackedRows, SampleRows, all_dropped_error, build_rows, collate
+from qlora_fsdp.data.stream import StreamRows
+from qlora_fsdp.distributed import DistEnv, leaders_first
+from qlora_fsdp.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+GROUP_WINDOW = 64
+"""--group_by_length sorts windows of this many global batches by length: similar rows share a batch, while the
+order stays shuffled across windows."""
+
+
+def held_out(examples: int, fraction: float, *, seed: int) -> np.ndarray:
+    """A mask of the round(fraction x examples) examples --eval_split holds out, at least one, chosen by `seed`."""
+    held = np.zeros(examples, dtype=bool)
+    if not fraction:
+        return held
+    n_held = max(1, round(fraction * examples))
+    if n_held >= examples:
+        raise UserError(
+            f"--eval_split {fraction} of {examples} rows leaves none to train on; use a smaller --eval_split"
+        )
+    held[random.Random(seed).sample(range(examples), n_held)] = True
+    return held
+
+
+class LengthGroupedSampler(Sampler[int]):
+    """A seeded shuffle whose global batches hold rows of similar length (--group_by_length).
+
+    The global order depends on the seed, the epoch and the global batch (ranks x batch) only: the rows are
+    shuffled, cut into windows of GROUP_WINDOW global batches, each window sorted by length (longest first) and cut
+    into global batches, and the batches shuffled. Rank r takes the r-th slice of each global batch.
+    """
+
+    def __init__(self, lengths: np.ndarray, *, world_size: int, rank: int, batch_size: int, seed: int) -> None:
+        self.lengths, self.world_size, self.rank, self.batch_size = lengths, world_size, rank, batch_size
+        self.seed, self.epoch = seed, 0
+        self.global_batch = world_size * batch_size
+        self.usable = len(lengths) // self.global_batch * self.global_batch
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.usable // self.world_size
+
+    def __iter__(self) -> Iterator[int]:
+        rng = np.random.default_rng([self.seed, self.epoch])
+        order = rng.permutation(len(self.lengths))[: self.usable]
+        span = GROUP_WINDOW * self.global_batch
+        windows = [order[s : s + span] for s in range(0, self.usable, span)]
+        grouped = np.concatenate([w[np.argsort(-self.lengths[w], kind="stable")] for w in windows])
+        batches = grouped.reshape(-1, self.global_batch)[rng.permutation(self.usable // self.global_batch)]
+        mine = batches[:, self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
+        return iter(mine.reshape(-1).tolist())
+
+
+class EvalShard(Dataset):
+    """This rank's evaluation rows: every world_size-th row from its rank on, each row exactly once across ranks.
+
+    Every rank must run as many forwards as the others (each is a collective under FSDP), so the shards are filled
+    up to the same number of whole batches with a copy of the first row whose labels are all -100: it adds nothing
+    to the loss sum or the token count.
+    """
+
+    def __init__(self, rows: Dataset, env: DistEnv, batch_size: int) -> None:
+        per_rank = -(-len(rows) // env.world_size)
+        self.rows = rows
+        self.mine = list(range(env.rank, len(rows), env.world_size))
+        self.size = -(-per_rank // batch_size) * batch_size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> dict[str, list[int]]:
+        if index >= self.size:
+            raise IndexError(index)
+        if index < len(self.mine):
+            return self.rows[self.mine[index]]
+        first = self.rows[0]
+        return {**first, "labels": [IGNORE_INDEX] * len(first["labels"])}
+
+
+def dataset_cache(
+    dataset: str, samples: int, data: DataConfig, tokenizer: Any, env: DistEnv
+) -> tuple[TokenizedCache, bool]:
+    """The tokenized cache of one dataset (--dataset or --eval_dataset) under the data flags, built by each
+    node's local rank 0 if no one has built it, and logged on rank 0."""
+    spec = CacheSpec(
+        dataset=dataset,
+        dataset_samples=samples,
+        prompt_style=data.prompt_style,
+        context_length=data.context_length,
+        packing_split=data.packing_split,
+        train_on_inputs=data.train_on_inputs,
+    )
+
+    def work() -> tuple[TokenizedCache, bool]:
+        return open_cache(spec, tokenizer, cache_dir=data.dataset_cache_dir, num_proc=data.dataset_num_proc)
+
+    cache, built = leaders_first(work, env)
+    if env.is_main:
+        logger.info("dataset %s: %s", dataset, cache.describe(built))
+    return cache, built
+
+
+def prepare_caches(data: DataConfig, ev: EvalConfig, tokenizer: Any, env: DistEnv) -> list[tuple[TokenizedCache, bool]]:
+    """The caches a training run with these flags reads (--dataset, and --eval_dataset if given), built now:
+    scripts/preprocess.py runs this ahead of a GPU job."""
+    if data.chat_template:
+        load_chat_template(tokenizer, data.chat_template)
+    caches = [dataset_cache(data.dataset, data.dataset_samples, data, tokenizer, env)]
+    if ev.eval_dataset:
+        caches.append(dataset_cache(ev.eval_dataset, ev.eval_samples, data, tokenizer, env))
+    return caches
+
+
+def _rows(
+    cache: TokenizedCache, keep: np.ndarray, data: DataConfig, name: str, env: DistEnv
+) -> SampleRows | PackedRows:
+    """The rows of the examples in `keep`, logged with what fitting and packing did to them."""
+    indices = np.flatnonzero(keep[cache.origin] & (cache.lengths > 0))
+    if not len(indices):
+        chosen = np.flatnonzero(keep[cache.origin])
+        raise all_dropped_error(int(keep.sum()), data.context_length, without_reply=cache.all_without_reply(chosen))
+    rows, packed = build_rows(
+        cache.samples, indices, cache.lengths, context_length=data.context_length, packing=data.packing
+    )
+    if env.is_main:
+        logger.info("%s: %s%s", name, cache.stats(keep).describe(data.context_length), packed)
+    return rows
+
+
+def _loader_kwargs(data: DataConfig, tokenizer: Any, seed: int, fixed_shapes: bool) -> dict[str, Any]:
+    pad = functools.partial(
+        collate,
+        pad_id=pad_token_id(tokenizer),
+        context_length=data.context_length,
+        pad_to_context=data.pad_to_context or fixed_shapes,
+    )
+    # Its own generator: every new iterator draws a seed, and drawing from the global RNG would shift dropout
+    # masks between a resumed run and an uninterrupted one (and evaluating would change training).
+    return {"batch_size": data.batch_size, "collate_fn": pad, "generator": torch.Generator().manual_seed(seed)}
+
+
+def build_loaders(
+    data: DataConfig, ev: EvalConfig, tokenizer: Any, env: DistEnv, *, seed: int, fixed_shapes: bool = False
+) -> tuple[DataLoader, DataLoader | None]:
+    """This rank's training loader (without the rows --eval_split holds out) and evaluation loader (None without
+    --eval_dataset or --eval_split). The caller calls loader.sampler.set_epoch(epoch) so each epoch reshuffles.
+
+    `fixed_shapes` (--compile) pads every batch to the context, as --pad_to_context does.
+    """
+    if data.chat_template:
+        load_chat_template(tokenizer, data.chat_template)
+    cache, held = None, None
+    if data.dataset_streaming:
+        train = DataLoader(_stream(data, tokenizer, env), **_loader_kwargs(data, tokenizer, seed, fixed_shapes))
+    else:
+        cache, _ = dataset_cache(data.dataset, data.dataset_samples, data, tokenizer, env)
+        held = held_out(cache.examples, ev.eval_split, seed=seed)
+        rows = _rows(cache, ~held, data, "training rows", env)
+        train = DataLoader(rows, sampler=_sampler(rows, data, env, seed), drop_last=True,
+                           **_loader_kwargs(data, tokenizer, seed, fixed_shapes))  # fmt: skip
+    evaluation = _eval_rows(data, ev, tokenizer, env, cache, held)
+    if evaluation is None:
+        return train, None
+    # No sampler and no shuffling: every rank evaluates its share in order.
+    shard = EvalShard(evaluation, env, data.batch_size)
+    return train, DataLoader(shard, shuffle=False, **_loader_kwargs(data, tokenizer, seed, fixed_shapes))
+
+
+def _stream(data: DataConfig, tokenizer: Any, env: DistEnv) -> StreamRows:
+    if env.is_main:
+        logger.info("dataset %s: streamed, row i to rank i %% %d, tokenized as it is read", data.dataset,
+                    env.world_size)  # fmt: skip
+    return StreamRows(
+        data.dataset,
+        tokenizer,
+        samples=data.dataset_samples,
+        prompt_style=data.prompt_style,
+        context_length=data.context_length,
+        train_on_inputs=data.train_on_inputs,
+        packing=data.packing,
+        packing_split=data.packing_split,
+        rank=env.rank,
+        world_size=env.world_size,
+    )
+
+
+def _sampler(rows: SampleRows | PackedRows, data: DataConfig, env: DistEnv, seed: int) -> Sampler[int]:
+    needed = env.world_size * data.batch_size
+    if len(rows) < needed:
+        raise UserError(
+            f"--dataset {data.dataset} has {len(rows)} usable rows, fewer than the {needed} one step needs "
+            f"({env.world_size} ranks x --batch_size {data.batch_size}); use more data or a smaller --batch_size"
+        )
+    if data.group_by_length:
+        return LengthGroupedSampler(
+            rows.lengths, world_size=env.world_size, rank=env.rank, batch_size=data.batch_size, seed=seed
+        )
+    return DistributedSampler(rows, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=seed, drop_last=True)
+
+
+def _eval_rows(
+    data: DataConfig,
+    ev: EvalConfig,
+    tokenizer: Any,
+    env: DistEnv,
+    cache: TokenizedCache | None,
+    held: np.ndarray | None,
+) -> SampleRows | PackedRows | None:
+    """The evaluation rows, built like the training rows (same context, prompt style, masking and packing), from
+    --eval_dataset or from the examples --eval_split holds out of --dataset (`cache`, `held`; None when
+    streamed, which the config allows only with --eval_dataset)."""
+    if ev.eval_dataset:
+        try:
+            cache, _ = dataset_cache(ev.eval_dataset, ev.eval_samples, data, tokenizer, env)
+        except UserError as exc:  # the sources name --dataset, the flag they usually serve
+            text = str(exc)
+            raise UserError(
+                text.replace("--dataset", "--eval_dataset", 1)
+                if text.startswith("--dataset")
+                else f"--eval_dataset: {text}"
+            ) from None
+        keep = np.ones(cache.examples, dtype=bool)
+        name = f"eval rows ({ev.eval_dataset})"
+    elif ev.eval_split and cache is not None and held is not None:
+        keep = held.copy()
+        if ev.eval_samples:
+            keep[np.flatnonzero(held)[ev.eval_samples :]] = False
+        name = f"eval rows (held out of {data.dataset} by --eval_split {ev.eval_split})"
+    else:
+        return None
+    return _rows(cache, keep, data, name, env)
