@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-import qlora_fsdp.data
+import qlora_fsdp.data.formats
 import qlora_fsdp.quant
 from qlora_fsdp import config as config_module
 from qlora_fsdp.config import (
@@ -402,7 +402,7 @@ def test_quant_choices_match_backend_modules() -> None:
 
 
 def test_prompt_styles_match_data_module() -> None:
-    assert tuple(config_module.PROMPT_STYLES) == tuple(qlora_fsdp.data.PROMPT_STYLES)
+    assert tuple(config_module.PROMPT_STYLES) == tuple(qlora_fsdp.data.formats.PROMPT_STYLES)
 
 
 def test_train_py_help_lists_every_flag() -> None:

@@ -17,7 +17,7 @@ from safetensors import safe_open
 from torch import nn
 
 from qlora_fsdp.config import build_config
-from qlora_fsdp.data import format_prompt
+from qlora_fsdp.data.formats import format_prompt
 from qlora_fsdp.fsdp import PRECISIONS, quant_compute_dtype
 from qlora_fsdp.lora import init_adapters, inject_lora, lora_layers
 from qlora_fsdp.manifest import LayerDigests, training_manifest
