@@ -4,6 +4,7 @@
     python benchmarks/run.py --suite cpu-large [--out DIR]   (loading only, on a 1.1B model built once)
     python benchmarks/run.py --suite cpu-loss [--out DIR] [--quick]   (chunked vs whole-logit loss: memory, speed)
     python benchmarks/run.py --suite cpu-packing [--out DIR] [--quick]   (packed vs unpacked training, 2 ranks)
+    python benchmarks/run.py --suite cpu-data [--out DIR] [--quick] [--rows N]   (tokenized cache, padding, memory)
     python benchmarks/run.py --suite gpu [--out DIR] [--dry-run] [--only tests,bnb,...] [--peak_flops 989e12]
         (benchmarks/gpu.sh wraps it: it installs the carried wheels first)
 
@@ -29,7 +30,7 @@ if str(REPO_ROOT) not in sys.path:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--suite", required=True, choices=("cpu", "cpu-large", "cpu-loss", "cpu-packing", "gpu"))
+    p.add_argument("--suite", required=True, choices=("cpu", "cpu-large", "cpu-loss", "cpu-packing", "cpu-data", "gpu"))
     p.add_argument("--out", type=Path, default=Path("results"), help="directory for results.json and results.md")
     p.add_argument("--model", type=Path, default=None, help="CPU suite: use this model directory instead of building")
     p.add_argument("--quick", action="store_true", help="small model, one repetition (what the test runs)")
@@ -49,6 +50,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=("bf16", "fp32"),
         default=None,
         help="CPU suites: both sides' dtype (default: bf16 where the CPU has native bf16 matmuls, else fp32)",
+    )
+    p.add_argument(
+        "--rows", type=int, default=None, help="data suite: rows of the synthetic file (default 1,000,000; quick 2,000)"
     )
     p.add_argument("--dry-run", dest="dry_run", action="store_true", help="GPU suite: tiny shapes on the CPU")
     p.add_argument("--peak_flops", type=float, default=989e12, help="GPU suite: the device's dense bf16 peak FLOP/s")
@@ -74,6 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--reps must be >= 1")
     if args.threads < 1:
         p.error("--threads must be >= 1")
+    if args.rows is not None and args.rows < 80:
+        p.error("--rows must be >= 80 (the small run trains a tenth of them, 2 ranks x batch 2 a step)")
     return args
 
 
@@ -90,9 +96,26 @@ def main(argv: list[str] | None = None) -> int:
         results["date"] = started.strftime("%Y-%m-%d %H:%M UTC")
         results["command"] = command
         write_json(args.out / "results.json", results)
-        (args.out / "results.md").write_text(render(results))
+        if args.suite == "cpu-data":
+            from benchmarks.data_suite import render_data
 
-    if args.suite in ("cpu", "cpu-large", "cpu-loss", "cpu-packing"):
+            (args.out / "results.md").write_text(render_data(results))
+        else:
+            (args.out / "results.md").write_text(render(results))
+
+    if args.suite == "cpu-data":
+        from benchmarks.data_suite import plan as data_plan
+        from benchmarks.data_suite import run_data_suite
+
+        try:
+            suite_plan = data_plan(quick=args.quick, rows=args.rows, threads=args.threads, reps=args.reps,
+                                   idle_wait_s=args.idle_wait, precision=args.precision)  # fmt: skip
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        results = run_data_suite(suite_plan, model=args.model, cache=args.cache)
+        results["machine"] = machine_info()
+    elif args.suite in ("cpu", "cpu-large", "cpu-loss", "cpu-packing"):
         from benchmarks.cpu_suite import plan, run_cpu_suite
 
         cpu_plan = plan(
