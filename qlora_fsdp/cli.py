@@ -40,6 +40,9 @@ def preprocess(config: str | None = None, **flags: Any) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         cfg = build_config({k.replace("-", "_"): v for k, v in flags.items()}, config).validate()
+        if cfg.data.dataset_streaming:
+            raise UserError("--dataset_streaming true tokenizes --dataset as training reads it: there is no cache to "
+                            "build (drop the flag to build one)")  # fmt: skip
         import torch
 
         from qlora_fsdp.data.loader import prepare_caches

@@ -110,24 +110,28 @@ def leaders_first(work: Callable[[], T], env: DistEnv, *, timeout_s: float = 6 *
 
     For work whose first run leaves its result on disk (a tokenized cache): the others then find it there. The
     wait uses a gloo group of its own with a long timeout, since a first build may outlast the job's collective
-    timeout; a UserError on any leader is raised on every rank.
+    timeout; a leader's failure is raised there and, as a UserError with its message, on every other rank.
     """
     if env.world_size == 1 or not dist.is_initialized():
         return work()
     leader = env.local_rank == 0
-    outcome: tuple[bool, object] = (True, None)
+    result: object = None
+    failure: Exception | None = None
     if leader:
         try:
-            outcome = (True, work())
-        except UserError as exc:
-            outcome = (False, str(exc))
+            result = work()
+        except Exception as exc:  # passed on: no rank may wait for a leader that died
+            failure = exc
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
     try:
-        outcomes: list[tuple[bool, object] | None] = [None] * env.world_size
-        dist.all_gather_object(outcomes, (outcome[0], None if outcome[0] else outcome[1]), group=group)
+        messages: list[str | None] = [None] * env.world_size
+        mine = None if failure is None else (str(failure) if isinstance(failure, UserError) else repr(failure))
+        dist.all_gather_object(messages, mine, group=group)
     finally:
         dist.destroy_process_group(group)
-    failed = next((message for ok, message in outcomes if not ok), None)
+    if failure is not None:
+        raise failure
+    failed = next((message for message in messages if message is not None), None)
     if failed is not None:
-        raise UserError(str(failed))
-    return outcome[1] if leader else work()  # type: ignore[return-value]
+        raise UserError(failed)
+    return result if leader else work()  # type: ignore[return-value]

@@ -27,7 +27,8 @@ os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="qlora-test-d
 # in collection order, so a long file collected last would run alone at the end while the other worker idles.
 LONG_FILES = (
     "test_options.py", "test_options_fsdp1.py", "test_after_training_bnb.py", "test_after_training_hqq.py",
-    "test_harness.py", "test_packing_eval.py", "test_reliability.py", "test_chat_training.py", "test_train_e2e.py",
+    "test_harness.py", "test_packing_eval.py", "test_data_scale.py", "test_reliability.py", "test_chat_training.py",
+    "test_train_e2e.py",
 )  # fmt: skip
 
 

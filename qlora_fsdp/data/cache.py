@@ -91,12 +91,16 @@ def tokenizer_identity(tokenizer: Any) -> str:
 
 def cache_key(spec: CacheSpec, tokenizer: Any) -> tuple[str, dict[str, Any]]:
     """(key, what it fingerprints): the same key means the same rows."""
-    names = source_names(spec.dataset)
+    from importlib.metadata import version
+
+    flags = {k: v for k, v in asdict(spec).items() if k != "dataset"}  # the sources stand for it, by absolute path
     what = {
         "version": CACHE_VERSION,
-        **asdict(spec),
-        "sources": [{"name": name, **source_identity(name)} for name in names],
+        **flags,
+        "sources": [source_identity(name) for name in source_names(spec.dataset)],
         "tokenizer": tokenizer_identity(tokenizer),
+        # They decide how text becomes tokens and how a chat template renders.
+        "libraries": {lib: version(lib) for lib in ("tokenizers", "transformers", "jinja2")},
     }
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:24], what
 
@@ -299,46 +303,88 @@ def _load(path: Path) -> TokenizedCache:
                           rows)  # fmt: skip
 
 
+def _stale(build: Path, *, max_age_s: float = 24 * 3600) -> bool:
+    """Whether a `KEY.tmp-HOST-PID` build was abandoned: its process is gone (same host), or it is a day old (a
+    lock that a shared filesystem does not honour must not let one node delete another's build in progress)."""
+    host, _, pid = build.name.rpartition(".tmp-")[2].rpartition("-")
+    if host == socket.gethostname() and pid.isdigit():
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+    return time.time() - build.stat().st_mtime > max_age_s
+
+
+def _cache_dir_error(root: Path, exc: OSError | NotImplementedError) -> UserError:
+    reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+    return UserError(f"--dataset_cache_dir {root}: cannot build the tokenized cache there ({reason}); pass a "
+                     "writable directory on a filesystem with file locks")  # fmt: skip
+
+
 def open_cache(
     spec: CacheSpec, tokenizer: Any, *, cache_dir: str | Path = "", num_proc: int = 0
 ) -> tuple[TokenizedCache, bool]:
     """The cache for `spec` and this tokenizer, built here if no one has built it: (cache, built here)."""
-    import datasets
     from filelock import FileLock, Timeout
 
     key, what = cache_key(spec, tokenizer)
     root = Path(cache_dir or default_cache_dir()).expanduser()
+    final = root / key
+    if (final / "summary.json").is_file():  # complete (renamed into place whole): no lock needed to read it
+        return _load(final), False
     try:
         root.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UserError(f"--dataset_cache_dir {root}: cannot create it ({exc.strerror}); pass a writable one") from None
-    final = root / key
-    lock = FileLock(str(root / f"{key}.lock"))
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        logger.info("waiting for another process building the tokenized cache %s", final)
-        lock.acquire()
+        lock = FileLock(str(root / f"{key}.lock"))
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            logger.info("waiting for another process building the tokenized cache %s", final)
+            lock.acquire()
+    except (OSError, NotImplementedError) as exc:
+        raise _cache_dir_error(root, exc) from None
     try:
         if (final / "summary.json").is_file():
             return _load(final), False
-        for stale in [*root.glob(f"{key}.tmp-*"), final]:  # a killed build's: whoever built it held the lock
-            shutil.rmtree(stale, ignore_errors=True)
-        work = root / f"{key}.tmp-{socket.gethostname()}-{os.getpid()}"
+        for stale in root.glob(f"{key}.tmp-*"):
+            if _stale(stale):
+                shutil.rmtree(stale, ignore_errors=True)
+        shutil.rmtree(final, ignore_errors=True)  # never complete (no summary.json): nobody can be reading it
+        return _build_aside(spec, tokenizer, root, key, what, num_proc)
+    finally:
+        lock.release()
+
+
+def _build_aside(
+    spec: CacheSpec, tokenizer: Any, root: Path, key: str, what: dict[str, Any], num_proc: int
+) -> tuple[TokenizedCache, bool]:
+    """Build in KEY.tmp-HOST-PID and rename it into place when whole."""
+    import datasets
+
+    final = root / key
+    work = root / f"{key}.tmp-{socket.gethostname()}-{os.getpid()}"
+    try:
         work.mkdir()
-        progress = datasets.is_progress_bar_enabled()
-        datasets.disable_progress_bars()
-        try:
-            summary = _build(spec, tokenizer, work, num_proc)
-        except BaseException:
-            shutil.rmtree(work, ignore_errors=True)
-            raise
-        finally:
-            if progress:
-                datasets.enable_progress_bars()
+    except OSError as exc:
+        raise _cache_dir_error(root, exc) from None
+    progress = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        summary = _build(spec, tokenizer, work, num_proc)
         (work / "spec.json").write_text(json.dumps(what, indent=1, sort_keys=True))
         (work / "summary.json").write_text(json.dumps(summary, indent=1))
         os.replace(work, final)
-        return _load(final), True
+    except OSError as exc:
+        shutil.rmtree(work, ignore_errors=True)
+        if not (final / "summary.json").is_file():
+            raise _cache_dir_error(root, exc) from None
+        return _load(final), False  # another builder finished first (a lock the filesystem did not honour)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
     finally:
-        lock.release()
+        if progress:
+            datasets.enable_progress_bars()
+    return _load(final), True

@@ -250,9 +250,10 @@ def encode_examples(examples: list[AnyExample], tokenizer: Any, *, train_on_inpu
         if isinstance(example, Example):
             prompt_ids, response_ids = next(pairs)
             prompt_labels = list(prompt_ids) if train_on_inputs else [IGNORE_INDEX] * len(prompt_ids)
-            samples.append(
-                ([*prefix, *prompt_ids, *response_ids, eos_id], [*unlearned, *prompt_labels, *response_ids, eos_id])
-            )
+            ids, labels = [*prompt_ids, *response_ids, eos_id], [*prompt_labels, *response_ids, eos_id]
+            if ids[: len(prefix)] != prefix:  # a prompt rendered with its template beforehand may hold the BOS
+                ids, labels = [*prefix, *ids], [*unlearned, *labels]
+            samples.append((ids, labels))
         elif not example.has_reply:
             samples.append(([], []))
         else:

@@ -69,7 +69,7 @@ class LengthGroupedSampler(Sampler[int]):
         return self.usable // self.world_size
 
     def __iter__(self) -> Iterator[int]:
-        rng = np.random.default_rng([self.seed, self.epoch])
+        rng = np.random.default_rng([self.seed % 2**63, self.epoch])  # numpy refuses negative seeds
         order = rng.permutation(len(self.lengths))[: self.usable]
         span = GROUP_WINDOW * self.global_batch
         windows = [order[s : s + span] for s in range(0, self.usable, span)]
@@ -243,8 +243,8 @@ def _eval_rows(
         except UserError as exc:  # the sources name --dataset, the flag they usually serve
             text = str(exc)
             raise UserError(
-                text.replace("--dataset", "--eval_dataset", 1)
-                if text.startswith("--dataset")
+                text.replace("--dataset ", "--eval_dataset ", 1)
+                if text.startswith("--dataset ")
                 else f"--eval_dataset: {text}"
             ) from None
         keep = np.ones(cache.examples, dtype=bool)

@@ -2,7 +2,8 @@
 
 The lowest stage of the data path: it yields (location, row) pairs and says what identifies a source (for the
 tokenized cache's key). It knows nothing about formats; a named dataset yields rows in one of the formats the
-encode stage reads (alpaca or prompt/completion), so every row is validated in one place.
+encode stage reads (alpaca or prompt/completion), which validates them, after checking the fields it builds them
+from.
 """
 
 from __future__ import annotations
@@ -40,14 +41,17 @@ def source_names(dataset: str) -> list[str]:
 
 
 def _lines(path: str) -> Iterator[tuple[int, str]]:
-    """(line number, line), read as it goes: a large file is never held whole."""
-    line_no = 0
-    try:
-        with open(path, encoding="utf-8") as fh:
-            for line_no, line in enumerate(fh, start=1):
-                yield line_no, line
-    except UnicodeDecodeError:
-        raise UserError(f"--dataset {path} line {line_no + 1}: not UTF-8 text; save the file as UTF-8") from None
+    """(line number, line), read as it goes (a large file is never held whole), each line decoded alone so a
+    decoding error names its line."""
+    with open(path, "rb") as fh:
+        for line_no, raw in enumerate(fh, start=1):
+            try:
+                yield line_no, raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise UserError(
+                    f"--dataset {path} line {line_no}: not UTF-8 text (byte {exc.start + 1} of the line); save the "
+                    "file as UTF-8"
+                ) from None
 
 
 def _json_lines(path: str, lines: Iterator[tuple[int, str]], expected: str) -> Iterator[Located]:
@@ -247,6 +251,12 @@ def _local_path(name: str) -> str:
     if not path.lower().endswith(LOCAL_SUFFIXES):
         raise UserError(f"--dataset {name}: unsupported file type; use {', '.join(LOCAL_SUFFIXES)}")
     return path
+
+
+def check_source(name: str) -> None:
+    """A one-line UserError now for a source that names no dataset or file (a hub dataset is checked when read)."""
+    if name not in NAMED_DATASETS:
+        _local_path(name)
 
 
 def source_identity(name: str) -> dict[str, Any]:

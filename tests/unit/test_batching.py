@@ -141,10 +141,25 @@ def test_packed_stream_rows_hold_every_sample_once(tmp_path: Path, tokenizer) ->
     assert starts == len(plain)
 
 
-def test_a_rank_with_nothing_in_a_pass_is_an_error_not_a_hang(tmp_path: Path, tokenizer) -> None:
+def test_fewer_rows_than_ranks_is_an_error_on_every_rank_not_a_hang(tmp_path: Path, tokenizer) -> None:
     path = _rows_file(tmp_path, 1)
-    with pytest.raises(UserError, match="rank 1 of 2 got no row"):
-        next(iter(_stream(path, tokenizer, 1, 2)))
+    for rank in (0, 1):
+        with pytest.raises(UserError, match="1 rows for 2 ranks"):
+            list(_stream(path, tokenizer, rank, 2).rows_of_pass())
+
+
+def test_a_bad_row_stops_every_rank_not_only_the_one_it_is_dealt_to(tmp_path: Path, tokenizer) -> None:
+    path = _rows_file(tmp_path, 4)
+    rows = path.read_text().splitlines()
+    path.write_text("\n".join([rows[0], json.dumps({"text": 5}), *rows[2:]]) + "\n")  # row 2: rank 1's
+    for rank in (0, 1):
+        with pytest.raises(UserError, match=f"^--dataset {path} row 2: field 'text' must be a string"):
+            list(_stream(path, tokenizer, rank, 2).rows_of_pass())
+
+
+def test_a_wrong_path_is_refused_before_any_row_is_read(tmp_path: Path, tokenizer) -> None:
+    with pytest.raises(UserError, match="no such file"):
+        _stream(tmp_path / "nope.jsonl", tokenizer, 0, 1)
 
 
 @pytest.mark.parametrize(

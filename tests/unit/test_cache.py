@@ -125,6 +125,12 @@ def test_the_key_names_every_source_and_the_tokenizer(tmp_path: Path, tokenizer)
     assert len(what["tokenizer"]) == 64
 
 
+def test_a_relative_and_an_absolute_path_are_one_source(tmp_path: Path, tokenizer, monkeypatch) -> None:
+    path = _copy(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    assert cache_key(_spec("data.jsonl"), tokenizer)[0] == cache_key(_spec(path), tokenizer)[0]
+
+
 def _open_in_process(model: str, spec: CacheSpec, cache_dir: str, start, out) -> None:
     tok = AutoTokenizer.from_pretrained(model)
     start.wait()
@@ -192,5 +198,5 @@ def test_a_malformed_row_fails_the_build_in_one_line_and_leaves_nothing(tmp_path
 def test_an_unwritable_cache_dir_is_one_line(tmp_path: Path, tokenizer) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("")
-    with pytest.raises(UserError, match=r"--dataset_cache_dir .*: cannot create it"):
+    with pytest.raises(UserError, match=r"^--dataset_cache_dir .*: cannot build the tokenized cache there"):
         open_cache(_spec(ALPACA), tokenizer, cache_dir=blocker / "sub")

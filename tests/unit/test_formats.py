@@ -136,6 +136,14 @@ def test_every_format_begins_with_exactly_one_bos_where_the_tokenizer_adds_one(t
         assert labels[0] == IGNORE_INDEX
 
 
+def test_a_prompt_that_already_begins_with_bos_gets_no_second_one(tmp_path: Path, llama3_style) -> None:
+    """TRL-style prompts rendered with the template beforehand carry the BOS as text."""
+    bos_id = llama3_style.convert_tokens_to_ids(BOS)
+    rows = [{"prompt": f"{BOS}What is the capital? ", "completion": "Paris."}, {"text": f"{BOS}the cat"}]
+    for ids, _ in encode_examples(load_examples(_rows_file(tmp_path, rows)), llama3_style, train_on_inputs=False):
+        assert ids[0] == bos_id and ids.count(bos_id) == 1
+
+
 def test_no_bos_is_added_where_the_tokenizer_adds_none(tmp_path: Path, smollm2_tok) -> None:
     """SmolLM2 adds no BOS: sequences start with the text's first token, chat rows exactly as the template
     renders them."""
