@@ -59,8 +59,27 @@ LOAD_VERSIONS = (2, 1)
 WORLD_COMBOS = ((2, "bnb"), (2, "hqq"), (1, "bnb"))
 
 
+@dataclass(kw_only=True)
+class LaunchSettings:
+    """How a suite's Runner launches and waits: what every CPU suite's plan holds besides its sizes."""
+
+    threads: int = 2
+    """Threads of a one-process run; each rank of an N-rank job gets threads // N (at least 1)."""
+    idle_wait_s: float = 30.0
+    """Before each launch, wait up to this long for other processes on the machine to go quiet."""
+    idle_wait_budget_s: float = 150.0
+    """All waiting of a suite together, so a busy machine cannot stretch the suite past its time limit."""
+    retry_above_cores: float = 0.5
+    """Measure again (once) when other processes took more than this many cores during a launch."""
+    retries: int = 1
+    launch_timeout_s: float = 600.0
+    quick: bool = False
+    precision: str = "bf16"
+    """Both sides' parameter, storage and compute dtype: bf16, or fp32 on a CPU without native bf16 matmuls."""
+
+
 @dataclass
-class CpuPlan:
+class CpuPlan(LaunchSettings):
     """Sizes and repetitions of one CPU suite run."""
 
     model: dict[str, int]
@@ -76,19 +95,6 @@ class CpuPlan:
     world_sizes: tuple[int, ...] = (1, 2, 4)
     train_runs: tuple[tuple[str, str, int, int], ...] = TRAIN_RUNS
     """Section 3's runs of ours (TRAIN_RUNS' layout)."""
-    threads: int = 2
-    """Threads of a one-process run; each rank of an N-rank job gets threads // N (at least 1)."""
-    idle_wait_s: float = 30.0
-    """Before each launch, wait up to this long for other processes on the machine to go quiet."""
-    idle_wait_budget_s: float = 150.0
-    """All waiting of a suite together, so a busy machine cannot stretch the suite past its time limit."""
-    retry_above_cores: float = 0.5
-    """Measure again (once) when other processes took more than this many cores during a launch."""
-    retries: int = 1
-    launch_timeout_s: float = 600.0
-    quick: bool = False
-    precision: str = "bf16"
-    """Both sides' parameter, storage and compute dtype: bf16, or fp32 on a CPU without native bf16 matmuls."""
     large: bool = False
     """The loading section alone, on a 1.1B model (--suite cpu-large)."""
     loss: bool = False
@@ -196,7 +202,7 @@ def ensure_model(plan: CpuPlan, cache: Path) -> Path:
 class Runner:
     """Launches measurements, waits for a quiet machine first, and keeps a log of every launch's conditions."""
 
-    def __init__(self, plan: CpuPlan, work: Path, log: Callable[[str], None]) -> None:
+    def __init__(self, plan: LaunchSettings, work: Path, log: Callable[[str], None]) -> None:
         self.plan = plan
         self.work = work
         self.say = log

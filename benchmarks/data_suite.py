@@ -23,12 +23,21 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from benchmarks.common import REPO_ROOT, base_env, median, read_json, write_json
-from benchmarks.cpu_suite import QUICK_MODEL, SIZE_KEYS, CpuPlan, Runner, _parameters, ensure_model, native_bf16
+from benchmarks.cpu_suite import (
+    QUICK_MODEL,
+    SIZE_KEYS,
+    CpuPlan,
+    LaunchSettings,
+    Runner,
+    _parameters,
+    ensure_model,
+    native_bf16,
+)
 from benchmarks.report import render
 from benchmarks.rows import row
 
@@ -52,7 +61,7 @@ CACHE_LINE = re.compile(
 
 
 @dataclass
-class DataPlan:
+class DataPlan(LaunchSettings):
     """Sizes and repetitions of one data suite run."""
 
     rows: int
@@ -77,15 +86,9 @@ class DataPlan:
     """Item 4 measures the steps after these."""
     lora_rank: int = 16
     lora_alpha: float = 32.0
-    threads: int = 2
-    idle_wait_s: float = 30.0
-    idle_wait_budget_s: float = 150.0
-    retry_above_cores: float = 0.5
-    retries: int = 0
+    retries: int = field(default=0, kw_only=True)
     """No re-measuring on contention: a build takes minutes; every launch's contention is recorded instead."""
-    launch_timeout_s: float = 3600.0
-    quick: bool = False
-    precision: str = "bf16"
+    launch_timeout_s: float = field(default=3600.0, kw_only=True)
     seed: int = 0
     """The generator's seed."""
 
@@ -269,14 +272,7 @@ class DataRunner(Runner):
     commands: preprocess.py, and train.py with a dataset cache directory."""
 
     def __init__(self, plan: DataPlan, work: Path, log: Callable[[str], None], model: Path, data: Path) -> None:
-        cpu = CpuPlan(QUICK_MODEL, reps=plan.train_reps, batch_size=plan.batch_size * plan.nproc,
-                      context_length=plan.context_length, warmup_steps=plan.warmup_steps,
-                      measured_steps=plan.steps - plan.warmup_steps, threads=plan.threads,
-                      idle_wait_s=plan.idle_wait_s, idle_wait_budget_s=plan.idle_wait_budget_s,
-                      retry_above_cores=plan.retry_above_cores, retries=plan.retries,
-                      launch_timeout_s=plan.launch_timeout_s, quick=plan.quick,
-                      precision=plan.precision)  # fmt: skip
-        super().__init__(cpu, work, log)
+        super().__init__(plan, work, log)
         self.data_plan, self.model, self.data = plan, model, data
 
     def preprocess(self, what: str, rows: int, procs: int, cache_dir: Path, *, fresh: bool = True) -> dict[str, Any]:
