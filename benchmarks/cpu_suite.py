@@ -199,6 +199,19 @@ def ensure_model(plan: CpuPlan, cache: Path) -> Path:
     return path
 
 
+def launch_conditions(launches: list[dict[str, Any]]) -> dict[str, Any]:
+    """results.json's record of the conditions a suite's launches ran under (other processes' cores, waits)."""
+    foreign = [entry["foreign_cores"] for entry in launches if not entry["discarded"]]
+    return {
+        "launches": launches,
+        "foreign_cores_median": median(foreign) if foreign else 0.0,
+        "foreign_cores_max": max(foreign, default=0.0),
+        "waited_for_idle_s": round(sum(entry["waited_for_idle_s"] for entry in launches), 1),
+        "discarded_launches": sum(entry["discarded"] for entry in launches),
+        "aborted_at_exit_after_finishing": sum("aborted_at_exit_after_finishing" in e for e in launches),
+    }
+
+
 class Runner:
     """Launches measurements, waits for a quiet machine first, and keeps a log of every launch's conditions."""
 
@@ -374,7 +387,6 @@ def run_cpu_suite(
                 log("4/4 quantization quality and size")
                 _quality(runner, model_dir, config, rows, details)
         launches = runner.launches
-    foreign = [entry["foreign_cores"] for entry in launches if not entry["discarded"]]
     return {
         "suite": "cpu-large" if plan.large else "cpu-loss" if plan.loss else "cpu-packing" if plan.packing else "cpu",
         "quick": plan.quick,
@@ -400,15 +412,7 @@ def run_cpu_suite(
         },
         "rows": rows,
         "details": details,
-        "conditions": {
-            "build_model_s": round(build_s, 1),
-            "launches": launches,
-            "foreign_cores_median": median(foreign) if foreign else 0.0,
-            "foreign_cores_max": max(foreign, default=0.0),
-            "waited_for_idle_s": round(sum(entry["waited_for_idle_s"] for entry in launches), 1),
-            "discarded_launches": sum(entry["discarded"] for entry in launches),
-            "aborted_at_exit_after_finishing": sum("aborted_at_exit_after_finishing" in e for e in launches),
-        },
+        "conditions": {"build_model_s": round(build_s, 1), **launch_conditions(launches)},
         "wall_time_s": time.perf_counter() - suite_start,
     }
 

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import REPO_ROOT, base_env, median, read_json, write_json
+from benchmarks.common import REPO_ROOT, base_env, read_json, write_json
 from benchmarks.cpu_suite import (
     QUICK_MODEL,
     SIZE_KEYS,
@@ -36,6 +36,7 @@ from benchmarks.cpu_suite import (
     Runner,
     _parameters,
     ensure_model,
+    launch_conditions,
     native_bf16,
 )
 from benchmarks.report import render
@@ -552,7 +553,6 @@ def run_data_suite(
     data_info["samples"] = build["samples"]
     data_info["mean_sample_tokens"] = round(build["tokens"] / build["samples"], 1)
     data_info["cache_mib"] = build["mib"]
-    foreign = [entry["foreign_cores"] for entry in launches if not entry["discarded"]]
     ttfs = next(r for r in rows if r["key"] == "time_to_first_step_s")
     growth = [r for r in rows if r["key"].startswith("train_peak_rss_growth")]
     bar_mb = RSS_BAR_BYTES / 1e6
@@ -583,14 +583,7 @@ def run_data_suite(
         "rows": rows,
         "checks": checks,
         "details": details,
-        "conditions": {
-            "launches": launches,
-            "foreign_cores_median": median(foreign) if foreign else 0.0,
-            "foreign_cores_max": max(foreign, default=0.0),
-            "waited_for_idle_s": round(sum(entry["waited_for_idle_s"] for entry in launches), 1),
-            "discarded_launches": sum(entry["discarded"] for entry in launches),
-            "aborted_at_exit_after_finishing": sum("aborted_at_exit_after_finishing" in e for e in launches),
-        },
+        "conditions": launch_conditions(launches),
         "wall_time_s": time.perf_counter() - suite_start,
     }
 
