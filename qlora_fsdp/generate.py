@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from qlora_fsdp.config import PROMPT_STYLES, GenerateConfig, TrainConfig
-from qlora_fsdp.data.formats import format_prompt, special_prefix
+from qlora_fsdp.data.formats import format_prompt, missing_prefix, special_prefix
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.export import HQQ_WEIGHTS, check_adapter, read_adapter, training_backend, training_base
 from qlora_fsdp.fsdp import PRECISIONS, quant_compute_dtype
@@ -102,9 +102,7 @@ def answer(model: nn.Module, tokenizer: Any, text: str, options: GenerateConfig)
     # Tokenized as training tokenizes a sequence: the tokenizer's BOS (where it adds one) once, unless the chat
     # template already wrote it.
     tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
-    prefix = special_prefix(tokenizer)
-    if tokens[: len(prefix)] != prefix:
-        tokens = [*prefix, *tokens]
+    tokens = [*missing_prefix(tokens, special_prefix(tokenizer)), *tokens]
     ids = {"input_ids": torch.tensor([tokens]), "attention_mask": torch.ones(1, len(tokens), dtype=torch.long)}
     device = next(model.parameters()).device
     sampling = {"temperature": options.temperature, "top_p": options.top_p, "top_k": options.top_k}

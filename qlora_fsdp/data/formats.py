@@ -223,6 +223,12 @@ def special_prefix(tokenizer: Any) -> list[int]:
     return list(full[:at])
 
 
+def missing_prefix(ids: list[int], prefix: list[int]) -> list[int]:
+    """What a sequence lacks of the tokenizer's prefix: all of it, or nothing where the sequence already begins with
+    it (a chat template or a pre-rendered prompt that wrote the BOS itself)."""
+    return [] if ids[: len(prefix)] == prefix else prefix
+
+
 def learned_tokens(labels: list[int]) -> int:
     """Label tokens the loss learns from a sample: labels[1:] (nothing predicts a sample's first token)."""
     return sum(label != IGNORE_INDEX for label in labels[1:])
@@ -240,7 +246,6 @@ def encode_examples(examples: list[AnyExample], tokenizer: Any, *, train_on_inpu
     if eos_id is None:
         raise UserError("the tokenizer has no eos token; the model cannot learn where a response ends")
     prefix = special_prefix(tokenizer)
-    unlearned = [IGNORE_INDEX] * len(prefix)
     plain = [e for e in examples if isinstance(e, Example)]
     prompts = tokenizer([e.prompt for e in plain], add_special_tokens=False)["input_ids"] if plain else []
     responses = tokenizer([e.response for e in plain], add_special_tokens=False)["input_ids"] if plain else []
@@ -251,15 +256,14 @@ def encode_examples(examples: list[AnyExample], tokenizer: Any, *, train_on_inpu
             prompt_ids, response_ids = next(pairs)
             prompt_labels = list(prompt_ids) if train_on_inputs else [IGNORE_INDEX] * len(prompt_ids)
             ids, labels = [*prompt_ids, *response_ids, eos_id], [*prompt_labels, *response_ids, eos_id]
-            if ids[: len(prefix)] != prefix:  # a prompt rendered with its template beforehand may hold the BOS
-                ids, labels = [*prefix, *ids], [*unlearned, *labels]
-            samples.append((ids, labels))
+            lead = missing_prefix(ids, prefix)
+            samples.append(([*lead, *ids], [IGNORE_INDEX] * len(lead) + labels))
         elif not example.has_reply:
             samples.append(([], []))
         else:
             ids, learned = encode_conversation(example, tokenizer)
-            if prefix and ids[: len(prefix)] != prefix:
-                ids, learned = [*prefix, *ids], [False] * len(prefix) + learned
+            lead = missing_prefix(ids, prefix)
+            ids, learned = [*lead, *ids], [False] * len(lead) + learned
             samples.append(
                 (ids, [i if train_on_inputs or m else IGNORE_INDEX for i, m in zip(ids, learned, strict=True)])
             )
