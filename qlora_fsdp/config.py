@@ -48,6 +48,9 @@ class ModelConfig:
     """Allow model code from the hub repository (off: only architectures transformers ships)."""
     allow_pickle: bool = False
     """Also load pickle (.bin) checkpoints, with torch.load(weights_only=True); off: safetensors only."""
+    router_aux_loss_coef: float | None = None
+    """Mixture-of-experts models: weight of the router's load-balancing loss added to the training loss (0: none).
+    Unset: the model config's own (`router_aux_loss_coef`, when its `output_router_logits` is true)."""
 
 
 @dataclass
@@ -413,6 +416,10 @@ def _check_ranges(cfg: TrainConfig) -> list[str]:
         (cfg.lora.lora_rank < 1, "--lora_rank must be >= 1"),
         (cfg.lora.lora_alpha <= 0, "--lora_alpha must be > 0"),
         (not 0 <= cfg.lora.lora_dropout < 1, "--lora_dropout must be in [0, 1)"),
+        (
+            cfg.model.router_aux_loss_coef is not None and not cfg.model.router_aux_loss_coef >= 0,
+            "--router_aux_loss_coef must be >= 0",
+        ),
         (not cfg.lora.lora_target_modules.strip(), "--lora_target_modules must be 'all' or layer names"),
         (cfg.data.dataset_samples < 0, "--dataset_samples must be >= 0"),
         (cfg.data.dataset_num_proc < 0, "--dataset_num_proc must be >= 0 (0: automatic)"),

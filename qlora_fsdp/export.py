@@ -21,7 +21,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,12 +39,13 @@ from qlora_fsdp.model import (
     SINGLE_FILE,
     Skeleton,
     build_skeleton,
+    checkpoint_targets,
     resolve_model_path,
-    safetensors_header,
     stream_weights,
 )
 from qlora_fsdp.quant import QuantBackend, make_backend
 from qlora_fsdp.quant.base import QuantizedLinear
+from qlora_fsdp.quant.experts import FUSED, QuantizedExperts, has_fused_experts
 
 SHARD_BYTES = 1 << 30
 """Largest output shard: what a merge or export holds in memory besides one layer and the embeddings."""
@@ -70,6 +71,11 @@ class Adapter:
     scaling: float
     layers: dict[str, LoraWeights]
     """Adapted module name (as in the base model) -> its weights."""
+    target_parameters: list[str] = field(default_factory=list)
+    """PEFT's `target_parameters` (routed experts' fused projections), as the adapter config lists them."""
+    experts: dict[str, LoraWeights] = field(default_factory=dict)
+    """Fused experts parameter name -> its per-expert weights (PEFT's layout), once check_adapter has seen the
+    model: A [rank x experts, in], B [out, rank x experts]."""
 
 
 @dataclass
@@ -121,12 +127,26 @@ def read_adapter(name: str) -> Adapter:
         layers[module] = LoraWeights(found["lora_A"], found["lora_B"], found.get("lora_magnitude_vector"))
     if not layers:
         raise UserError(f"--adapter {name}: {ADAPTER_WEIGHTS} holds no LoRA weights")
-    return Adapter(path, scaling, layers)
+    return Adapter(path, scaling, layers, target_parameters=list(config.get("target_parameters") or []))
 
 
 def check_adapter(adapter: Adapter, model: nn.Module, model_name: str) -> None:
     """Refuse an adapter trained on another architecture or other shapes, naming the first layer that differs."""
     modules = dict(model.named_modules())
+    _find_expert_adapters(adapter, modules)
+    for name, lora in sorted(adapter.experts.items()):
+        module_name, _, fused = name.rpartition(".")
+        experts, out_features, in_features = _fused_shape(modules[module_name], fused)
+        rank = lora.a.shape[0] // experts
+        got, expected = (
+            [tuple(lora.a.shape), tuple(lora.b.shape)],
+            [(rank * experts, in_features), (out_features, rank * experts)],
+        )
+        if got != expected:
+            raise UserError(
+                f"--adapter {adapter.path}: {name} is {experts}x{out_features}x{in_features} in --model {model_name} "
+                f"but the adapter's shapes {got} do not fit it: it was trained on another base model; pass that one"
+            )
     for name, lora in sorted(adapter.layers.items()):
         module = modules.get(name)
         if module is None:
@@ -145,6 +165,49 @@ def check_adapter(adapter: Adapter, model: nn.Module, model_name: str) -> None:
                 f"--adapter {adapter.path}: {name} is {out_features}x{in_features} in --model {model_name} but the "
                 f"adapter's shapes {got} do not fit it: it was trained on another base model; pass that one"
             )
+
+
+def _fused_order(module: nn.Module) -> list[str] | None:
+    """A routed-experts module's fused parameter names in transformers' order, or None for another module."""
+    if isinstance(module, QuantizedExperts):
+        return module.fused_order
+    return [n for n, _ in module.named_parameters(recurse=False)] if has_fused_experts(module) else None
+
+
+def _fused_shape(module: nn.Module, fused: str) -> tuple[int, int, int]:
+    """(experts, out, in) of a fused projection, whether transformers' module or the per-expert one holds it."""
+    if isinstance(module, QuantizedExperts):
+        first = getattr(module, FUSED[fused])[0]
+        return module.num_experts, first.out_features, first.in_features
+    return tuple(getattr(module, fused).shape)  # type: ignore[return-value]
+
+
+def _find_expert_adapters(adapter: Adapter, modules: dict[str, nn.Module]) -> None:
+    """Move the adapter's routed-experts entries from `layers` to `experts`, keyed by fused parameter.
+
+    PEFT nests one wrapper per targeted parameter on the experts module, the first parameter innermost, so
+    `experts.base_layer.lora_A` adapts the first targeted one and `experts.lora_A` the last.
+    """
+    targeted = {t.rpartition(".")[2] for t in adapter.target_parameters}
+    for name in list(adapter.layers):
+        base, depth = name, 0
+        while base.endswith(".base_layer"):
+            base, depth = base.removesuffix(".base_layer"), depth + 1
+        order = _fused_order(modules[base]) if base in modules else None
+        if order is None:
+            continue
+        fused = [n for n in order if n in targeted]
+        if depth >= len(fused):
+            raise UserError(f"--adapter {adapter.path}: {name} adapts no parameter its target_parameters name")
+        adapter.experts[f"{base}.{fused[len(fused) - 1 - depth]}"] = adapter.layers.pop(name)
+
+
+def merge_experts(weight: torch.Tensor, lora: LoraWeights, scaling: float) -> torch.Tensor:
+    """[experts, out, in] + scaling x B_e @ A_e for each expert e, in fp32 (PEFT's ParamWrapper delta)."""
+    experts = weight.shape[0]
+    a = lora.a.float().reshape(experts, -1, lora.a.shape[-1])
+    b = lora.b.float().reshape(lora.b.shape[0], -1, experts).permute(2, 0, 1)
+    return weight.float() + scaling * (b @ a)
 
 
 def merge_weight(weight: torch.Tensor, lora: LoraWeights, scaling: float) -> torch.Tensor:
@@ -231,11 +294,6 @@ class ShardWriter:
             weight_map |= dict.fromkeys(names, final)
         index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
         (self.directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-
-
-def _checkpoint_names(skeleton: Skeleton) -> set[str]:
-    """Tensor names the base checkpoint holds (a tied head usually is not one of them)."""
-    return {name for file in skeleton.files for name in safetensors_header(file)[1]}
 
 
 @dataclass
@@ -334,28 +392,58 @@ def merge_adapter(model_cfg: ModelConfig, quant: QuantConfig, *, precision: str,
     if backend is not None:
         base = training_base(skeleton, backend, adapter=options.adapter, model_name=model_cfg.model)
     out_dtype = getattr(torch, OUTPUT_DTYPES[options.dtype])
-    in_checkpoint = _checkpoint_names(skeleton)
+    filled = checkpoint_targets(skeleton)
     source = _source_names(skeleton)
 
     with _staged(out) as staging:
         writer = ShardWriter(staging)
 
         def write(modules: dict[str, nn.Module]) -> None:
+            tensors: dict[str, torch.Tensor] = {}
             for module_name, module in modules.items():
+                if _fused_order(module) is not None:
+                    tensors |= _merged_experts(module_name, module, adapter)
+                    continue
                 for attr, tensor in module.named_parameters(recurse=False):
                     name = source.get((id(module), attr))
-                    if name not in in_checkpoint:
+                    if name not in filled:
                         continue
                     if attr == "weight" and isinstance(module, QuantizedLinear):
                         tensor = module.dequantize()
                     if attr == "weight" and module_name in adapter.layers:
                         tensor = merge_weight(tensor.cpu(), adapter.layers[module_name], adapter.scaling)
-                    writer.add(name, tensor.to(out_dtype) if tensor.is_floating_point() else tensor)
+                    tensors[name] = tensor
+            # Written in the checkpoint's own layout (per-expert, as transformers' save_pretrained writes it).
+            for name, tensor in revert_weight_conversion(skeleton.model, tensors).items():
+                writer.add(name, tensor.to(out_dtype) if tensor.is_floating_point() else tensor)
 
         _stream_layers(skeleton, backend, write, base)
         writer.close()
         _save_config(skeleton, staging, dtype=out_dtype, quantization=None)
     return Written(out, time.perf_counter() - start, peak_memory_bytes(torch.device("cpu")))
+
+
+def _merged_experts(module_name: str, module: nn.Module, adapter: Adapter) -> dict[str, torch.Tensor]:
+    """A routed-experts module's fused projections (dequantized where quantized) with the adapter merged in."""
+    out = {}
+    for fused in FUSED:
+        if isinstance(module, QuantizedExperts):
+            layers = getattr(module, FUSED[fused])
+            weight = torch.stack([m.dequantize() if isinstance(m, QuantizedLinear) else m.weight for m in layers])
+        else:
+            weight = getattr(module, fused).detach()
+        name = f"{module_name}.{fused}"
+        out[name] = (
+            merge_experts(weight.cpu(), adapter.experts[name], adapter.scaling) if name in adapter.experts else weight
+        )
+    return out
+
+
+def revert_weight_conversion(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' own reversal of its load-time conversion (fused experts back to per-expert tensors)."""
+    from transformers.core_model_loading import revert_weight_conversion as revert
+
+    return revert(model, tensors) if tensors else tensors
 
 
 def _bnb_quantization(backend: QuantBackend, skeleton: Skeleton) -> dict[str, Any]:
@@ -374,7 +462,7 @@ def _bnb_quantization(backend: QuantBackend, skeleton: Skeleton) -> dict[str, An
 def _export_bnb(skeleton: Skeleton, backend: QuantBackend, staging: Path, param_dtype: torch.dtype, base: Base) -> None:
     """Safetensors shards in transformers' pre-quantized 4-bit layout, with the quantization in config.json."""
     writer = ShardWriter(staging)
-    in_checkpoint = _checkpoint_names(skeleton)
+    in_checkpoint = checkpoint_targets(skeleton)
     source = _source_names(skeleton)
 
     def write(modules: dict[str, nn.Module]) -> None:
@@ -450,6 +538,12 @@ def export_quantized(model_cfg: ModelConfig, quant: QuantConfig, *, precision: s
         raise UserError("--quant none has nothing to export; pass the --quant training used (bnb or hqq)")
     param_dtype = PRECISIONS[precision].param_dtype
     skeleton = build_skeleton(model_cfg, backend=backend, param_dtype=param_dtype)
+    experts = next((m for m in skeleton.model.modules() if isinstance(m, QuantizedExperts)), None)
+    if experts is not None:
+        raise UserError(
+            f"--model {model_cfg.model} has routed experts, which no {backend.library} loader reads quantized "
+            "(transformers quantizes only linear layers); merge the adapter instead (scripts/merge_adapter.py)"
+        )
     if backend.name in CHECKS:
         CHECKS[backend.name](skeleton, backend)
     base = training_base(skeleton, backend, adapter=options.adapter, model_name=model_cfg.model)

@@ -20,10 +20,20 @@ from torch import nn
 from qlora_fsdp.config import PROMPT_STYLES, GenerateConfig, TrainConfig
 from qlora_fsdp.data.formats import format_prompt, missing_prefix, special_prefix
 from qlora_fsdp.errors import UserError
-from qlora_fsdp.export import HQQ_WEIGHTS, check_adapter, read_adapter, training_backend, training_base
+from qlora_fsdp.export import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    HQQ_WEIGHTS,
+    check_adapter,
+    read_adapter,
+    training_backend,
+    training_base,
+)
 from qlora_fsdp.fsdp import PRECISIONS, quant_compute_dtype
+from qlora_fsdp.lora import load_saved_adapter
 from qlora_fsdp.manifest import intra_op_threads, read_manifest
 from qlora_fsdp.model import build_skeleton, load_tokenizer, resolve_model_path, stream_weights
+from qlora_fsdp.quant.experts import QuantizedExperts
 
 EXIT_WORDS = ("exit", "quit")
 EXPORT_KINDS = {"hqq": "hqq", "bitsandbytes": "bnb"}
@@ -71,7 +81,11 @@ def load_for_generation(cfg: TrainConfig, options: GenerateConfig) -> tuple[nn.M
         from peft import PeftModel
 
         check_adapter(adapter, model, cfg.model.model)
-        model = PeftModel.from_pretrained(model, str(adapter.path))
+        if any(isinstance(m, QuantizedExperts) for m in model.modules()):
+            config = json.loads((adapter.path / ADAPTER_CONFIG).read_text())
+            model = load_saved_adapter(model, adapter.path / ADAPTER_WEIGHTS, config, dtype=precision.param_dtype)
+        else:
+            model = PeftModel.from_pretrained(model, str(adapter.path))
     return model.eval(), load_tokenizer(path)
 
 

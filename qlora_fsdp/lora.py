@@ -4,22 +4,39 @@ from __future__ import annotations
 
 import math
 import zlib
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from qlora_fsdp.config import LoraConfig
 from qlora_fsdp.errors import UserError
+from qlora_fsdp.quant.experts import FUSED, ExpertAdapter, QuantizedExperts, is_router_gate
+
+
+def adapts_experts(spec: str) -> bool:
+    """Whether `--lora_target_modules` puts adapters on routed experts: `all`, or a list naming `experts`."""
+    names = [name.strip() for name in spec.split(",")]
+    return spec.strip() == "all" or "experts" in names
 
 
 def target_modules(spec: str, model: nn.Module) -> list[str]:
-    """`all`: the names of every linear layer (plain or quantized: both are nn.Linear) except the output head;
-    else the listed names."""
+    """`all`: the names of every linear layer (plain or quantized: both are nn.Linear) except the output head, the
+    routing gates and the per-expert layers (adapted through their fused parameters instead); else the listed
+    names, less `experts`."""
     if spec.strip() != "all":
-        return [name.strip() for name in spec.split(",") if name.strip()]
+        return [name.strip() for name in spec.split(",") if name.strip() and name.strip() != "experts"]
     head = model.get_output_embeddings()
+    inside = tuple(f"{n}." for n, m in model.named_modules() if isinstance(m, QuantizedExperts))
     return sorted(
-        {name.rpartition(".")[2] for name, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head}
+        {
+            name.rpartition(".")[2]
+            for name, m in model.named_modules()
+            if isinstance(m, nn.Linear)
+            and m is not head
+            and not is_router_gate(name)
+            and not (inside and name.startswith(inside))
+        }
     )
 
 
@@ -27,39 +44,70 @@ def inject_lora(model: nn.Module, cfg: LoraConfig, *, dtype: torch.dtype) -> nn.
     """Wrap `model` in a PeftModel whose only trainable parameters are the adapters, stored in `dtype`.
 
     On a meta skeleton the adapters are meta too: `init_adapters` gives them their values once their decoder
-    layer has been loaded.
+    layer has been loaded. Routed experts (QuantizedExperts) get per-expert adapters on their fused projections,
+    recorded in the adapter config as PEFT's `target_parameters`, so PEFT builds the same adapter on the
+    transformers model.
     """
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
+    experts = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedExperts)}
+    adapt_experts = bool(experts) and adapts_experts(cfg.lora_target_modules)
+    if adapt_experts and cfg.train_type == "dora":
+        raise UserError(
+            "--train_type dora: DoRA on routed experts is not supported; use --train_type lora, or name the modules "
+            "to adapt in --lora_target_modules without `experts`"
+        )
+    names = target_modules(cfg.lora_target_modules, model)
     peft_config = PeftLoraConfig(
         r=cfg.lora_rank,
         lora_alpha=cfg.lora_alpha,
         lora_dropout=cfg.lora_dropout,
-        target_modules=target_modules(cfg.lora_target_modules, model),
+        target_modules=names,
         bias="none",
         task_type="CAUSAL_LM",
         use_dora=cfg.train_type == "dora",
     )
+    if not names:
+        raise UserError(
+            f"--lora_target_modules {cfg.lora_target_modules}: name at least one linear layer besides experts "
+            "(e.g. q_proj,v_proj,experts), or pass all"
+        )
     try:
         peft_model = get_peft_model(model, peft_config, autocast_adapter_dtype=False)
     except ValueError as exc:
         raise UserError(f"--lora_target_modules {cfg.lora_target_modules}: {str(exc).splitlines()[0]}") from None
-    for name, param in peft_model.named_parameters():
-        if "lora_" in name:
+    if adapt_experts:
+        for module in experts.values():
+            for adapter in module.add_adapters(rank=cfg.lora_rank, alpha=cfg.lora_alpha):
+                adapter.requires_grad_(True)
+        # PEFT's own layout for them (see ExpertAdapter), which has no dropout.
+        peft_model.peft_config["default"].target_parameters = sorted(
+            {f"{name.rpartition('.')[2]}.{fused}" for name in experts for fused in FUSED}
+        )
+        peft_model.peft_config["default"].lora_dropout = 0.0
+    for param in peft_model.parameters():
+        if param.requires_grad:
             param.data = param.data.to(dtype)
-    for layer in lora_layers(peft_model):
+    for layer in peft_lora_layers(peft_model):
         # PEFT casts the adapter input to the adapter weight's dtype, read outside the adapter's FSDP1 unit: stored
         # dtype in forward, cast dtype in a checkpoint's recompute, which then refuses to run. FSDP casts inputs.
         layer.cast_input_dtype_enabled = False
     return peft_model
 
 
-def lora_layers(module: nn.Module) -> list[nn.Module]:
+def peft_lora_layers(module: nn.Module) -> list[nn.Module]:
     """PEFT's LoRA layers under `module` (each holds lora_A, lora_B and, for DoRA, a magnitude per adapter)."""
     from peft.tuners.lora import LoraLayer
 
     return [m for m in module.modules() if isinstance(m, LoraLayer)]
+
+
+def lora_layers(module: nn.Module) -> list[nn.Module]:
+    """Every adapter layer under `module`: PEFT's, and the routed experts' own (ExpertAdapter)."""
+    from peft.tuners.lora import LoraLayer
+
+    return [m for m in module.modules() if isinstance(m, (LoraLayer, ExpertAdapter))]
 
 
 def init_adapters(layers: list[nn.Module], *, seed: int, name: str) -> None:
@@ -73,6 +121,9 @@ def init_adapters(layers: list[nn.Module], *, seed: int, name: str) -> None:
     generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
     with torch.no_grad():
         for layer in layers:
+            if isinstance(layer, ExpertAdapter):
+                layer.reset(generator)
+                continue
             for adapter, lora_a in layer.lora_A.items():
                 values = torch.empty(lora_a.weight.shape, dtype=torch.float32)
                 nn.init.kaiming_uniform_(values, a=math.sqrt(5), generator=generator)
@@ -111,7 +162,11 @@ def adapter_keys(peft_model: nn.Module) -> dict[nn.Module, dict[str, str]]:
     key_of = {names[int(marker)]: key for key, marker in saved.items()}
     out = {}
     for module_name, module in peft_model.named_modules():
-        if is_trainable_leaf(module):
+        if isinstance(module, ExpertAdapter):
+            # PEFT's key for the fused parameter's wrapper on the experts module (see ExpertAdapter).
+            key = f"{module_name.rpartition('.')[0]}.{module.peft_prefix}lora_"
+            out[module] = {"A": f"{key}A.weight", "B": f"{key}B.weight"}
+        elif is_trainable_leaf(module):
             prefix = f"{module_name}." if module_name else ""
             out[module] = {n: key_of.get(prefix + n, "") for n, _ in module.named_parameters(recurse=False)}
     return out
@@ -121,3 +176,25 @@ def is_trainable_leaf(module: nn.Module) -> bool:
     """A module without children whose own parameters all train: an adapter layer (or DoRA magnitude)."""
     params = list(module.parameters(recurse=False))
     return not list(module.children()) and bool(params) and all(p.requires_grad for p in params)
+
+
+def load_saved_adapter(model: nn.Module, path: Path, config: dict, *, dtype: torch.dtype) -> nn.Module:
+    """A saved LoRA adapter (`config` is its adapter_config.json) on a model whose routed experts are split per
+    expert, where PEFT's own loader cannot put its `target_parameters` adapters: built by `inject_lora` as training
+    built it, filled from the file by PEFT's keys."""
+    from safetensors.torch import load_file
+
+    targets = list(config.get("target_modules") or []) + (["experts"] if config.get("target_parameters") else [])
+    lora = LoraConfig(
+        lora_rank=int(config["r"]), lora_alpha=float(config["lora_alpha"]), lora_dropout=0.0,
+        lora_target_modules=",".join(targets), train_type="dora" if config.get("use_dora") else "lora",
+    )  # fmt: skip
+    peft_model = inject_lora(model, lora, dtype=dtype)
+    tensors = load_file(str(path))
+    device = next(model.parameters()).device
+    for module, names in adapter_keys(peft_model).items():
+        for attr, key in names.items():
+            if key not in tensors:
+                raise UserError(f"--adapter {path.parent}: {path.name} lacks {key}; the adapter file is incomplete")
+            module._parameters[attr] = nn.Parameter(tensors[key].to(device=device, dtype=dtype), requires_grad=False)
+    return peft_model

@@ -18,6 +18,8 @@ while it runs, under both FSDP versions.
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -42,12 +44,13 @@ class CausalLMLoss(nn.Module):
     whole step, over every rank.
     """
 
-    def __init__(self, lm: nn.Module, *, chunk_tokens: int) -> None:
+    def __init__(self, lm: nn.Module, *, chunk_tokens: int, router: RouterLoss | None = None) -> None:
         super().__init__()
         self.lm = lm
         self.chunk_tokens = chunk_tokens
         transformed = any(getattr(lm.config, a, None) not in (None, 1.0) for a in LOGIT_TRANSFORMS)
         self.chunked = chunk_tokens > 0 and not transformed
+        self.router = router
 
     def forward(
         self,
@@ -59,10 +62,20 @@ class CausalLMLoss(nn.Module):
         inputs: dict[str, Any] = dict(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         )
+        router = self.router if self.training else None
+        if router is not None:
+            inputs["output_router_logits"] = True
         if not self.chunked:
-            return full_loss_sum(self.lm(**inputs).logits, labels)
-        hidden = self.lm.get_decoder()(**inputs).last_hidden_state
-        return chunked_loss_sum(hidden, self.lm.get_output_embeddings(), labels, chunk_tokens=self.chunk_tokens)
+            out = self.lm(**inputs)
+            loss = full_loss_sum(out.logits, labels)
+        else:
+            out = self.lm.get_decoder()(**inputs)
+            loss = chunked_loss_sum(
+                out.last_hidden_state, self.lm.get_output_embeddings(), labels, chunk_tokens=self.chunk_tokens
+            )
+        if router is not None:
+            loss = loss + router(out.router_logits, attention_mask, labels)
+        return loss
 
 
 def full_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -154,3 +167,59 @@ class _LinearHeadLoss(torch.autograd.Function):
             for g, dtype in zip(ctx.saved_tensors, ctx.dtypes, strict=True)
         )
         return (*grads, None, None)
+
+
+class RouterLoss:
+    """A mixture-of-experts model's load-balancing loss, by transformers' own function for the architecture.
+
+    Each micro-batch adds `coef x aux x its label tokens` to the loss sum, which the caller divides by the step's
+    label tokens over every rank, as the cross-entropy: the step's auxiliary loss is the label-token-weighted mean of
+    the micro-batches' own. Training only: evaluation reports the cross-entropy alone. `take()` hands the trainer
+    what the step's log needs: the weighted sum of aux and the tokens each layer routed to each expert.
+    """
+
+    def __init__(self, function: Callable[..., torch.Tensor], *, num_experts: int, top_k: int, coef: float) -> None:
+        self.function, self.num_experts, self.top_k, self.coef = function, num_experts, top_k, coef
+        self._aux: torch.Tensor | None = None
+        self._load: torch.Tensor | None = None
+
+    def __call__(
+        self, router_logits: tuple[torch.Tensor, ...], attention_mask: torch.Tensor | None, labels: torch.Tensor
+    ) -> torch.Tensor:
+        mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
+        aux = self.function(router_logits, self.num_experts, self.top_k, mask)
+        weight = (labels[:, 1:] != IGNORE_INDEX).sum()
+        with torch.no_grad():
+            counts = []
+            for logits in router_logits:
+                chosen = logits.topk(self.top_k, dim=-1).indices
+                if mask is not None:
+                    chosen = chosen[mask.reshape(-1).bool()]  # padding routes nothing
+                counts.append(torch.bincount(chosen.flatten(), minlength=self.num_experts))
+            load = torch.stack(counts).double()
+            self._load = load if self._load is None else self._load + load
+            weighted = aux.detach().double() * weight
+            self._aux = weighted if self._aux is None else self._aux + weighted
+        return self.coef * aux * weight
+
+    def take(self, device: torch.device) -> torch.Tensor:
+        """[weighted aux sum, tokens per (layer, expert)...] since the last take, for one all-reduce."""
+        aux = self._aux if self._aux is not None else torch.zeros((), dtype=torch.float64, device=device)
+        load = self._load if self._load is not None else torch.zeros(1, dtype=torch.float64, device=device)
+        self._aux = self._load = None
+        return torch.cat([aux.reshape(1), load.flatten()]).to(device)
+
+
+def router_loss(lm: nn.Module, coef: float | None) -> RouterLoss | None:
+    """The load-balancing loss `lm` asks for (its config's `output_router_logits`, at `router_aux_loss_coef`) or
+    `coef` sets (0: none); None for a model without routed experts."""
+    base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
+    function = getattr(sys.modules[type(base).__module__], "load_balancing_loss_func", None)
+    if function is None or not hasattr(base, "num_experts_per_tok"):
+        return None
+    config = base.config
+    if coef is None:
+        coef = config.router_aux_loss_coef if getattr(config, "output_router_logits", False) else 0.0
+    if not coef:
+        return None
+    return RouterLoss(function, num_experts=base.num_experts, top_k=base.num_experts_per_tok, coef=coef)

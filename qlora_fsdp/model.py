@@ -22,10 +22,12 @@ import torch.distributed as dist
 from torch import nn
 
 from qlora_fsdp.config import ModelConfig
+from qlora_fsdp.conversion import CheckpointNames
 from qlora_fsdp.distributed import DistEnv
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.quant import QuantBackend
 from qlora_fsdp.quant.base import QuantizedLinear, QuantizedWeight
+from qlora_fsdp.quant.experts import FUSED, QuantizedExperts, is_router_gate, replace_experts
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +141,13 @@ def read_safetensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
             yield name, tensor
 
 
+def _tensor_names(file: Path) -> list[str]:
+    """The names a weight file holds, without reading its tensors (a pickle's come from its memory-mapped index)."""
+    if file.suffix == ".safetensors":
+        return list(safetensors_header(file)[1])
+    return list(torch.load(file, map_location="meta", weights_only=True, mmap=True))
+
+
 def _read_tensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) one at a time: safetensors from disk; pickle only with weights_only, memory-mapped."""
     if file.suffix == ".safetensors":
@@ -177,9 +186,18 @@ def meta_model(path: Path, *, dtype: torch.dtype, trust_remote_code: bool, atten
         ) from None
     config.use_cache = False
     with _params_on_meta():
-        model = AutoModelForCausalLM.from_config(
-            config, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation=attention
-        )
+        try:
+            model = AutoModelForCausalLM.from_config(
+                config, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation=attention
+            )
+        except ValueError as exc:
+            if attention == "eager" or "attention implementation" not in str(exc):
+                raise
+            # An architecture without sdpa (GPT-OSS, say) attends as transformers itself would load it: eagerly.
+            log.warning("--model %s: %s attention is not supported by this architecture; using eager", path, attention)
+            model = AutoModelForCausalLM.from_config(
+                config, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="eager"
+            )
     if getattr(config, "tie_word_embeddings", False):
         # Tying inside _params_on_meta made two meta copies; one parameter with two owners, filled once.
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
@@ -237,6 +255,7 @@ def build_skeleton(
     path: Path | None = None,
     full_precision_prefixes: tuple[str, ...] = (),
     attention: str = "sdpa",
+    adapt_experts: bool = False,
 ) -> Skeleton:
     """The architecture from config.json on meta, with every linear but the head (and `full_precision_prefixes`)
     replaced by the backend's empty quantized layer. Nothing is read from the checkpoint yet."""
@@ -246,17 +265,29 @@ def build_skeleton(
     layer_classes = decoder_layer_classes(model)
     head = model.get_output_embeddings()
     head_name = next((n for n, m in model.named_modules() if m is head), None)
-    quantized = []
     if backend is not None:
-        # The output head stays in full precision: small next to the body and sensitive to quantization error.
-        quantized = backend.replace_linears(
-            model, should_quantize=lambda n: n != head_name and not n.startswith(full_precision_prefixes)
+        # The output head stays in full precision: small next to the body and sensitive to quantization error; so
+        # do the gates that route tokens.
+        backend.replace_linears(
+            model,
+            should_quantize=lambda n: (
+                n != head_name and not n.startswith(full_precision_prefixes) and not is_router_gate(n)
+            ),
         )
+    if backend is not None or adapt_experts:
+        # Routed experts become one layer per expert: quantized like the linears or, unquantized with adapters on
+        # them, plain frozen linears. Full fine-tuning without quantization trains transformers' own fused module.
+        replace_experts(model, backend.make_module if backend is not None else _plain_linear)
+    quantized = [n for n, m in model.named_modules() if backend is not None and backend.is_quantized(m)]
     # Quantized layers keep the checkpoint's names (weight, bias): their `weight` quantizes what arrives.
     sources = {n: _owner(model, n) for n, _ in model.named_parameters(remove_duplicate=False)}
     sources |= {n: _owner(model, n) for n, _ in model.named_buffers()}
     units = {n: m for n, m in model.named_modules() if isinstance(m, layer_classes)}
     return Skeleton(model, path, files, layer_classes, units, quantized, head_name, sources)
+
+
+def _plain_linear(linear: nn.Linear) -> nn.Linear:
+    return linear
 
 
 def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
@@ -336,42 +367,83 @@ def stream_weights(
                 by_unit.setdefault(unit_of(name), []).append(module)  # type: ignore[arg-type]
         shares = _WeightShares(by_unit, backend=backend, env=env, device=device)
 
-    for file in skeleton.files:
-        for name, tensor in _read_tensors(file):
-            source = skeleton.sources.get(name)
-            if source is None:
-                log.warning("ignoring checkpoint tensor %s: no such parameter in the model", name)
-                continue
-            module, attr = source
-            if shares is not None and shares.covers(module):
-                shares.arrive(module, tensor)  # type: ignore[arg-type]
-            elif id(module) in quantized and attr == "weight":
-                backend.load_weight(module, tensor, device=device, env=env)  # type: ignore[union-attr]
-            elif attr in module._parameters:
-                old = module._parameters[attr]
-                params.replace(old, tensor.to(device=device, dtype=old.dtype if tensor.is_floating_point() else None))
-            else:
-                module._buffers[attr] = tensor.to(device)
-                continue
-            unit = unit_of(name)
-            waiting = pending.get(unit)
-            if waiting is None:
-                continue
-            waiting.discard(slot_of[name])
-            if not waiting and unit:
-                del pending[unit]
-                if shares is not None:
-                    shares.exchange(unit)
-                layer = skeleton.units[unit]
-                params.materialize(layer, device)
-                if on_unit_ready is not None:
-                    on_unit_ready(unit, layer)
-    missing = sorted(first_name[slot] for slots in pending.values() for slot in slots)
+    # Where every tensor goes is known from the files' names: a checkpoint that cannot fill the model is refused
+    # before any weight is read.
+    experts = _split_experts(skeleton)
+    checkpoint_names = [n for file in skeleton.files for n in _tensor_names(file)]
+    names = CheckpointNames(model, checkpoint_names, _model_names(skeleton, experts))
+    filled = {slot_of[n] for target in names.targets() for n in _expand(target, experts) if n in slot_of}
+    missing = sorted(first_name[s] for slots in pending.values() for s in slots if s not in filled)
     if missing:
         raise UserError(
             f"--model {skeleton.path}: checkpoint lacks {len(missing)} tensor(s), e.g. {missing[0]}; is it complete?"
         )
+
+    def place(name: str, tensor: torch.Tensor) -> None:
+        source = skeleton.sources.get(name)
+        if source is None:
+            log.warning("ignoring checkpoint tensor %s: no such parameter in the model", name)
+            return
+        module, attr = source
+        if shares is not None and shares.covers(module):
+            shares.arrive(module, tensor)  # type: ignore[arg-type]
+        elif id(module) in quantized and attr == "weight":
+            backend.load_weight(module, tensor, device=device, env=env)  # type: ignore[union-attr]
+        elif attr in module._parameters:
+            old = module._parameters[attr]
+            params.replace(old, tensor.to(device=device, dtype=old.dtype if tensor.is_floating_point() else None))
+        else:
+            module._buffers[attr] = tensor.to(device)
+            return
+        unit = unit_of(name)
+        waiting = pending.get(unit)
+        if waiting is None:
+            return
+        waiting.discard(slot_of[name])
+        if not waiting and unit:
+            del pending[unit]
+            if shares is not None:
+                shares.exchange(unit)
+            layer = skeleton.units[unit]
+            params.materialize(layer, device)
+            if on_unit_ready is not None:
+                on_unit_ready(unit, layer)
+
+    for file in skeleton.files:
+        for checkpoint_name, tensor in _read_tensors(file):
+            for name, converted in names.arrive(checkpoint_name, tensor).items():
+                parts = _expand(name, experts)
+                if parts == [name]:
+                    place(name, converted)
+                else:  # a fused experts tensor: one 2-D weight per expert
+                    for part, weight in zip(parts, converted.unbind(0), strict=True):
+                        place(part, weight)
     params.materialize(model, device)
+
+
+def checkpoint_targets(skeleton: Skeleton) -> set[str]:
+    """The model names the checkpoint fills, after transformers' conversion (fused experts by their fused name)."""
+    names = [n for file in skeleton.files for n in _tensor_names(file)]
+    return CheckpointNames(skeleton.model, names, _model_names(skeleton, _split_experts(skeleton))).targets()
+
+
+def _split_experts(skeleton: Skeleton) -> dict[str, QuantizedExperts]:
+    return {n: m for n, m in skeleton.model.named_modules() if isinstance(m, QuantizedExperts)}
+
+
+def _model_names(skeleton: Skeleton, experts: dict[str, QuantizedExperts]) -> list[str]:
+    """The model's tensor names as transformers knows them: routed experts split here keep their fused names."""
+    inside = tuple(f"{n}." for n in experts)
+    names = [n for n in skeleton.sources if not (inside and n.startswith(inside))]
+    return names + [f"{n}.{fused}" for n in experts for fused in FUSED]
+
+
+def _expand(name: str, experts: dict[str, QuantizedExperts]) -> list[str]:
+    """`name` itself, or for a fused experts name (`...experts.gate_up_proj`) the per-expert weights it fills."""
+    module_name, _, attr = name.rpartition(".")
+    if module_name not in experts or attr not in FUSED:
+        return [name]
+    return [f"{module_name}.{FUSED[attr]}.{i}.weight" for i in range(experts[module_name].num_experts)]
 
 
 class _WeightShares:

@@ -48,8 +48,15 @@ from qlora_fsdp.fsdp import (
     quant_compute_dtype,
     verify_packed,
 )
-from qlora_fsdp.lora import adapter_keys, init_adapters, inject_lora, lora_layers, prepare_full_finetune
-from qlora_fsdp.loss import CausalLMLoss
+from qlora_fsdp.lora import (
+    adapter_keys,
+    adapts_experts,
+    init_adapters,
+    inject_lora,
+    lora_layers,
+    prepare_full_finetune,
+)
+from qlora_fsdp.loss import CausalLMLoss, RouterLoss, router_loss
 from qlora_fsdp.manifest import LayerDigests, Manifest, training_manifest
 from qlora_fsdp.metrics import METRICS_FILE, MetricsLogger, peak_memory_bytes
 from qlora_fsdp.model import (
@@ -214,6 +221,8 @@ class _Built:
     layout: PackedLayout | None
     """How the quantized layers store their packed bytes (None: nothing is quantized)."""
     manifest: Manifest | None = None
+    router: RouterLoss | None = None
+    """A mixture-of-experts model's load-balancing loss, when it has one."""
     """What rank 0 writes beside each adapter it saves; None elsewhere and without adapters."""
 
 
@@ -329,6 +338,7 @@ def _run(
                 varlen=varlen,
                 run_eval=run_eval if eval_loader is not None else None,
                 eval_steps=cfg.eval.eval_steps,
+                router=built.router,
             )
         # --eval_steps 0, or a last step off its grid: evaluate the final weights.
         off_grid = not cfg.eval.eval_steps or result.state.step % cfg.eval.eval_steps
@@ -376,6 +386,7 @@ def _build_model(cfg: TrainConfig, env: DistEnv, model_path: Path, precision: Pr
         path=model_path,
         full_precision_prefixes=new_blocks,
         attention=attention,
+        adapt_experts=adapters and adapts_experts(cfg.lora.lora_target_modules),
     )
     # Rank 0 digests each quantized layer while it is still whole, under its base-model name (before adapters).
     digests = LayerDigests(skeleton.model, skeleton.quantized) if adapters and env.is_main else None
@@ -407,7 +418,8 @@ def _build_model(cfg: TrainConfig, env: DistEnv, model_path: Path, precision: Pr
         manifest = training_manifest(cfg, model_path=model_path, device=env.device, backend=backend, digests=digests)
     outside = [m for m in lora_layers(unwrapped) if id(m) not in in_layers]
     init_adapters(outside, seed=cfg.optim.seed, name="")
-    sharded = sharder.finish(CausalLMLoss(unwrapped, chunk_tokens=cfg.fsdp.loss_chunk_tokens))
+    router = router_loss(unwrapped, cfg.model.router_aux_loss_coef)
+    sharded = sharder.finish(CausalLMLoss(unwrapped, chunk_tokens=cfg.fsdp.loss_chunk_tokens, router=router))
     verify_packed(sharded.module, sharder.reference)
     return _Built(
         model=sharded,
@@ -417,6 +429,7 @@ def _build_model(cfg: TrainConfig, env: DistEnv, model_path: Path, precision: Pr
         trainable=trainable,
         layout=layout,
         manifest=manifest,
+        router=router,
     )
 
 
@@ -507,6 +520,7 @@ def train_loop(
     varlen: bool = False,
     run_eval: Callable[[int], None] | None = None,
     eval_steps: int = 0,
+    router: RouterLoss | None = None,
 ) -> TrainResult:
     """Optimizer steps of `gradient_accumulation_steps` micro-batches each, from `state` to `total_steps`.
 
@@ -554,6 +568,7 @@ def train_loop(
         totals = torch.stack([loss_sum, torch.tensor(stop_requested, dtype=torch.float64, device=env.device)])
         dist.all_reduce(totals)
         loss = totals[0].item() / max(label_tokens, 1.0)
+        moe = _router_fields(router, label_tokens, env) if router is not None else {}
         # fp16's scaler skips overflowing steps itself; a non-finite norm is then routine, not an error.
         bad = not math.isfinite(loss) or (scaler is None and not math.isfinite(norm))
         lr = scheduler.get_last_lr()[0]
@@ -594,6 +609,7 @@ def train_loop(
                 "peak_memory_bytes_per_rank": gather_ints(peak, env),
                 "elapsed_s": time.perf_counter() - start,
                 "skipped": skipped,
+                **moe,
                 **(static_fields or {}),
             }
         )
@@ -611,6 +627,19 @@ def train_loop(
             logger.message(f"checkpoint saved to {path} in {time.perf_counter() - started:.2f}s")
     result.state = state
     return result
+
+
+def _router_fields(router: RouterLoss, label_tokens: float, env: DistEnv) -> dict[str, float]:
+    """The step's load-balancing loss (label-token weighted, as the loss) and the tokens each expert received
+    per layer (max and mean over layers and experts), over every rank."""
+    stats = router.take(env.device)
+    dist.all_reduce(stats)
+    load = stats[1:]
+    return {
+        "aux_loss": stats[0].item() / max(label_tokens, 1.0),
+        "expert_load_max": load.max().item(),
+        "expert_load_mean": load.mean().item(),
+    }
 
 
 def _activation_offload(enabled: bool, device: torch.device) -> contextlib.AbstractContextManager:

@@ -28,7 +28,7 @@ os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="qlora-test-d
 LONG_FILES = (
     "test_options.py", "test_options_fsdp1.py", "test_after_training_bnb.py", "test_after_training_hqq.py",
     "test_harness.py", "test_packing_eval.py", "test_data_scale.py", "test_reliability.py", "test_chat_training.py",
-    "test_train_e2e.py",
+    "test_train_e2e.py", "test_moe.py",
 )  # fmt: skip
 
 
@@ -44,6 +44,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random Llama in the real HF layout: config.json, 2 safetensors shards with index, tokenizer."""
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def moe_models(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> dict[str, Path]:
+    """Tiny random Mixtral, Qwen2-MoE (shared expert) and Qwen3-MoE, saved by transformers itself."""
+    from tests.moe_models import FAMILIES, build_moe_model
+
+    root = tmp_path_factory.mktemp("moe")
+    return {f: build_moe_model(f, root / f, tokenizer_from=tiny_model, seed=i) for i, f in enumerate(FAMILIES)}
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ import torch
 from qlora_fsdp.config import QuantConfig
 from qlora_fsdp.quant.base import QuantBackend
 
-_NOT_BACKENDS = {"base"}
+_NOT_BACKENDS = {"base", "experts"}
 
 
 def backend_names() -> tuple[str, ...]:

@@ -47,8 +47,8 @@ class QuantizedLinear(nn.Linear):
     - a float dtype without (FSDP1): the packed bytes are viewed as that dtype, because FSDP1 flattens one float
       dtype per unit; the state tensors stay plain attributes, replicated on every rank (their dtypes differ).
 
-    Subclasses subclass `nn.Linear` so PEFT wraps them with its plain LoRA layer; they implement `dequantize` and
-    `forward`. `W_q` aliases the packed weight because PEFT's DoRA dequantizes any module that has it through
+    Subclasses subclass `nn.Linear` so PEFT wraps them with its plain LoRA layer; they implement `_dequantize` and
+    `_forward`. `W_q` aliases the packed weight because PEFT's DoRA dequantizes any module that has it through
     `module.dequantize()`.
     """
 
@@ -135,6 +135,17 @@ class QuantizedLinear(nn.Linear):
         return self._dequantize()
 
     def _dequantize(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not x.numel():
+            # No rows (an expert that received no token): nothing to dequantize. The empty result still depends on
+            # `x`, so backward reaches this layer on every rank alike, as FSDP1's per-layer units need.
+            zero = torch.zeros((), dtype=x.dtype, device=x.device).expand(self.out_features, self.in_features)
+            return x @ zero.t()
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
     def serialized(self) -> dict[str, Any]:

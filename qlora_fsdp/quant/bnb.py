@@ -69,7 +69,7 @@ class Bnb4bitLinear(QuantizedLinear):
             state["bias"] = self.bias
         return state
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(self.compute_dtype)
         out = bnb.matmul_4bit(x.to(self.compute_dtype), self.packed_bytes().view(-1, 1), self.quant_state(), bias=bias)
         return out.to(x.dtype)

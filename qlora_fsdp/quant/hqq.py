@@ -49,7 +49,7 @@ class HqqLinear(QuantizedLinear):
             state["bias"] = self.bias
         return state
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         out = _DequantizeMatmul.apply(x.to(self.compute_dtype), self)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)

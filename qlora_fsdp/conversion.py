@@ -1,0 +1,79 @@
+"""Checkpoint names to model names through transformers' own weight-conversion mapping.
+
+transformers 5 renames some checkpoint tensors when it loads them and fuses others: a Mixtral checkpoint's
+`block_sparse_moe.experts.N.w1/w3` become one `mlp.experts.gate_up_proj` per layer. The loader streams tensors one
+at a time, so this keeps transformers' transforms but applies them as tensors arrive: a renamed tensor goes on at
+once, and a fused target is converted (by transformers' own operations, in its expert order) as soon as the last
+of its sources has been read, so no more than one layer's experts wait in memory.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+@dataclass
+class _Fused:
+    converter: object
+    """transformers' WeightConverter that makes this target (a prototype: each target converts with a copy)."""
+    patterns: dict[str, str]
+    """checkpoint name -> the converter's source pattern it matched."""
+    arrived: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class CheckpointNames:
+    """Where each checkpoint tensor goes, decided from the names alone, before any tensor is read."""
+
+    def __init__(self, model: nn.Module, checkpoint_names: Iterable[str], model_names: Iterable[str]) -> None:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, rename_source_key
+
+        transforms = get_model_conversion_mapping(model)
+        renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
+        converters = [t for t in transforms if isinstance(t, WeightConverter)]
+        present = dict.fromkeys(model_names, True)
+        prefix = getattr(model, "base_model_prefix", None)
+        self.model = model
+        self.direct: dict[str, str] = {}
+        """checkpoint name -> model name, for tensors that are only renamed (most are kept as they are)."""
+        self.fused: dict[str, _Fused] = {}
+        self.fused_of: dict[str, str] = {}
+        """checkpoint name -> the fused target it is one source of."""
+        for name in checkpoint_names:
+            target, converter, pattern = rename_source_key(name, renamings, [], prefix, present)[0], None, None
+            for candidate in converters:
+                renamed, pattern = rename_source_key(name, renamings, [candidate], prefix, present)
+                if pattern is not None:
+                    target, converter = renamed, candidate
+                    break
+            if converter is None:
+                self.direct[name] = target
+                continue
+            self.fused.setdefault(target, _Fused(converter, {})).patterns[name] = pattern  # type: ignore[arg-type]
+            self.fused_of[name] = target
+
+    def targets(self) -> set[str]:
+        """Every model name the checkpoint will fill."""
+        return set(self.direct.values()) | set(self.fused)
+
+    def arrive(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        """{model name: tensor} that `name`'s arrival completes: itself renamed, a whole fused target, or nothing."""
+        target = self.fused_of.get(name)
+        if target is None:
+            return {self.direct.get(name, name): tensor}
+        fused = self.fused[target]
+        fused.arrived[name] = tensor
+        if len(fused.arrived) < len(fused.patterns):
+            return {}
+        from transformers.core_model_loading import dot_natural_key
+
+        del self.fused[target]
+        converter = copy.deepcopy(fused.converter)
+        for source in sorted(fused.arrived, key=dot_natural_key):  # expert 2 before expert 10, as transformers
+            converter.add_tensor(target, source, fused.patterns[source], fused.arrived[source])
+        return converter.convert(target, model=self.model, config=getattr(self.model, "config", None))

@@ -1,0 +1,297 @@
+"""Mixture-of-experts models: loading through transformers' conversion, every expert quantized, the forward against
+transformers' own module, per-expert LoRA in PEFT's layout, the router's loss, and refused layouts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from qlora_fsdp.config import LoraConfig, ModelConfig, QuantConfig
+from qlora_fsdp.errors import UserError
+from qlora_fsdp.lora import adapter_keys, inject_lora, lora_layers
+from qlora_fsdp.model import build_skeleton, load_model, stream_weights
+from qlora_fsdp.quant import make_backend
+from qlora_fsdp.quant.base import QuantizedLinear
+from qlora_fsdp.quant.experts import ExpertAdapter, QuantizedExperts, replace_experts
+from tests.conftest import REPO_ROOT, launch
+from tests.moe_models import FAMILIES
+
+CPU = torch.device("cpu")
+
+
+def backend_for(quant: str):
+    return make_backend(QuantConfig(quant=quant), storage_dtype=torch.uint8, compute_dtype=torch.float32)
+
+
+def hf_model(path: Path) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def weights_of(layer: nn.Module) -> torch.Tensor:
+    return layer.dequantize() if isinstance(layer, QuantizedLinear) else layer.weight.detach()
+
+
+def place_dequantized(ours: nn.Module, reference: nn.Module) -> None:
+    """The reference transformers model with every weight the loaded model computes with (dequantized)."""
+    state = reference.state_dict()
+    with torch.no_grad():
+        for wrapped, module in ours.named_modules():
+            name = wrapped.replace(".base_layer", "")  # under PEFT's wrapper, the base model's name
+            if isinstance(module, QuantizedExperts):
+                state[f"{name}.gate_up_proj"].copy_(torch.stack([weights_of(m) for m in module.gate_up]))
+                state[f"{name}.down_proj"].copy_(torch.stack([weights_of(m) for m in module.down]))
+            elif isinstance(module, QuantizedLinear) and ".experts." not in name:
+                state[f"{name}.weight"].copy_(module.dequantize())
+
+
+def inputs(vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (2, 24), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[1, 17:] = 0  # a padded row
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+@pytest.mark.parametrize("quant", ["bnb", "hqq", "none"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_loaded_model_computes_what_transformers_computes(moe_models: dict[str, Path], family: str, quant: str) -> None:
+    """The per-expert checkpoint transformers wrote, loaded through its conversion, quantized expert by expert:
+    logits equal transformers' model holding the same (dequantized) weights."""
+    path = moe_models[family]
+    skeleton = load_model(
+        ModelConfig(model=str(path)), backend=backend_for(quant), device=CPU, param_dtype=torch.float32
+    )
+    experts = [m for m in skeleton.model.modules() if isinstance(m, QuantizedExperts)]
+    assert len(experts) == (2 if quant != "none" else 0)
+    reference = hf_model(path)
+    place_dequantized(skeleton.model, reference)
+    batch = inputs(reference.config.vocab_size)
+    ours = skeleton.model.eval()(**batch).logits
+    theirs = reference(**batch).logits
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    if quant != "none":
+        # Quantization changed the weights: the comparison is against the dequantized ones, not the originals.
+        original = hf_model(path)(**batch).logits
+        assert (ours - original).abs().max() > 1e-3
+
+
+def test_every_expert_is_quantized_and_gates_are_not(moe_models: dict[str, Path]) -> None:
+    path = moe_models["qwen2_moe"]
+    skeleton = build_skeleton(ModelConfig(model=str(path)), backend=backend_for("bnb"), param_dtype=torch.float32)
+    config = json.loads((path / "config.json").read_text())
+    per_layer = 2 * config["num_experts"] + 4 + 3  # experts x (gate_up, down), attention, shared expert
+    assert len(skeleton.quantized) == config["num_hidden_layers"] * per_layer
+    layer = skeleton.model.model.layers[0].mlp
+    assert type(layer.shared_expert_gate) is nn.Linear  # the shared expert's gate routes: full precision
+    assert not isinstance(layer.gate, QuantizedLinear)
+    assert all(isinstance(m, QuantizedLinear) for m in [*layer.experts.gate_up, *layer.experts.down])
+
+
+@pytest.mark.parametrize("quant", ["bnb", "hqq"])
+def test_fused_checkpoint_loads_the_same(moe_models: dict[str, Path], tmp_path: Path, quant: str) -> None:
+    """A checkpoint already in transformers' fused layout (gate_up_proj [E, 2I, H]) gives the same bytes."""
+    path = moe_models["mixtral"]
+    fused = tmp_path / "fused"
+    fused.mkdir()
+    reference = hf_model(path)
+    save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, str(fused / "model.safetensors"))
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (fused / name).write_bytes((path / name).read_bytes())
+    packed = []
+    for model_dir in (path, fused):
+        skeleton = load_model(ModelConfig(model=str(model_dir)), backend=backend_for(quant), device=CPU,
+                              param_dtype=torch.float32)  # fmt: skip
+        packed.append([m.packed_bytes().clone() for m in skeleton.model.modules() if isinstance(m, QuantizedLinear)])
+    assert len(packed[0]) == len(packed[1]) > 0
+    assert all(torch.equal(a, b) for a, b in zip(*packed, strict=True))
+
+
+@pytest.mark.parametrize("quant", ["bnb", "hqq"])
+def test_only_routed_experts_are_dequantized(
+    moe_models: dict[str, Path], quant: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = moe_models["mixtral"]
+    skeleton = load_model(
+        ModelConfig(model=str(path)), backend=backend_for(quant), device=CPU, param_dtype=torch.float32
+    )
+    experts = skeleton.model.model.layers[0].mlp.experts
+    calls: list[int] = []
+    cls = type(experts.gate_up[0])
+    original = cls._forward
+    monkeypatch.setattr(cls, "_forward", lambda self, x: (calls.append(id(self)), original(self, x))[1])
+    routed = torch.tensor([[1, 3], [3, 1], [1, 3]])  # 3 tokens, each to experts 1 and 3
+    hidden = torch.randn(3, experts.gate_up[0].in_features, requires_grad=True)
+    out = experts(hidden, routed, torch.full((3, 2), 0.5))
+    out.sum().backward()  # backward reaches every expert's (empty) result without dequantizing it
+    used = {id(experts.gate_up[i]) for i in (1, 3)} | {id(experts.down[i]) for i in (1, 3)}
+    assert sorted(calls) == sorted(used)
+    assert hidden.grad is not None and hidden.grad.abs().sum() > 0
+
+
+def _adapted(path: Path, quant: str, *, rank: int = 4, seed: int = 1):
+    """The training skeleton with adapters (non-zero, so B matters), loaded; plus its PEFT keys."""
+    backend = backend_for(quant)
+    skeleton = build_skeleton(ModelConfig(model=str(path)), backend=backend, param_dtype=torch.float32)
+    lora = LoraConfig(lora_rank=rank, lora_alpha=2 * rank, lora_dropout=0.0)
+    peft_model = inject_lora(skeleton.model, lora, dtype=torch.float32)
+    keys = adapter_keys(peft_model)
+    stream_weights(skeleton, backend=backend, device=CPU)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in lora_layers(peft_model):
+            for param in layer.parameters():
+                if param.requires_grad:
+                    param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+    return skeleton, peft_model, keys
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_expert_adapters_are_peft_target_parameters(moe_models: dict[str, Path], family: str) -> None:
+    """The saved keys are exactly the ones PEFT makes for the config, and PEFT on the transformers model (with
+    the dequantized base) computes the training forward's logits."""
+    from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+
+    path = moe_models[family]
+    skeleton, peft_model, keys = _adapted(path, "bnb")
+    experts = [m for m in peft_model.modules() if isinstance(m, ExpertAdapter)]
+    assert len(experts) == 2 * 2  # both projections of both layers' experts
+    saved = {key: getattr(module, attr).detach() for module, names in keys.items() for attr, key in names.items()}
+    config = peft_model.peft_config["default"]
+    assert sorted(config.target_parameters) == ["experts.down_proj", "experts.gate_up_proj"]
+    reference = hf_model(path)
+    place_dequantized(skeleton.model, reference)
+    theirs = get_peft_model(reference, config)
+    assert set(get_peft_model_state_dict(theirs)) == set(saved)
+    result = set_peft_model_state_dict(theirs, saved)
+    assert not result.unexpected_keys
+    batch = inputs(reference.config.vocab_size, seed=3)
+    ours = peft_model.eval()(**batch).logits
+    torch.testing.assert_close(ours, theirs.eval()(**batch).logits, rtol=1e-4, atol=1e-4)
+    # The control: the adapters matter here, so a layout error (rows of another expert) would show.
+    with theirs.disable_adapter():
+        assert (ours - theirs(**batch).logits).abs().max() > 1e-3
+
+
+def test_expert_adapter_layout_control() -> None:
+    """Expert e's A rows and B columns as PEFT's ParamWrapper reshapes them (its delta weight)."""
+    adapter = ExpertAdapter(experts=3, in_features=5, out_features=4, rank=2, scaling=1.5)
+    adapter.A = nn.Parameter(torch.randn(6, 5))
+    adapter.B = nn.Parameter(torch.randn(4, 6))
+    x = torch.randn(7, 5)
+    sizes = [2, 0, 5]
+    out = adapter(x, sizes)
+    a = adapter.A.reshape(3, 2, 5)
+    b = adapter.B.reshape(4, 2, 3)
+    delta = torch.einsum("o r e, e r i -> e o i", b, a) * 1.5  # PEFT's get_delta_weight for [E, out, in]
+    expected = torch.cat([x[:2] @ delta[0].T, x[2:7] @ delta[2].T])
+    torch.testing.assert_close(out, expected)
+
+
+def test_dora_on_experts_is_refused(moe_models: dict[str, Path]) -> None:
+    skeleton = build_skeleton(
+        ModelConfig(model=str(moe_models["mixtral"])), backend=backend_for("bnb"), param_dtype=torch.float32
+    )
+    with pytest.raises(UserError, match="DoRA on routed experts"):
+        inject_lora(skeleton.model, LoraConfig(train_type="dora"), dtype=torch.float32)
+
+
+def test_named_modules_without_experts_leave_experts_alone(moe_models: dict[str, Path]) -> None:
+    skeleton = build_skeleton(
+        ModelConfig(model=str(moe_models["mixtral"])), backend=backend_for("bnb"), param_dtype=torch.float32
+    )
+    peft_model = inject_lora(skeleton.model, LoraConfig(lora_target_modules="q_proj,v_proj"), dtype=torch.float32)
+    assert not [m for m in peft_model.modules() if isinstance(m, ExpertAdapter)]
+    assert not peft_model.peft_config["default"].target_parameters
+    trainable = {n for n, p in peft_model.named_parameters() if p.requires_grad}
+    assert trainable and all(".q_proj." in n or ".v_proj." in n for n in trainable)
+
+
+def test_aux_loss_equals_transformers(moe_models: dict[str, Path]) -> None:
+    """The load-balancing loss on the router logits of the training forward (a padded row included) equals what
+    transformers' own model returns as aux_loss for the same batch."""
+    from qlora_fsdp.loss import CausalLMLoss, router_loss
+
+    path = moe_models["mixtral"]
+    skeleton = load_model(ModelConfig(model=str(path)), backend=None, device=CPU, param_dtype=torch.float32)
+    router = router_loss(skeleton.model, 0.02)
+    assert router is not None
+    loss = CausalLMLoss(skeleton.model, chunk_tokens=16, router=router).train()
+    batch = inputs(skeleton.model.config.vocab_size, seed=5)
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    total = loss(labels=labels, **batch)
+    label_tokens = int((labels[:, 1:] != -100).sum())
+    ours = router.take(CPU)[0].item() / label_tokens
+    reference = hf_model(path)
+    theirs = reference(**batch, output_router_logits=True).aux_loss.item()
+    assert ours == pytest.approx(theirs, abs=1e-6)
+    plain = CausalLMLoss(skeleton.model, chunk_tokens=16).train()(labels=labels, **batch)
+    assert total.item() == pytest.approx(plain.item() + 0.02 * theirs * label_tokens, rel=1e-6)
+    assert router_loss(skeleton.model, None) is None  # Mixtral's config does not ask for it by default
+
+
+class _TransposedExperts(nn.Module):
+    """Experts in another layout (GPT-OSS style: transposed, with biases)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(4, 8, 12, device="meta"))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(4, 12, device="meta"))
+        self.down_proj = nn.Parameter(torch.empty(4, 6, 8, device="meta"))
+
+
+def test_unsupported_layout_is_refused_in_one_line() -> None:
+    model = nn.Module()
+    model.block = nn.Module()
+    model.block.experts = _TransposedExperts()
+    with pytest.raises(UserError) as info:
+        replace_experts(model, lambda linear: linear)
+    message = str(info.value)
+    assert "_TransposedExperts (block.experts)" in message and "supported:" in message and "\n" not in message
+
+
+def test_cli_refuses_an_unsupported_moe_before_reading_weights(tiny_model: Path, tmp_path: Path) -> None:
+    """GPT-OSS keeps its experts transposed with biases: train.py names the class and exits 2 without reading a
+    weight (the checkpoint's tensor data is garbage past its header, which any read would trip over)."""
+    from transformers import AutoModelForCausalLM, GptOssConfig
+
+    vocab = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
+    config = GptOssConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, layer_types=["full_attention"],
+    )  # fmt: skip
+    model_dir = tmp_path / "gpt-oss"
+    AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (model_dir / name).write_bytes((tiny_model / name).read_bytes())
+    weights = model_dir / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    header = 8 + int.from_bytes(data[:8], "little")
+    data[header:] = b"\xff" * (len(data) - header)
+    weights.write_bytes(bytes(data))
+    result = launch(
+        REPO_ROOT / "train.py",
+        [
+            "--model",
+            str(model_dir),
+            "--dataset",
+            str(REPO_ROOT / "data" / "alpaca_tiny.jsonl"),
+            "--device",
+            "cpu",
+            "--output_dir",
+            str(tmp_path / "out"),
+            "--max_steps",
+            "1",
+        ],
+        nproc=0,
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    error = [line for line in result.stderr.splitlines() if "GptOssExperts" in line]
+    assert len(error) == 1 and "supported:" in error[0], result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
