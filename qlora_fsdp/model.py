@@ -385,7 +385,7 @@ def stream_weights(
             log.warning("ignoring checkpoint tensor %s: no such parameter in the model", name)
             return
         module, attr = source
-        if shares is not None and shares.covers(module):
+        if shares is not None and shares.covers(module) and attr == "weight":
             shares.arrive(module, tensor)  # type: ignore[arg-type]
         elif id(module) in quantized and attr == "weight":
             backend.load_weight(module, tensor, device=device, env=env)  # type: ignore[union-attr]

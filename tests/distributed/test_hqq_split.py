@@ -42,3 +42,27 @@ def test_each_weight_is_quantized_by_exactly_one_rank(reports: list[dict], case:
     assert sorted(name for share in shares for name in share) == sorted({n for share in shares for n in share})
     assert len({n for share in shares for n in share}) == WEIGHTS
     assert all(share for share in shares), f"a rank quantized nothing: {shares}"
+
+
+LOADING_WORKER = Path(__file__).with_name("loading_worker.py")
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen2_moe"])
+def test_biases_of_split_hqq_layers_are_loaded(arch: str, tiny_model: Path, tmp_path: Path) -> None:
+    """q/k/v biases of HQQ layers on 2 ranks: each bias is the checkpoint's, not a weight share's. (The split
+    loading once handed a bias to the weight's owner as if it were the weight: unset biases and wrong logits.)"""
+    from scripts.make_tiny_model import build_tiny_model
+    from tests.moe_models import build_moe_model
+
+    model = tmp_path / arch
+    if arch == "qwen2":
+        build_tiny_model(model, arch="qwen2", seed=3)
+    else:
+        build_moe_model("qwen2_moe", model, tokenizer_from=tiny_model, seed=1)
+    result = launch(LOADING_WORKER, [str(model), str(tmp_path)], nproc=2)
+    assert result.returncode == 0, result.stderr[-6000:]
+    for rank in range(2):
+        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert report["biases"] > 0
+        assert report["mismatches"] == [], f"rank {rank}"
+        assert report["logit_gap"] == 0.0

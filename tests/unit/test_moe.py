@@ -295,3 +295,78 @@ def test_cli_refuses_an_unsupported_moe_before_reading_weights(tiny_model: Path,
     error = [line for line in result.stderr.splitlines() if "GptOssExperts" in line]
     assert len(error) == 1 and "supported:" in error[0], result.stderr[-3000:]
     assert "Traceback" not in result.stderr
+
+
+def _save_adapter(peft_model: nn.Module, keys: dict, out: Path) -> Path:
+    """The adapter as train.py writes it (PEFT's keys and config), from the test's own (non-zero) values."""
+    out.mkdir(parents=True)
+    tensors = {key: getattr(m, attr).detach().contiguous() for m, names in keys.items() for attr, key in names.items()}
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    peft_model.peft_config["default"].save_pretrained(str(out))
+    return out
+
+
+@pytest.mark.parametrize("base_weights", ["original", "dequantized"])
+def test_merged_mixtral_loads_in_transformers_and_reproduces_base_plus_adapter(
+    moe_models: dict[str, Path], tmp_path: Path, base_weights: str
+) -> None:
+    """The merged directory is a plain transformers Mixtral in the checkpoint's own per-expert layout; its logits
+    equal PEFT's (base + adapter) on the same base weights: the original ones, or the dequantized ones."""
+    from peft import PeftModel
+    from safetensors import safe_open
+
+    from qlora_fsdp.config import MergeConfig
+    from qlora_fsdp.export import merge_adapter
+
+    path = moe_models["mixtral"]
+    skeleton, peft_model, keys = _adapted(path, "bnb")
+    adapter = _save_adapter(peft_model, keys, tmp_path / "adapter")
+    options = MergeConfig(
+        adapter=str(adapter), output=str(tmp_path / "merged"), dtype="fp32", base_weights=base_weights
+    )
+    merge_adapter(ModelConfig(model=str(path)), QuantConfig(quant="bnb"), precision="fp32", options=options)
+    merged_dir = tmp_path / "merged"
+    names = set()
+    for shard in merged_dir.glob("*.safetensors"):
+        with safe_open(str(shard), "pt") as f:
+            names |= set(f.keys())
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        assert names == set(f.keys())  # block_sparse_moe.experts.N.w1/w2/w3, as transformers saved the base
+    merged = hf_model(merged_dir)
+    base = hf_model(path)
+    if base_weights == "dequantized":
+        place_dequantized(skeleton.model, base)
+    reference = PeftModel.from_pretrained(base, str(adapter)).eval()
+    batch = inputs(merged.config.vocab_size, seed=7)
+    with torch.no_grad():
+        ours, theirs = merged(**batch).logits, reference(**batch).logits
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+        with reference.disable_adapter():
+            assert (ours - reference(**batch).logits).abs().max() > 1e-3  # the adapter was merged in
+
+
+def test_generate_applies_the_adapter_to_quantized_experts(moe_models: dict[str, Path], tmp_path: Path) -> None:
+    """scripts/generate.py's model: the quantized base with the saved adapter, experts included."""
+    from qlora_fsdp.config import GenerateConfig, TrainConfig
+    from qlora_fsdp.generate import load_for_generation
+
+    path = moe_models["qwen2_moe"]
+    _, peft_model, keys = _adapted(path, "hqq")
+    adapter = _save_adapter(peft_model, keys, tmp_path / "adapter")
+    cfg = TrainConfig()
+    cfg.model.model, cfg.quant.quant, cfg.fsdp.precision = str(path), "hqq", "fp32"
+    model, _ = load_for_generation(cfg, GenerateConfig(adapter=str(adapter)))
+    batch = inputs(peft_model.config.vocab_size, seed=9)
+    with torch.no_grad():
+        torch.testing.assert_close(model(**batch).logits, peft_model.eval()(**batch).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_export_refuses_moe_in_one_line(moe_models: dict[str, Path], tmp_path: Path) -> None:
+    from qlora_fsdp.config import ExportConfig
+    from qlora_fsdp.export import export_quantized
+
+    options = ExportConfig(output=str(tmp_path / "out"))
+    with pytest.raises(UserError, match=r"routed experts.*merge the adapter instead"):
+        export_quantized(ModelConfig(model=str(moe_models["mixtral"])), QuantConfig(quant="bnb"), precision="fp32",
+                         options=options)  # fmt: skip
+    assert not (tmp_path / "out").exists()
