@@ -5,6 +5,8 @@
     python benchmarks/run.py --suite cpu-loss [--out DIR] [--quick]   (chunked vs whole-logit loss: memory, speed)
     python benchmarks/run.py --suite cpu-packing [--out DIR] [--quick]   (packed vs unpacked training, 2 ranks)
     python benchmarks/run.py --suite cpu-data [--out DIR] [--quick] [--rows N]   (tokenized cache, padding, memory)
+    python benchmarks/run.py --suite cpu-moe [--out DIR] [--quick] [--quants bnb,hqq]   (a Mixtral-shaped model:
+        resident bytes per rank at 1, 2, 4 ranks against HF 4-bit; step time against a dense model, same active size)
     python benchmarks/run.py --suite gpu [--out DIR] [--dry-run] [--only tests,bnb,...] [--peak_flops 989e12]
         (benchmarks/gpu.sh wraps it: it installs the carried wheels first)
 
@@ -30,7 +32,8 @@ if str(REPO_ROOT) not in sys.path:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--suite", required=True, choices=("cpu", "cpu-large", "cpu-loss", "cpu-packing", "cpu-data", "gpu"))
+    suites = ("cpu", "cpu-large", "cpu-loss", "cpu-packing", "cpu-data", "cpu-moe", "gpu")
+    p.add_argument("--suite", required=True, choices=suites)
     p.add_argument("--out", type=Path, default=Path("results"), help="directory for results.json and results.md")
     p.add_argument("--model", type=Path, default=None, help="CPU suite: use this model directory instead of building")
     p.add_argument("--quick", action="store_true", help="small model, one repetition (what the test runs)")
@@ -54,6 +57,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--rows", type=int, default=None, help="data suite: rows of the synthetic file (default 1,000,000; quick 2,000)"
     )
+    p.add_argument(
+        "--quants",
+        default=None,
+        help="MoE suite: comma-separated backends of the memory section, bnb and/or hqq (default bnb; quick both)",
+    )
     p.add_argument("--dry-run", dest="dry_run", action="store_true", help="GPU suite: tiny shapes on the CPU")
     p.add_argument("--peak_flops", type=float, default=989e12, help="GPU suite: the device's dense bf16 peak FLOP/s")
     p.add_argument(
@@ -72,6 +80,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             args.only = parse_only(args.only)
         except ValueError as exc:
             p.error(str(exc))
+    if args.quants is not None:
+        args.quants = tuple(q.strip() for q in args.quants.split(",") if q.strip())
+        if args.suite != "cpu-moe":
+            p.error("--quants is an option of --suite cpu-moe")
+    if args.suite == "cpu-moe" and args.model is not None:
+        p.error("--suite cpu-moe builds its own pair of models (an MoE and its dense twin); --model is not used")
     if args.model is not None and not (args.model / "config.json").is_file():
         p.error(f"--model {args.model}: no config.json there")
     if args.reps is not None and args.reps < 1:
@@ -100,6 +114,10 @@ def main(argv: list[str] | None = None) -> int:
             from benchmarks.data_suite import render_data
 
             (args.out / "results.md").write_text(render_data(results))
+        elif args.suite == "cpu-moe":
+            from benchmarks.moe_suite import render_moe
+
+            (args.out / "results.md").write_text(render_moe(results))
         else:
             (args.out / "results.md").write_text(render(results))
 
@@ -114,6 +132,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         results = run_data_suite(suite_plan, model=args.model, cache=args.cache)
+        results["machine"] = machine_info()
+    elif args.suite == "cpu-moe":
+        from benchmarks.moe_suite import plan as moe_plan
+        from benchmarks.moe_suite import run_moe_suite
+
+        try:
+            suite_plan = moe_plan(quick=args.quick, threads=args.threads, reps=args.reps, idle_wait_s=args.idle_wait,
+                                  precision=args.precision, quants=args.quants)  # fmt: skip
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        results = run_moe_suite(suite_plan, cache=args.cache)
         results["machine"] = machine_info()
     elif args.suite in ("cpu", "cpu-large", "cpu-loss", "cpu-packing"):
         from benchmarks.cpu_suite import plan, run_cpu_suite

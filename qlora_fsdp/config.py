@@ -81,7 +81,8 @@ class LoraConfig:
     lora_dropout: float = 0.1
     """Dropout on the LoRA input."""
     lora_target_modules: str = "all"
-    """Comma-separated linear layer names to adapt (q_proj,v_proj,...) or 'all' for every linear but lm_head."""
+    """Comma-separated linear layer names to adapt (q_proj,v_proj,...; `experts` adds a mixture-of-experts model's
+    routed experts) or 'all': every linear but lm_head and the routing gates, and the routed experts."""
 
 
 @dataclass

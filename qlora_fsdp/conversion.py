@@ -10,7 +10,7 @@ of its sources has been read, so no more than one layer's experts wait in memory
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -45,21 +45,34 @@ class CheckpointNames:
         self.fused_of: dict[str, str] = {}
         """checkpoint name -> the fused target it is one source of."""
         for name in checkpoint_names:
-            target, converter, pattern = rename_source_key(name, renamings, [], prefix, present)[0], None, None
-            for candidate in converters:
-                renamed, pattern = rename_source_key(name, renamings, [candidate], prefix, present)
+            for converter in converters:
+                target, pattern = rename_source_key(name, renamings, [converter], prefix, present)
                 if pattern is not None:
-                    target, converter = renamed, candidate
+                    self.fused.setdefault(target, _Fused(converter, {})).patterns[name] = pattern
+                    self.fused_of[name] = target
                     break
-            if converter is None:
-                self.direct[name] = target
-                continue
-            self.fused.setdefault(target, _Fused(converter, {})).patterns[name] = pattern  # type: ignore[arg-type]
-            self.fused_of[name] = target
+            else:
+                self.direct[name] = rename_source_key(name, renamings, [], prefix, present)[0]
 
     def targets(self) -> set[str]:
-        """Every model name the checkpoint will fill."""
-        return set(self.direct.values()) | set(self.fused)
+        """Every model name the checkpoint will fill (a one-to-many conversion fills each of its targets)."""
+        names = set(self.direct.values())
+        for target, fused in self.fused.items():
+            patterns = fused.converter.target_patterns  # type: ignore[attr-defined]
+            names |= {target} | {target.replace(patterns[0], other) for other in patterns[1:] if patterns[0] in target}
+        return names
+
+    def incomplete(self, count: Callable[[str], int | None]) -> list[str]:
+        """Fused targets short of sources, as 'target: n of N matching pattern', where `count(target)` says how
+        many each source pattern needs (a layer's expert count; None: any number)."""
+        short = []
+        for target, fused in self.fused.items():
+            needed = count(target)
+            for pattern in fused.converter.source_patterns:  # type: ignore[attr-defined]
+                found = sum(1 for p in fused.patterns.values() if p == pattern)
+                if needed is not None and found != needed:
+                    short.append(f"{target}: {found} of {needed} tensors matching {pattern}")
+        return short
 
     def arrive(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         """{model name: tensor} that `name`'s arrival completes: itself renamed, a whole fused target, or nothing."""

@@ -45,7 +45,7 @@ from qlora_fsdp.model import (
 )
 from qlora_fsdp.quant import QuantBackend, make_backend
 from qlora_fsdp.quant.base import QuantizedLinear
-from qlora_fsdp.quant.experts import FUSED, QuantizedExperts, has_fused_experts
+from qlora_fsdp.quant.experts import FUSED, QuantizedExperts, fused_order, peft_wrapper_depth
 
 SHARD_BYTES = 1 << 30
 """Largest output shard: what a merge or export holds in memory besides one layer and the embeddings."""
@@ -167,11 +167,9 @@ def check_adapter(adapter: Adapter, model: nn.Module, model_name: str) -> None:
             )
 
 
-def _fused_order(module: nn.Module) -> list[str] | None:
-    """A routed-experts module's fused parameter names in transformers' order, or None for another module."""
-    if isinstance(module, QuantizedExperts):
-        return module.fused_order
-    return [n for n, _ in module.named_parameters(recurse=False)] if has_fused_experts(module) else None
+def _fused_order(module: nn.Module) -> list[str]:
+    """A routed-experts module's fused parameter names in transformers' order; empty for another module."""
+    return module.fused_order if isinstance(module, QuantizedExperts) else fused_order(module)
 
 
 def _fused_shape(module: nn.Module, fused: str) -> tuple[int, int, int]:
@@ -183,23 +181,19 @@ def _fused_shape(module: nn.Module, fused: str) -> tuple[int, int, int]:
 
 
 def _find_expert_adapters(adapter: Adapter, modules: dict[str, nn.Module]) -> None:
-    """Move the adapter's routed-experts entries from `layers` to `experts`, keyed by fused parameter.
-
-    PEFT nests one wrapper per targeted parameter on the experts module, the first parameter innermost, so
-    `experts.base_layer.lora_A` adapts the first targeted one and `experts.lora_A` the last.
-    """
-    targeted = {t.rpartition(".")[2] for t in adapter.target_parameters}
+    """Move the adapter's routed-experts entries from `layers` to `experts`, keyed by fused parameter: PEFT's
+    `experts.base_layer.lora_A` adapts an inner wrapper's parameter (see peft_wrapper_depth)."""
+    targeted = [t.rpartition(".")[2] for t in adapter.target_parameters]
     for name in list(adapter.layers):
         base, depth = name, 0
         while base.endswith(".base_layer"):
             base, depth = base.removesuffix(".base_layer"), depth + 1
-        order = _fused_order(modules[base]) if base in modules else None
-        if order is None:
-            continue
-        fused = [n for n in order if n in targeted]
-        if depth >= len(fused):
+        order = _fused_order(modules[base]) if base in modules else []
+        found = [n for n in order if n in targeted and peft_wrapper_depth(order, targeted, n) == depth]
+        if order and not found:
             raise UserError(f"--adapter {adapter.path}: {name} adapts no parameter its target_parameters name")
-        adapter.experts[f"{base}.{fused[len(fused) - 1 - depth]}"] = adapter.layers.pop(name)
+        if found:
+            adapter.experts[f"{base}.{found[0]}"] = adapter.layers.pop(name)
 
 
 def merge_experts(weight: torch.Tensor, lora: LoraWeights, scaling: float) -> torch.Tensor:
@@ -401,7 +395,7 @@ def merge_adapter(model_cfg: ModelConfig, quant: QuantConfig, *, precision: str,
         def write(modules: dict[str, nn.Module]) -> None:
             tensors: dict[str, torch.Tensor] = {}
             for module_name, module in modules.items():
-                if _fused_order(module) is not None:
+                if _fused_order(module):
                     tensors |= _merged_experts(module_name, module, adapter)
                     continue
                 for attr, tensor in module.named_parameters(recurse=False):

@@ -11,7 +11,7 @@ from torch import nn
 
 from qlora_fsdp.config import LoraConfig
 from qlora_fsdp.errors import UserError
-from qlora_fsdp.quant.experts import FUSED, ExpertAdapter, QuantizedExperts, is_router_gate
+from qlora_fsdp.quant.experts import FUSED, ExpertAdapter, QuantizedExperts, router_gates
 
 
 def adapts_experts(spec: str) -> bool:
@@ -28,16 +28,11 @@ def target_modules(spec: str, model: nn.Module) -> list[str]:
         return [name.strip() for name in spec.split(",") if name.strip() and name.strip() != "experts"]
     head = model.get_output_embeddings()
     inside = tuple(f"{n}." for n, m in model.named_modules() if isinstance(m, QuantizedExperts))
-    return sorted(
-        {
-            name.rpartition(".")[2]
-            for name, m in model.named_modules()
-            if isinstance(m, nn.Linear)
-            and m is not head
-            and not is_router_gate(name)
-            and not (inside and name.startswith(inside))
-        }
-    )
+    gates = router_gates(model)
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head]
+    adapted = [n for n, _ in linears if n not in gates and not (inside and n.startswith(inside))]
+    # PEFT matches names by their last part: one a gate shares with an adapted linear would adapt the gate too.
+    return sorted({n.rpartition(".")[2] for n in adapted} - {g.rpartition(".")[2] for g in gates})
 
 
 def inject_lora(model: nn.Module, cfg: LoraConfig, *, dtype: torch.dtype) -> nn.Module:

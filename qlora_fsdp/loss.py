@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from qlora_fsdp.data import IGNORE_INDEX
+from qlora_fsdp.errors import UserError
 
 LM_PREFIX = "lm."
 """What the root's state dict puts before the wrapped model's names."""
@@ -58,7 +59,10 @@ class CausalLMLoss(nn.Module):
         labels: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        token_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """`token_mask`: which positions are tokens rather than padding, where `attention_mask` is not given (packed
+        rows); only the router's loss reads it."""
         inputs: dict[str, Any] = dict(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         )
@@ -74,7 +78,8 @@ class CausalLMLoss(nn.Module):
                 out.last_hidden_state, self.lm.get_output_embeddings(), labels, chunk_tokens=self.chunk_tokens
             )
         if router is not None:
-            loss = loss + router(out.router_logits, attention_mask, labels)
+            mask = attention_mask if attention_mask is not None else token_mask
+            loss = loss + router(out.router_logits, mask, labels)
         return loss
 
 
@@ -216,6 +221,11 @@ def router_loss(lm: nn.Module, coef: float | None) -> RouterLoss | None:
     base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
     function = getattr(sys.modules[type(base).__module__], "load_balancing_loss_func", None)
     if function is None or not hasattr(base, "num_experts_per_tok"):
+        if coef:
+            raise UserError(
+                f"--router_aux_loss_coef {coef}: {type(base).__name__} has no load-balancing loss in transformers; "
+                "drop the flag"
+            )
         return None
     config = base.config
     if coef is None:

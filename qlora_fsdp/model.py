@@ -27,7 +27,7 @@ from qlora_fsdp.distributed import DistEnv
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.quant import QuantBackend
 from qlora_fsdp.quant.base import QuantizedLinear, QuantizedWeight
-from qlora_fsdp.quant.experts import FUSED, QuantizedExperts, is_router_gate, replace_experts
+from qlora_fsdp.quant.experts import FUSED, QuantizedExperts, replace_experts, router_gates
 
 log = logging.getLogger(__name__)
 
@@ -268,11 +268,10 @@ def build_skeleton(
     if backend is not None:
         # The output head stays in full precision: small next to the body and sensitive to quantization error; so
         # do the gates that route tokens.
+        gates = router_gates(model)
         backend.replace_linears(
             model,
-            should_quantize=lambda n: (
-                n != head_name and not n.startswith(full_precision_prefixes) and not is_router_gate(n)
-            ),
+            should_quantize=lambda n: n != head_name and not n.startswith(full_precision_prefixes) and n not in gates,
         )
     if backend is not None or adapt_experts:
         # Routed experts become one layer per expert: quantized like the linears or, unquantized with adapters on
@@ -370,14 +369,16 @@ def stream_weights(
     # Where every tensor goes is known from the files' names: a checkpoint that cannot fill the model is refused
     # before any weight is read.
     experts = _split_experts(skeleton)
-    checkpoint_names = [n for file in skeleton.files for n in _tensor_names(file)]
-    names = CheckpointNames(model, checkpoint_names, _model_names(skeleton, experts))
+    names = _checkpoint_names(skeleton, experts)
     filled = {slot_of[n] for target in names.targets() for n in _expand(target, experts) if n in slot_of}
     missing = sorted(first_name[s] for slots in pending.values() for s in slots if s not in filled)
     if missing:
         raise UserError(
             f"--model {skeleton.path}: checkpoint lacks {len(missing)} tensor(s), e.g. {missing[0]}; is it complete?"
         )
+    short = names.incomplete(lambda target: _expert_count(model, target))
+    if short:
+        raise UserError(f"--model {skeleton.path}: checkpoint lacks expert tensors ({short[0]}); is it complete?")
 
     def place(name: str, tensor: torch.Tensor) -> None:
         source = skeleton.sources.get(name)
@@ -423,8 +424,19 @@ def stream_weights(
 
 def checkpoint_targets(skeleton: Skeleton) -> set[str]:
     """The model names the checkpoint fills, after transformers' conversion (fused experts by their fused name)."""
+    return _checkpoint_names(skeleton, _split_experts(skeleton)).targets()
+
+
+def _checkpoint_names(skeleton: Skeleton, experts: dict[str, QuantizedExperts]) -> CheckpointNames:
     names = [n for file in skeleton.files for n in _tensor_names(file)]
-    return CheckpointNames(skeleton.model, names, _model_names(skeleton, _split_experts(skeleton))).targets()
+    return CheckpointNames(skeleton.model, names, _model_names(skeleton, experts))
+
+
+def _expert_count(model: nn.Module, target: str) -> int | None:
+    """How many experts the module holding `target` has (None: not an experts module)."""
+    with contextlib.suppress(AttributeError):
+        return getattr(model.get_submodule(target.rpartition(".")[0]), "num_experts", None)
+    return None
 
 
 def _split_experts(skeleton: Skeleton) -> dict[str, QuantizedExperts]:

@@ -221,9 +221,9 @@ class _Built:
     layout: PackedLayout | None
     """How the quantized layers store their packed bytes (None: nothing is quantized)."""
     manifest: Manifest | None = None
+    """What rank 0 writes beside each adapter it saves; None elsewhere and without adapters."""
     router: RouterLoss | None = None
     """A mixture-of-experts model's load-balancing loss, when it has one."""
-    """What rank 0 writes beside each adapter it saves; None elsewhere and without adapters."""
 
 
 def _run(
@@ -411,6 +411,12 @@ def _build_model(cfg: TrainConfig, env: DistEnv, model_path: Path, precision: Pr
             digests.add(layer)
         sharder.shard_unit(name, layer, root=skeleton.model)
 
+    router = router_loss(unwrapped, cfg.model.router_aux_loss_coef)
+    if router is not None and cfg.fsdp.gradient_checkpointing and cfg.fsdp.reentrant_checkpointing:
+        raise UserError(
+            "--reentrant_checkpointing true: the router's load-balancing loss would get no gradient through "
+            "reentrant checkpoints; use --reentrant_checkpointing false or --router_aux_loss_coef 0"
+        )
     stream_weights(skeleton, backend=backend, device=env.device, on_unit_ready=shard_layer, env=env)
     manifest = None
     if digests is not None:
@@ -418,7 +424,6 @@ def _build_model(cfg: TrainConfig, env: DistEnv, model_path: Path, precision: Pr
         manifest = training_manifest(cfg, model_path=model_path, device=env.device, backend=backend, digests=digests)
     outside = [m for m in lora_layers(unwrapped) if id(m) not in in_layers]
     init_adapters(outside, seed=cfg.optim.seed, name="")
-    router = router_loss(unwrapped, cfg.model.router_aux_loss_coef)
     sharded = sharder.finish(CausalLMLoss(unwrapped, chunk_tokens=cfg.fsdp.loss_chunk_tokens, router=router))
     verify_packed(sharded.module, sharder.reference)
     return _Built(
@@ -707,5 +712,8 @@ def _forward_loss_sum(
 ) -> torch.Tensor:
     """The batch's summed loss over its label tokens, from the root (CausalLMLoss) that FSDP wraps; a packed batch
     goes with position_ids and no attention mask (see qlora_fsdp/data/rows.py)."""
+    inputs = model_inputs(batch, env.device, varlen=varlen)
+    if inputs["attention_mask"] is None:  # packed: which positions are padding, for the router's loss alone
+        inputs["token_mask"] = batch["attention_mask"].to(env.device).reshape(inputs["input_ids"].shape)
     with _autocast(precision, env.device):
-        return model(**model_inputs(batch, env.device, varlen=varlen))
+        return model(**inputs)

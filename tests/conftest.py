@@ -28,7 +28,7 @@ os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="qlora-test-d
 LONG_FILES = (
     "test_options.py", "test_options_fsdp1.py", "test_after_training_bnb.py", "test_after_training_hqq.py",
     "test_harness.py", "test_packing_eval.py", "test_data_scale.py", "test_reliability.py", "test_chat_training.py",
-    "test_train_e2e.py", "test_moe.py",
+    "test_train_e2e.py", "test_moe_e2e.py",
 )  # fmt: skip
 
 

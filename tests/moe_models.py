@@ -26,8 +26,8 @@ def moe_config(family: str, *, vocab_size: int, hidden: int = 64, layers: int = 
         num_experts_per_tok=top_k,
         max_position_embeddings=512,
         tie_word_embeddings=False,
-        **extra,
     )
+    common.update(extra)
     if family == "mixtral":
         return MixtralConfig(**common, intermediate_size=intermediate, num_local_experts=experts)
     if family == "qwen2_moe":
@@ -52,11 +52,13 @@ def moe_config(family: str, *, vocab_size: int, hidden: int = 64, layers: int = 
 
 def build_moe_model(family: str, out: Path, *, tokenizer_from: Path, seed: int = 0, **sizes) -> Path:
     """Save a random `family` model (transformers' own initialisation) to `out` with `tokenizer_from`'s tokenizer."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     vocab_size = json.loads((tokenizer_from / "config.json").read_text())["vocab_size"]
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
+    ids = {f"{t}_token_id": getattr(tokenizer, f"{t}_token_id") for t in ("bos", "eos", "pad")}
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(moe_config(family, vocab_size=vocab_size, **sizes))
+    model = AutoModelForCausalLM.from_config(moe_config(family, vocab_size=vocab_size, **ids, **sizes))
     model.save_pretrained(out)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (tokenizer_from / name).is_file():

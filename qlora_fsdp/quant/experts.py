@@ -31,8 +31,21 @@ SUPPORTED = (
 
 
 def has_fused_experts(module: nn.Module) -> bool:
-    """A module that holds 3-D parameters itself: routed experts in transformers' fused layout, or something else."""
-    return any(p.dim() == 3 for p in module.parameters(recurse=False))
+    """Routed experts held as 3-D parameters of one module (transformers' experts classes, in whatever layout):
+    a module with 3-D parameters of its own and an expert count (a Conv1d's 3-D weight is not one)."""
+    return hasattr(module, "num_experts") and any(p.dim() == 3 for p in module.parameters(recurse=False))
+
+
+def fused_order(module: nn.Module) -> list[str]:
+    """The fused parameters' names in the module's order, which decides how PEFT nests its wrappers."""
+    return [n for n, _ in module.named_parameters(recurse=False)] if has_fused_experts(module) else []
+
+
+def peft_wrapper_depth(order: list[str], targeted: list[str], name: str) -> int:
+    """How many of PEFT's `target_parameters` wrappers lie inside the one adapting `name`: PEFT wraps the module's
+    targeted parameters in `order`, each wrapper around the previous, so the first is innermost."""
+    chosen = [n for n in order if n in targeted]
+    return len(chosen) - 1 - chosen.index(name)
 
 
 def layout_problem(module: nn.Module) -> str | None:
@@ -95,14 +108,16 @@ class QuantizedExperts(nn.Module):
     def __init__(self, experts: nn.Module, make_linear: Callable[[nn.Linear], nn.Linear]) -> None:
         super().__init__()
         count, two_inter, hidden = experts.gate_up_proj.shape
+        dtype = experts.gate_up_proj.dtype
         self.num_experts = count
         self.act_fn = experts.act_fn
-        self.fused_order = [n for n, _ in experts.named_parameters(recurse=False)]
+        self.fused_order = fused_order(experts)
         """transformers' parameter order, which decides how PEFT nests its wrappers (the first innermost)."""
 
         def layers(in_features: int, out_features: int) -> nn.ModuleList:
             frozen = [
-                make_linear(nn.Linear(in_features, out_features, bias=False, device="meta")) for _ in range(count)
+                make_linear(nn.Linear(in_features, out_features, bias=False, device="meta", dtype=dtype))
+                for _ in range(count)
             ]
             for layer in frozen:
                 layer.requires_grad_(False)
@@ -113,9 +128,9 @@ class QuantizedExperts(nn.Module):
         self.gate_up_adapter: ExpertAdapter | None = None
         self.down_adapter: ExpertAdapter | None = None
 
-    def add_adapters(self, *, rank: int, alpha: float, rslora: bool = False) -> list[ExpertAdapter]:
+    def add_adapters(self, *, rank: int, alpha: float) -> list[ExpertAdapter]:
         """Per-expert LoRA on both projections (meta until their layer is loaded); returns them."""
-        scaling = alpha / (math.sqrt(rank) if rslora else rank)
+        scaling = alpha / rank
         made = []
         for fused, attr in FUSED.items():
             first = getattr(self, attr)[0]
@@ -126,7 +141,7 @@ class QuantizedExperts(nn.Module):
                 rank=rank,
                 scaling=scaling,
             )
-            adapter.peft_prefix = "base_layer." * (len(self.fused_order) - 1 - self.fused_order.index(fused))
+            adapter.peft_prefix = "base_layer." * peft_wrapper_depth(self.fused_order, list(FUSED), fused)
             setattr(self, f"{attr}_adapter", adapter)
             made.append(adapter)
         return made
@@ -177,7 +192,12 @@ def expert_adapters(module: nn.Module) -> list[ExpertAdapter]:
     return [m for m in module.modules() if isinstance(m, ExpertAdapter)]
 
 
-def is_router_gate(name: str) -> bool:
-    """Linears that route or gate tokens (`shared_expert_gate`, a router kept as `gate`): never quantized or
-    adapted, as the model computes them."""
-    return name.rpartition(".")[2].endswith("gate")
+def router_gates(model: nn.Module) -> set[str]:
+    """Linears that route or gate tokens beside routed experts (`shared_expert_gate`, a router kept as a linear
+    `gate`): never quantized or adapted, as the model computes them. A dense model has none."""
+    gates = set()
+    for name, module in model.named_modules():
+        if any(has_fused_experts(m) or isinstance(m, QuantizedExperts) for m in module.children()):
+            prefix = f"{name}." if name else ""
+            gates |= {prefix + n for n, m in module.named_children() if isinstance(m, nn.Linear) and n.endswith("gate")}
+    return gates

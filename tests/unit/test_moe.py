@@ -17,7 +17,7 @@ from qlora_fsdp.lora import adapter_keys, inject_lora, lora_layers
 from qlora_fsdp.model import build_skeleton, load_model, stream_weights
 from qlora_fsdp.quant import make_backend
 from qlora_fsdp.quant.base import QuantizedLinear
-from qlora_fsdp.quant.experts import ExpertAdapter, QuantizedExperts, replace_experts
+from qlora_fsdp.quant.experts import ExpertAdapter, QuantizedExperts, replace_experts, router_gates
 from tests.conftest import REPO_ROOT, launch
 from tests.moe_models import FAMILIES
 
@@ -241,6 +241,7 @@ class _TransposedExperts(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
+        self.num_experts = 4
         self.gate_up_proj = nn.Parameter(torch.empty(4, 8, 12, device="meta"))
         self.gate_up_proj_bias = nn.Parameter(torch.empty(4, 12, device="meta"))
         self.down_proj = nn.Parameter(torch.empty(4, 6, 8, device="meta"))
@@ -370,3 +371,81 @@ def test_export_refuses_moe_in_one_line(moe_models: dict[str, Path], tmp_path: P
         export_quantized(ModelConfig(model=str(moe_models["mixtral"])), QuantConfig(quant="bnb"), precision="fp32",
                          options=options)  # fmt: skip
     assert not (tmp_path / "out").exists()
+
+
+def test_unquantized_experts_keep_the_model_dtype(moe_models: dict[str, Path]) -> None:
+    """--quant none with adapters on experts: the per-expert linears are bf16 like the rest, and the forward runs."""
+    skeleton = build_skeleton(
+        ModelConfig(model=str(moe_models["mixtral"])), backend=None, param_dtype=torch.bfloat16, adapt_experts=True
+    )
+    stream_weights(skeleton, backend=None, device=CPU)
+    experts = skeleton.model.model.layers[0].mlp.experts
+    assert isinstance(experts, QuantizedExperts)
+    assert {m.weight.dtype for m in [*experts.gate_up, *experts.down]} == {torch.bfloat16}
+    assert skeleton.model(**inputs(skeleton.model.config.vocab_size)).logits.dtype == torch.bfloat16
+
+
+def test_dense_modules_with_3d_weights_are_not_experts() -> None:
+    """A Conv1d's weight is 3-D (LFM2, Mamba): not an experts module, left alone."""
+    model = nn.Module()
+    model.conv = nn.Conv1d(4, 4, 3, device="meta")
+    model.proj_gate = nn.Linear(4, 4, device="meta")
+    assert replace_experts(model, lambda linear: linear) == []
+    assert router_gates(model) == set()
+
+
+def test_gate_named_linears_of_dense_models_are_adapted(tiny_model: Path) -> None:
+    from qlora_fsdp.lora import target_modules
+
+    model = build_skeleton(ModelConfig(model=str(tiny_model)), backend=None, param_dtype=torch.float32).model
+    model.model.layers[0].per_layer_input_gate = nn.Linear(4, 4, device="meta")
+    assert "per_layer_input_gate" in target_modules("all", model)
+
+
+def test_a_checkpoint_missing_one_experts_tensor_is_refused_before_reading(
+    moe_models: dict[str, Path], tmp_path: Path
+) -> None:
+    from safetensors.torch import load_file
+
+    path = moe_models["mixtral"]
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    tensors = load_file(str(path / "model.safetensors"))
+    del tensors["model.layers.1.block_sparse_moe.experts.3.w3.weight"]
+    save_file(tensors, str(broken / "model.safetensors"))
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (broken / name).write_bytes((path / name).read_bytes())
+    skeleton = build_skeleton(ModelConfig(model=str(broken)), backend=backend_for("bnb"), param_dtype=torch.float32)
+    ready: list[str] = []
+    with pytest.raises(UserError, match=r"lacks expert tensors \(model\.layers\.1\.mlp\.experts\.gate_up_proj: 7 of 8"):
+        stream_weights(skeleton, backend=backend_for("bnb"), device=CPU, on_unit_ready=lambda n, _: ready.append(n))
+    assert ready == []
+
+
+def test_router_loss_on_packed_rows_skips_padding(moe_models: dict[str, Path]) -> None:
+    """Packed rows go without an attention mask; `token_mask` keeps their padding out of the router's loss."""
+    from qlora_fsdp.loss import CausalLMLoss, router_loss
+
+    skeleton = load_model(
+        ModelConfig(model=str(moe_models["mixtral"])), backend=None, device=CPU, param_dtype=torch.float32
+    )
+    batch = inputs(skeleton.model.config.vocab_size, seed=11)
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    auxes = []
+    for kwargs in ({"attention_mask": batch["attention_mask"]}, {"token_mask": batch["attention_mask"]}, {}):
+        router = router_loss(skeleton.model, 0.01)
+        CausalLMLoss(skeleton.model, chunk_tokens=16, router=router).train()(
+            input_ids=batch["input_ids"], labels=labels, **kwargs
+        )
+        auxes.append(router.take(CPU)[0].item())
+    assert auxes[1] == pytest.approx(auxes[0], abs=1e-7)
+    assert abs(auxes[2] - auxes[0]) > 1e-6  # the control: padding counted
+
+
+def test_router_loss_flag_on_a_model_without_one_is_refused(tiny_model: Path) -> None:
+    from qlora_fsdp.loss import router_loss
+
+    model = build_skeleton(ModelConfig(model=str(tiny_model)), backend=None, param_dtype=torch.float32).model
+    assert router_loss(model, None) is None
+    with pytest.raises(UserError, match="no load-balancing loss"):
+        router_loss(model, 0.01)

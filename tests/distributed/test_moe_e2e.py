@@ -1,0 +1,331 @@
+"""Mixture-of-experts QLoRA end to end: Mixtral, Qwen2-MoE (shared expert) and Qwen3-MoE on 2 CPU ranks, bnb and
+HQQ, FSDP2 and FSDP1, checked against transformers' own model with PEFT's own LoRA on its fused experts.
+
+The reference is one unsharded process: the transformers model of the checkpoint with the bytes training quantized
+(checked layer by layer against the run's manifest) dequantized into its weights, and PEFT's LoRA built from the
+run's adapter_config.json (target_modules, and target_parameters for the fused experts), set to the adapter values
+training starts from. Of this project's code it uses only loading/quantizing, the adapter initialisation (with the
+keys PEFT names them by) and the tokenization and padding; the forward, the loss and the gradients are
+transformers' and PEFT's.
+
+Qwen2-MoE's attention has biases, which no other family here has: with HQQ they are what its 2-rank runs test.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch import nn
+
+from qlora_fsdp.config import LoraConfig, ModelConfig, QuantConfig
+from qlora_fsdp.data.formats import IGNORE_INDEX, load_examples, pad_token_id
+from qlora_fsdp.data.rows import collate, fit_examples
+from qlora_fsdp.lora import adapter_keys, init_adapters, inject_lora, lora_layers
+from qlora_fsdp.manifest import intra_op_threads, layer_digests, read_manifest
+from qlora_fsdp.metrics import read_metrics
+from qlora_fsdp.model import Skeleton, build_skeleton, load_model, load_tokenizer
+from qlora_fsdp.quant import make_backend
+from qlora_fsdp.quant.base import QuantizedLinear
+from qlora_fsdp.quant.experts import QuantizedExperts
+from tests.conftest import train
+from tests.moe_models import FAMILIES
+
+pytestmark = pytest.mark.distributed
+
+STEPS = 12
+RANK, ALPHA, SEED, CONTEXT = 8, 16, 7, 96
+CPU = torch.device("cpu")
+# Exactly two rows: 2 ranks x batch 1 take the whole file in every step, whatever order the sampler draws. Both fit
+# the context whole (checked), and their prompts are unlabelled: 10 and 11 label tokens with the tiny tokenizer.
+ROWS = [
+    {"instruction": "Write a sentence about the animal and the color.", "input": "ant, white",
+     "output": "The ant is white."},
+    {"instruction": "Repeat the word 5 times.", "input": "bat", "output": "bat bat bat bat bat"},
+]  # fmt: skip
+COMMON = [
+    "--precision", "fp32", "--context_length", str(CONTEXT), "--lr", "0.01", "--lora_rank", str(RANK),
+    "--lora_alpha", str(ALPHA), "--lora_dropout", "0", "--lora_target_modules", "all", "--lr_scheduler", "constant",
+    "--device", "cpu", "--log_to", "stdout", "--seed", str(SEED), "--batch_size", "1", "--max_steps", str(STEPS),
+    "--router_aux_loss_coef", "0",  # the loss is the cross-entropy alone, as the reference computes it
+]  # fmt: skip
+EXPERT_PARAMETERS = ["experts.down_proj", "experts.gate_up_proj"]
+
+COMBOS = [(family, quant, version) for family in FAMILIES for quant in ("bnb", "hqq") for version in (2, 1)]
+
+
+@dataclass
+class Run:
+    family: str
+    quant: str
+    version: int
+    model: Path
+    data: Path
+    out: Path
+
+    @property
+    def steps(self) -> list[dict]:
+        return [r for r in read_metrics(self.out) if "loss" in r]
+
+    @property
+    def final_eval(self) -> dict:
+        return [r for r in read_metrics(self.out) if "eval_loss" in r][-1]
+
+
+_RUNS: dict[tuple[str, str, int], Path | str] = {}
+"""Each combination's output directory, or why its launch failed."""
+
+
+@pytest.fixture(scope="module")
+def two_rows(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("moe-data") / "two_rows.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in ROWS))
+    return path
+
+
+@pytest.fixture(scope="module", params=COMBOS, ids=[f"{f}-{q}-fsdp{v}" for f, q, v in COMBOS])
+def moe_run(
+    request: pytest.FixtureRequest,
+    moe_models: dict[str, Path],
+    two_rows: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Run:
+    """12 steps on 2 ranks x batch 1 over the two rows, evaluated on them at the end; each combination once."""
+    family, quant, version = request.param
+    model = moe_models[family]
+    if request.param not in _RUNS:
+        out = tmp_path_factory.mktemp(f"moe-{family}-{quant}-v{version}")
+        args = ["--model", str(model), "--quant", quant, "--fsdp_version", str(version), "--dataset", str(two_rows),
+                "--eval_dataset", str(two_rows), *COMMON, "--output_dir", str(out)]  # fmt: skip
+        try:
+            train(args, nproc=2)
+            _RUNS[request.param] = out
+        except AssertionError as exc:  # kept, so the combination's other tests do not launch it again
+            _RUNS[request.param] = str(exc)
+    done = _RUNS[request.param]
+    if isinstance(done, str):
+        pytest.fail(done)
+    return Run(family, quant, version, model, two_rows, done)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The unsharded reference
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def make_quant_backend(quant: str):
+    return make_backend(QuantConfig(quant=quant), storage_dtype=torch.uint8, compute_dtype=torch.float32)
+
+
+def initial_adapter(model: Path, quant: str) -> dict[str, torch.Tensor]:
+    """The adapter training starts from, under the keys PEFT saves it by.
+
+    Built as trainer._build_model builds it (skeleton on meta, inject_lora, adapter_keys), and initialised as it is
+    once each decoder layer has loaded: init_adapters on the layer's adapters, drawn from (seed, layer name), B zero.
+    Only the adapters are given memory here; the base stays on meta.
+    """
+    skeleton = build_skeleton(
+        ModelConfig(model=str(model)), backend=make_quant_backend(quant), param_dtype=torch.float32, adapt_experts=True
+    )
+    lora = LoraConfig(lora_rank=RANK, lora_alpha=ALPHA, lora_dropout=0.0, lora_target_modules="all")
+    peft_model = inject_lora(skeleton.model, lora, dtype=torch.float32)
+    keys = adapter_keys(peft_model)
+    inside: set[int] = set()
+    for name, layer in skeleton.units.items():
+        layers = lora_layers(layer)
+        for adapter in layers:
+            adapter.to_empty(device=CPU)
+            inside.add(id(adapter))
+        init_adapters(layers, seed=SEED, name=name)
+    outside = [m for m in lora_layers(peft_model) if id(m) not in inside]
+    for adapter in outside:
+        adapter.to_empty(device=CPU)
+    init_adapters(outside, seed=SEED, name="")
+    values = {}
+    for module, names in keys.items():
+        for attr, key in names.items():
+            values[key] = getattr(module, attr).detach().clone()
+    assert any(".experts." in key for key in values), "no adapter on the experts"
+    return values
+
+
+@dataclass
+class Reference:
+    base: Skeleton
+    """The model as training quantized it, whole, in this process."""
+    initial: dict[str, torch.Tensor]
+    """PEFT key -> the adapter tensor training starts from."""
+
+
+_REFERENCES: dict[tuple[str, str], Reference] = {}
+
+
+def reference(run: Run) -> Reference:
+    key = (run.family, run.quant)
+    manifest = read_manifest(run.out)
+    assert manifest is not None
+    if key not in _REFERENCES:
+        # HQQ's optimizer on the CPU gives other bytes with another thread count: quantize with training's.
+        with intra_op_threads(manifest.cpu_threads):
+            base = load_model(
+                ModelConfig(model=str(run.model)),
+                backend=make_quant_backend(run.quant),
+                device=CPU,
+                param_dtype=torch.float32,
+            )
+        _REFERENCES[key] = Reference(base, initial_adapter(run.model, run.quant))
+    ref = _REFERENCES[key]
+    # The premise of every comparison: this process holds the bytes the ranks trained on.
+    assert sorted(manifest.layers) == sorted(ref.base.quantized)
+    differ = [n for n in ref.base.quantized if layer_digests(ref.base.model.get_submodule(n)) != manifest.layers[n]]
+    assert not differ, f"the reference quantized other bytes than training did: {differ[:3]}"
+    return ref
+
+
+def transformers_base(run: Run, base: Skeleton) -> nn.Module:
+    """transformers' own model of the checkpoint (fp32) with every quantized weight replaced by its dequantization:
+    each quantized linear's into its `weight`, each expert's into its slice of the fused `gate_up_proj`/`down_proj`."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(run.model, dtype=torch.float32)
+    experts = {n: m for n, m in base.model.named_modules() if isinstance(m, QuantizedExperts)}
+    inside = tuple(f"{n}." for n in experts)
+    placed = 0
+    with torch.no_grad():
+        for name, module in experts.items():
+            fused = model.get_submodule(name)
+            for attr, layers in (("gate_up_proj", module.gate_up), ("down_proj", module.down)):
+                weight = torch.stack([layer.dequantize() for layer in layers])
+                assert getattr(fused, attr).shape == weight.shape, (name, attr)
+                getattr(fused, attr).copy_(weight)
+                placed += len(layers)
+        for name, module in base.model.named_modules():
+            if isinstance(module, QuantizedLinear) and not name.startswith(inside):
+                target = model.get_submodule(name).weight
+                assert target.shape == (module.out_features, module.in_features), name
+                target.copy_(module.dequantize())
+                placed += 1
+    assert experts and placed == len(base.quantized)
+    return model
+
+
+def step_batches(run: Run) -> list[dict[str, torch.Tensor]]:
+    """The two rows tokenized and masked as training does, each padded as a batch of one (what each rank gets)."""
+    tokenizer = load_tokenizer(run.model)
+    examples = load_examples(str(run.data))
+    samples, stats = fit_examples(examples, tokenizer, context_length=CONTEXT, train_on_inputs=False)
+    assert stats.samples == 2 and not stats.truncated and not stats.dropped, stats
+    pad = pad_token_id(tokenizer)
+    return [
+        collate([{"input_ids": ids, "labels": labels}], pad_id=pad, context_length=CONTEXT, pad_to_context=False)
+        for ids, labels in samples
+    ]
+
+
+def label_loss_sum(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """Summed next-token cross-entropy over the label tokens of `batch`, from the model's whole logits, and their
+    count."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+    labels = batch["labels"][:, 1:]
+    loss = F.cross_entropy(
+        logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    return loss, int((labels != IGNORE_INDEX).sum())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The acceptance points
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_first_step_matches_transformers_with_peft(moe_run: Run) -> None:
+    """Step 1's loss and gradient norm are those of transformers + PEFT, unsharded, on the dequantized base.
+
+    B starts at zero, so the loss checks the base (dequantized weights, routing, the shared expert) and the gradient
+    norm, all of it dL/dB, checks how each expert's A meets its tokens. A wrong A layout shows there: rolling the
+    experts' A rows by one expert in the reference (each expert given its neighbour's rows), tried by hand on
+    Qwen2-MoE bnb FSDP2, moved grad_norm by 4.4e-4 relative (4x the tolerance; the runs agree to ~1e-7). B's column
+    layout cannot show at step 1 (a permutation of B's columns leaves the norm alone):
+    test_saved_adapter_gives_the_run_eval_loss catches it (reading B's columns per expert contiguously instead of
+    strided moved the eval loss by 7e-2).
+    """
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model, set_peft_model_state_dict
+
+    ref = reference(moe_run)
+    config = PeftLoraConfig.from_pretrained(moe_run.out)
+    assert sorted(config.target_parameters) == EXPERT_PARAMETERS
+    peft_model = get_peft_model(transformers_base(moe_run, ref.base), config)
+    incompatible = set_peft_model_state_dict(peft_model, {k: v.clone() for k, v in ref.initial.items()})
+    assert not incompatible.unexpected_keys, incompatible.unexpected_keys
+    assert not [k for k in incompatible.missing_keys if "lora_" in k], incompatible.missing_keys
+    first = moe_run.steps[0]
+    trainable = [p for p in peft_model.parameters() if p.requires_grad]
+    assert sum(p.numel() for p in trainable) == first["trainable_parameters"]
+
+    peft_model.train()
+    sums, counts = zip(*(label_loss_sum(peft_model, batch) for batch in step_batches(moe_run)), strict=True)
+    loss = sum(sums) / sum(counts)
+    loss.backward()
+    assert all(p.grad is not None for p in trainable), "an adapter of the reference is not in its graph"
+    grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in trainable])).item()
+
+    assert first["label_tokens"] == sum(counts)
+    assert first["loss"] == pytest.approx(loss.item(), rel=1e-5), f"loss: run {first['loss']}, reference {loss}"
+    assert first["grad_norm"] == pytest.approx(grad_norm, rel=1e-4), (
+        f"grad_norm: run {first['grad_norm']}, reference {grad_norm}"
+    )
+
+
+def test_loss_falls(moe_run: Run) -> None:
+    losses = [r["loss"] for r in moe_run.steps]
+    assert len(losses) == STEPS
+    first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
+    assert last < first, f"loss did not fall: first 3 mean {first:.4f}, last 3 mean {last:.4f}"
+
+
+def test_experts_are_quantized(moe_run: Run) -> None:
+    """The base model as the ranks hold it against the same model in bf16 (2 bytes x transformers' parameters).
+
+    param_bytes_per_rank counts the adapters too, which the bf16 figure does not: they are taken out (fp32,
+    trainable_parameters x 4 bytes). The fp32 embeddings, head, norms and routers stay in. Unquantized experts would
+    put this over 0.9 in bf16 (786,432 of the 0.88M parameters), and over 1.8 as this fp32 run keeps them.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(moe_run.model))
+    bf16_bytes = 2 * sum(p.numel() for p in model.parameters())
+    first = moe_run.steps[0]
+    resident = sum(first["param_bytes_per_rank"])
+    base = resident - 4 * first["trainable_parameters"]
+    assert base <= 0.6 * bf16_bytes, (
+        f"base resident {base} bytes (with adapters {resident}), bf16 model {bf16_bytes}: {base / bf16_bytes:.3f}"
+    )
+
+
+def test_saved_adapter_gives_the_run_eval_loss(moe_run: Run) -> None:
+    """The trained adapter, loaded by PEFT itself onto the dequantized transformers model, computes the loss the run
+    evaluated its final weights to: the saved keys and both experts' A and B layouts are PEFT's."""
+    from peft import PeftModel, get_peft_model_state_dict
+
+    ref = reference(moe_run)
+    saved = load_file(moe_run.out / "adapter_model.safetensors")
+    loaded = PeftModel.from_pretrained(transformers_base(moe_run, ref.base), moe_run.out).eval()
+    state = get_peft_model_state_dict(loaded)
+    assert set(saved) == set(state), f"missing {set(state) - set(saved)}, unexpected {set(saved) - set(state)}"
+    for key, tensor in saved.items():
+        assert torch.equal(state[key].to(tensor.dtype), tensor), key
+    assert any(".experts." in key and "lora_B" in key and tensor.abs().sum() > 0 for key, tensor in saved.items())
+
+    with torch.no_grad():
+        sums, counts = zip(*(label_loss_sum(loaded, batch) for batch in step_batches(moe_run)), strict=True)
+    final = moe_run.final_eval
+    assert final["step"] == STEPS and final["eval_tokens"] == sum(counts)
+    loss = (sum(sums) / sum(counts)).item()
+    assert final["eval_loss"] == pytest.approx(loss, rel=1e-5), f"eval_loss: run {final['eval_loss']}, PEFT {loss}"
