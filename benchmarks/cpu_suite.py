@@ -212,6 +212,20 @@ def launch_conditions(launches: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def launches_markdown(results: dict[str, Any]) -> list[str]:
+    """results.md's table of every launch of a suite and the conditions it ran under (empty without launches)."""
+    launches = results.get("conditions", {}).get("launches") or []
+    if not launches:
+        return []
+    lines = ["", "### Launches", "", "| launch | wall | other processes' cores | waited |", "|---|---:|---:|---:|"]
+    for e in launches:
+        kept = "" if not e["discarded"] else " (discarded)"
+        lines.append(
+            f"| {e['what']}{kept} | {e['wall_s']:.1f} s | {e['foreign_cores']:.2f} | {e['waited_for_idle_s']:.0f} s |"
+        )
+    return lines
+
+
 class Runner:
     """Launches measurements, waits for a quiet machine first, and keeps a log of every launch's conditions."""
 

@@ -37,6 +37,7 @@ from benchmarks.cpu_suite import (
     _parameters,
     ensure_model,
     launch_conditions,
+    launches_markdown,
     native_bf16,
 )
 from benchmarks.report import render
@@ -608,13 +609,7 @@ def render_data(results: dict[str, Any]) -> str:
         for c in checks:
             value = f"{c['value']:.1f} MB" if c["unit"] == "MB" else f"{c['value']:.3f}x"
             lines.append(f"- {c['bar']}: {value}: **{'pass' if c['passed'] else 'FAIL'}**")
-    launches = results.get("conditions", {}).get("launches") or []
-    if launches:
-        lines += ["", "### Launches", "", "| launch | wall | other processes' cores | waited |", "|---|---:|---:|---:|"]
-        for e in launches:
-            kept = "" if not e["discarded"] else " (discarded)"
-            lines.append(f"| {e['what']}{kept} | {e['wall_s']:.1f} s | {e['foreign_cores']:.2f} | "
-                         f"{e['waited_for_idle_s']:.0f} s |")  # fmt: skip
+    lines += launches_markdown(results)
     return "\n".join(lines) + "\n"
 
 

@@ -40,7 +40,15 @@ from benchmarks.common import (
     worker_cmd,
     write_json,
 )
-from benchmarks.cpu_suite import CpuPlan, LaunchSettings, Runner, ensure_model, launch_conditions, native_bf16
+from benchmarks.cpu_suite import (
+    CpuPlan,
+    LaunchSettings,
+    Runner,
+    ensure_model,
+    launch_conditions,
+    launches_markdown,
+    native_bf16,
+)
 from benchmarks.data_suite import _shell
 from benchmarks.report import fmt, render
 from benchmarks.rows import row
@@ -532,13 +540,7 @@ def render_moe(results: dict[str, Any]) -> str:
             f"{q} " + ", ".join(f"{n} rank(s) {fmt(r['peak_rss_bytes'], 'bytes')}" for n, r in by_n.items())
             for q, by_n in memory.items()) + (f"; HF's loading alone: {fmt(peer['peak_rss_bytes'], 'bytes')}"
                                               if peer else "") + "."]  # fmt: skip
-    launches = results.get("conditions", {}).get("launches") or []
-    if launches:
-        lines += ["", "### Launches", "", "| launch | wall | other processes' cores | waited |", "|---|---:|---:|---:|"]
-        for e in launches:
-            kept = "" if not e["discarded"] else " (discarded)"
-            lines.append(f"| {e['what']}{kept} | {e['wall_s']:.1f} s | {e['foreign_cores']:.2f} | "
-                         f"{e['waited_for_idle_s']:.0f} s |")  # fmt: skip
+    lines += launches_markdown(results)
     return "\n".join(lines) + "\n"
 
 
