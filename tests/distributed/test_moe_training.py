@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from qlora_fsdp.metrics import read_metrics
 from tests.conftest import DATASET, train
@@ -78,3 +79,23 @@ def test_packed_chat_rows_with_evaluation_and_router_loss(moe_models: dict[str, 
     assert [r["step"] for r in evals] == [6, 12] and all(math.isfinite(r["eval_loss"]) for r in evals)
     config = json.loads((out / "adapter_config.json").read_text())
     assert sorted(config["target_parameters"]) == ["experts.down_proj", "experts.gate_up_proj"]
+
+
+@pytest.mark.parametrize(("family", "quant"), [("mixtral", "bnb"), ("mixtral", "hqq"), ("qwen2_moe", "bnb"),
+                                               ("qwen3_moe", "bnb")])  # fmt: skip
+def test_resident_bytes_are_at_most_0_6x_the_bf16_model(
+    moe_models: dict[str, Path], tmp_path: Path, family: str, quant: str
+) -> None:
+    """bf16 training on 2 ranks: every parameter a rank holds (quantized experts and attention, their state, the
+    bf16 embeddings, norms and routers, and the adapters), summed over the ranks, against 2 bytes per parameter of
+    the transformers model. Unquantized experts alone would be about 0.8x."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(moe_models[family]))
+    bf16_bytes = 2 * sum(p.numel() for p in model.parameters())
+    flags = ("--dataset", str(DATASET), "--quant", quant, "--max_steps", "1", "--save_model", "false")
+    common = [arg if arg != "fp32" else "bf16" for arg in COMMON]
+    train(["--model", str(moe_models[family]), *common, "--output_dir", str(tmp_path), *flags], nproc=2, timeout=600)
+    resident = sum(read_metrics(tmp_path)[0]["param_bytes_per_rank"])
+    assert resident <= 0.6 * bf16_bytes, (resident, bf16_bytes, resident / bf16_bytes)
