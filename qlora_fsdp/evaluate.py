@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -11,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-from qlora_fsdp.data import IGNORE_INDEX
+from qlora_fsdp.objectives import Objective
 
 
 @dataclass(frozen=True)
@@ -26,21 +25,15 @@ class EvalResult:
         return math.exp(self.loss) if self.loss < 700 else math.inf  # exp overflows a float past ~709
 
 
-def evaluate(
-    model: nn.Module,
-    loader: DataLoader,
-    *,
-    loss_sum: Callable[[dict[str, torch.Tensor]], torch.Tensor],
-    device: torch.device,
-) -> EvalResult:
-    """Sum the loss and count the label tokens of this rank's rows, add both over ranks, divide once.
+def evaluate(model: nn.Module, loader: DataLoader, *, objective: Objective, device: torch.device) -> EvalResult:
+    """Sum the objective's loss and weight (label tokens for SFT) over this rank's rows, add both over ranks,
+    divide once.
 
-    `loss_sum(batch)` is the training forward (the summed cross-entropy of a batch). Each rank's shard holds every
-    row once across ranks (data.loader.EvalShard), and one float64 all-reduce of (sum, count) makes the mean exact: a
-    mean of per-rank means would weight ranks, not tokens. `model.eval()` turns LoRA dropout off; no_grad keeps no
-    activations. The quantized layers' forwards are the training ones and never rewrite their weights (unlike
-    bitsandbytes' Linear4bit, which repacks its weight in place in eval mode on some CPUs), so the training that
-    follows sees the same bytes.
+    The loss is the training forward's. Each rank's shard holds every row once across ranks (data.loader.EvalShard),
+    and one float64 all-reduce of (sum, weight) makes the mean exact: a mean of per-rank means would weight ranks,
+    not tokens. `model.eval()` turns LoRA dropout off; no_grad keeps no activations. The quantized layers' forwards
+    are the training ones and never rewrite their weights (unlike bitsandbytes' Linear4bit, which repacks its weight
+    in place in eval mode on some CPUs), so the training that follows sees the same bytes.
     """
     was_training = model.training
     totals = torch.zeros(2, dtype=torch.float64, device=device)
@@ -48,8 +41,8 @@ def evaluate(
     try:
         with torch.no_grad():
             for batch in loader:
-                totals[0] += loss_sum(batch).double()
-                totals[1] += int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+                totals[0] += objective.loss_sum(model, batch)[0].double()
+                totals[1] += objective.weight(batch)
     finally:
         model.train(was_training)
     dist.all_reduce(totals)

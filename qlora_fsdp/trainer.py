@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import math
-import signal
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -32,10 +29,9 @@ from qlora_fsdp.checkpoint import (
     save_full_model,
     save_trained_blocks,
 )
-from qlora_fsdp.config import OptimConfig, OutputConfig, TrainConfig, profile_window
-from qlora_fsdp.data import IGNORE_INDEX
+from qlora_fsdp.config import OptimConfig, OutputConfig, TrainConfig
 from qlora_fsdp.data.loader import build_loaders
-from qlora_fsdp.data.rows import FLASH_ATTENTION, attention_implementation, model_inputs
+from qlora_fsdp.data.rows import FLASH_ATTENTION, attention_implementation
 from qlora_fsdp.distributed import DistEnv, broadcast_object, gather_ints, init_distributed, teardown
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.evaluate import evaluate
@@ -48,6 +44,7 @@ from qlora_fsdp.fsdp import (
     quant_compute_dtype,
     verify_packed,
 )
+from qlora_fsdp.loop import Events, Step, TrainingStopped, TrainResult, make_profiler, preemption_flag, train_loop
 from qlora_fsdp.lora import (
     adapter_keys,
     adapts_experts,
@@ -58,7 +55,7 @@ from qlora_fsdp.lora import (
 )
 from qlora_fsdp.loss import CausalLMLoss, RouterLoss, router_loss
 from qlora_fsdp.manifest import LayerDigests, Manifest, training_manifest
-from qlora_fsdp.metrics import METRICS_FILE, MetricsLogger, peak_memory_bytes
+from qlora_fsdp.metrics import METRICS_FILE, MetricsLogger
 from qlora_fsdp.model import (
     build_skeleton,
     expanded_layer_prefixes,
@@ -66,6 +63,7 @@ from qlora_fsdp.model import (
     resolve_model_path,
     stream_weights,
 )
+from qlora_fsdp.objectives import Forward, SftObjective
 from qlora_fsdp.optim import build_optimizer, build_scheduler
 from qlora_fsdp.quant import make_backend
 from qlora_fsdp.quant.base import QuantizedLinear
@@ -73,17 +71,6 @@ from qlora_fsdp.quant.base import QuantizedLinear
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 FINISHED_MARKERS = ("adapter_model.safetensors", "model.safetensors", TRAINED_BLOCKS, METRICS_FILE)
-
-
-class TrainingStopped(UserError):
-    """Training cannot go on (a non-finite loss, say); the message names the step and what to change."""
-
-
-@dataclass
-class TrainResult:
-    state: TrainState
-    losses: list[float] = field(default_factory=list)
-    preempted_checkpoint: Path | None = None
 
 
 def check_output_dir(cfg: OutputConfig) -> None:
@@ -270,7 +257,7 @@ def _run(
         run_config=cfg.to_dict(),
         resume_step=state.step if resume is not None else None,
     )
-    profiler = _profiler(cfg.output, output_dir, env) if cfg.output.profile else None
+    profiler = make_profiler(cfg.output, output_dir, env) if cfg.output.profile else None
     if resume is not None:
         logger.message(f"resumed from {resume} at step {state.step}")
         for change in changed:
@@ -300,46 +287,40 @@ def _run(
             manifest=built.manifest,
         )
 
+    objective = SftObjective(Forward(env.device, precision, varlen=varlen))
+
     def run_eval(step: int) -> None:
         started = time.perf_counter()
-        result = evaluate(
-            built.model.module,
-            eval_loader,
-            loss_sum=lambda batch: _forward_loss_sum(
-                built.model.module, batch, env=env, precision=precision, varlen=varlen
-            ),
-            device=env.device,
-        )
+        result = evaluate(built.model.module, eval_loader, objective=objective, device=env.device)
         logger.log_eval(
             {"step": step, "eval_loss": result.loss, "eval_ppl": result.perplexity, "eval_tokens": result.tokens,
              "eval_s": time.perf_counter() - started}
         )  # fmt: skip
 
+    step = Step(
+        model=built.model,
+        objective=objective,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        scaler=scaler,
+        optim=cfg.optim,
+        env=env,
+        activation_offload=cfg.fsdp.activation_offload,
+        router=built.router,
+    )
     try:
-        with _preemption_flag() as preempted:
-            result = train_loop(
-                built.model,
-                loader,
-                optimizer,
-                scheduler,
-                scaler=scaler,
-                state=state,
-                env=env,
-                precision=precision,
-                optim=cfg.optim,
+        with preemption_flag() as preempted:
+            events = Events(
                 total_steps=total_steps,
-                logger=logger,
-                save_steps=cfg.output.save_steps,
                 checkpoint=checkpoint,
-                preempted=preempted,
-                activation_offload=cfg.fsdp.activation_offload,
-                profiler=profiler,
-                static_fields={"param_bytes_per_rank": param_bytes, "trainable_parameters": built.trainable},
-                varlen=varlen,
+                save_steps=cfg.output.save_steps,
                 run_eval=run_eval if eval_loader is not None else None,
                 eval_steps=cfg.eval.eval_steps,
-                router=built.router,
+                preempted=preempted,
+                profiler=profiler,
             )
+            static = {"param_bytes_per_rank": param_bytes, "trainable_parameters": built.trainable}
+            result = train_loop(step, loader, state=state, events=events, logger=logger, static_fields=static)
         # --eval_steps 0, or a last step off its grid: evaluate the final weights.
         off_grid = not cfg.eval.eval_steps or result.state.step % cfg.eval.eval_steps
         if result.preempted_checkpoint is None and eval_loader is not None and off_grid:
@@ -458,262 +439,3 @@ def _epoch_steps(cfg: OptimConfig, micro_batches_per_epoch: int) -> int:
             f"dataset gives ({micro_batches_per_epoch}); lower it or use a larger dataset"
         )
     return steps
-
-
-def _micro_batches(
-    loader: torch.utils.data.DataLoader, *, epoch: int, skip: int
-) -> Iterator[tuple[int, int, dict[str, torch.Tensor]]]:
-    """(epoch, index in epoch, batch) forever from a data position; each epoch reshuffles via the sampler (a stream,
-    which has none, is one endless epoch)."""
-    while True:
-        if hasattr(loader.sampler, "set_epoch"):
-            loader.sampler.set_epoch(epoch)
-        for index, batch in enumerate(loader):
-            if index >= skip:
-                yield epoch, index, batch
-        epoch, skip = epoch + 1, 0
-
-
-class _Flag:
-    """Set by a signal handler, read at step boundaries."""
-
-    def __init__(self) -> None:
-        self.raised = False
-
-
-@contextlib.contextmanager
-def _preemption_flag() -> Iterator[_Flag]:
-    """SIGTERM/SIGINT (what SLURM and Ctrl-C send) ask for a checkpoint at the next step boundary."""
-    flag = _Flag()
-
-    def handler(signum: int, frame: object) -> None:
-        flag.raised = True
-
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield flag
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
-
-
-def _autocast(precision: Precision, device: torch.device) -> contextlib.AbstractContextManager:
-    if precision.autocast_dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=precision.autocast_dtype)
-
-
-def train_loop(
-    model: ShardedModel,
-    loader: torch.utils.data.DataLoader,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    *,
-    scaler: ShardedGradScaler | None,
-    state: TrainState,
-    env: DistEnv,
-    precision: Precision,
-    optim: OptimConfig,
-    total_steps: int,
-    logger: MetricsLogger,
-    checkpoint: Callable[[TrainState], Path],
-    save_steps: int = 0,
-    preempted: _Flag | None = None,
-    activation_offload: bool = False,
-    profiler: _StepProfiler | None = None,
-    static_fields: dict[str, object] | None = None,
-    varlen: bool = False,
-    run_eval: Callable[[int], None] | None = None,
-    eval_steps: int = 0,
-    router: RouterLoss | None = None,
-) -> TrainResult:
-    """Optimizer steps of `gradient_accumulation_steps` micro-batches each, from `state` to `total_steps`.
-
-    The loss is a sum over label tokens divided by the label-token count of the whole step across all ranks, so
-    N ranks x batch b and 1 rank x batch N*b compute the same gradient. `run_eval(step)` runs after every
-    `eval_steps`-th step (the caller evaluates at the end).
-    """
-    model.module.train()
-    max_norm = optim.grad_norm if optim.grad_norm > 0 else float("inf")
-    batches = _micro_batches(loader, epoch=state.epoch, skip=state.batch_in_epoch)
-    result = TrainResult(state=state)
-    start = time.perf_counter()
-    while state.step < total_steps:
-        step_start = time.perf_counter()
-        micro = [next(batches) for _ in range(optim.gradient_accumulation_steps)]
-        counts = torch.tensor(
-            [
-                sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for _, _, b in micro),
-                sum(int(b["attention_mask"].sum()) for _, _, b in micro),
-                sum(b["input_ids"].numel() for _, _, b in micro),  # each rank pads its batches to their own width
-            ],
-            dtype=torch.float64,
-            device=env.device,
-        )
-        dist.all_reduce(counts)
-        label_tokens, input_tokens, row_tokens = counts.tolist()
-        loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
-        if profiler is not None:
-            profiler.before_step(state.step + 1)
-        for i, (_, _, batch) in enumerate(micro):
-            # Accumulate locally and reduce gradients once per optimizer step, not once per micro-batch.
-            last = i == len(micro) - 1
-            with contextlib.nullcontext() if last else model.no_sync():
-                with _activation_offload(activation_offload, env.device):
-                    part = _forward_loss_sum(model.module, batch, env=env, precision=precision, varlen=varlen)
-                # FSDP averages gradients over ranks: scale by world size so the result is sum / global count.
-                scaled = part * env.world_size / max(label_tokens, 1.0)
-                (scaler.scale(scaled) if scaler else scaled).backward()
-            loss_sum += part.detach().double()
-        if scaler:
-            scaler.unscale_(optimizer)
-        norm = model.clip_grad_norm(max_norm)
-        # One collective gives every rank the same loss and the same preemption decision.
-        stop_requested = float(preempted.raised) if preempted is not None else 0.0
-        totals = torch.stack([loss_sum, torch.tensor(stop_requested, dtype=torch.float64, device=env.device)])
-        dist.all_reduce(totals)
-        loss = totals[0].item() / max(label_tokens, 1.0)
-        moe = _router_fields(router, label_tokens, env) if router is not None else {}
-        # fp16's scaler skips overflowing steps itself; a non-finite norm is then routine, not an error.
-        bad = not math.isfinite(loss) or (scaler is None and not math.isfinite(norm))
-        lr = scheduler.get_last_lr()[0]
-        skipped = bad and _handle_non_finite(optim.nan_policy, state.step + 1, loss, norm, is_main=env.is_main)
-        if skipped:
-            if scaler:
-                scaler.update()  # closes the unscale_ of this step; the next step may unscale again
-        elif scaler:
-            scale = scaler.get_scale()
-            scaler.step(optimizer)
-            scaler.update()
-            # The scaler skips a step whose gradients overflowed, and says so only by lowering its scale.
-            skipped = scaler.get_scale() < scale
-        else:
-            optimizer.step()
-        # The learning rate is a function of the step count, skipped steps included, so a resume can rebuild it.
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-
-        last_epoch, last_index, _ = micro[-1]
-        state.step += 1
-        state.epoch, state.batch_in_epoch = last_epoch, last_index + 1
-        result.losses.append(loss)
-        elapsed = time.perf_counter() - step_start
-        peak = peak_memory_bytes(env.device)
-        logger.log(
-            {
-                "step": state.step,
-                "epoch": last_epoch,
-                "loss": loss,
-                "lr": lr,
-                "grad_norm": norm,
-                "tokens": int(input_tokens),
-                "label_tokens": int(label_tokens),
-                "tokens_per_s": input_tokens / elapsed,
-                "packing_efficiency": input_tokens / row_tokens,
-                "peak_memory_bytes": peak,
-                "peak_memory_bytes_per_rank": gather_ints(peak, env),
-                "elapsed_s": time.perf_counter() - start,
-                "skipped": skipped,
-                **moe,
-                **(static_fields or {}),
-            }
-        )
-        if profiler is not None:
-            profiler.after_step(state.step)
-        model.compile_units()  # --compile: from the second step on
-        if totals[1].item() > 0:
-            result.preempted_checkpoint = checkpoint(state)  # or TrainingStopped where no checkpoint can be made
-            break
-        if run_eval is not None and eval_steps and state.step % eval_steps == 0:
-            run_eval(state.step)
-        if save_steps and state.step % save_steps == 0:
-            started = time.perf_counter()
-            path = checkpoint(state)
-            logger.message(f"checkpoint saved to {path} in {time.perf_counter() - started:.2f}s")
-    result.state = state
-    return result
-
-
-def _router_fields(router: RouterLoss, label_tokens: float, env: DistEnv) -> dict[str, float]:
-    """The step's load-balancing loss (label-token weighted, as the loss) and the tokens each expert received
-    per layer (max and mean over layers and experts), over every rank."""
-    stats = router.take(env.device)
-    dist.all_reduce(stats)
-    load = stats[1:]
-    return {
-        "aux_loss": stats[0].item() / max(label_tokens, 1.0),
-        "expert_load_max": load.max().item(),
-        "expert_load_mean": load.mean().item(),
-    }
-
-
-def _activation_offload(enabled: bool, device: torch.device) -> contextlib.AbstractContextManager:
-    """Tensors saved for backward go to (pinned) host memory and come back for the backward pass."""
-    if not enabled:
-        return contextlib.nullcontext()
-    return torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda")
-
-
-class _StepProfiler:
-    """torch.profiler over a window of optimizer steps; a Chrome trace (and a CUDA memory snapshot) at its end."""
-
-    def __init__(self, first: int, last: int, out: Path, device: torch.device, rank: int) -> None:
-        self.first, self.last, self.out, self.device, self.rank = first, last, out, device, rank
-        self._prof: torch.profiler.profile | None = None
-
-    def before_step(self, step: int) -> None:
-        if step != self.first:
-            return
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if self.device.type == "cuda":
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-            torch.cuda.memory._record_memory_history(max_entries=100_000)
-        self._prof = torch.profiler.profile(activities=activities, record_shapes=True, profile_memory=True)
-        self._prof.__enter__()
-
-    def after_step(self, step: int) -> None:
-        if self._prof is None or step != self.last:
-            return
-        self._prof.__exit__(None, None, None)
-        self.out.mkdir(parents=True, exist_ok=True)
-        self._prof.export_chrome_trace(str(self.out / f"trace-rank{self.rank}.json"))
-        if self.device.type == "cuda":
-            torch.cuda.memory._dump_snapshot(str(self.out / f"memory-rank{self.rank}.pickle"))
-            torch.cuda.memory._record_memory_history(enabled=None)
-        self._prof = None
-
-    def close(self) -> None:
-        """Stop a window the run did not reach the end of (preemption, an error, too few steps)."""
-        if self._prof is not None:
-            self.after_step(self.last)
-
-
-def _profiler(cfg: OutputConfig, output_dir: Path, env: DistEnv) -> _StepProfiler:
-    first, last = profile_window(cfg.profile_steps)
-    return _StepProfiler(first, last, output_dir / "profile", env.device, env.rank)
-
-
-def _handle_non_finite(policy: str, step: int, loss: float, norm: float, *, is_main: bool) -> bool:
-    """True to skip the step (weights untouched); raises for --nan_policy stop."""
-    if policy == "skip":
-        if is_main:
-            log.warning(
-                "step %d: non-finite loss %s or gradient norm %s; step skipped, weights untouched", step, loss, norm
-            )
-        return True
-    raise TrainingStopped(
-        f"step {step}: non-finite loss ({loss}) or gradient norm ({norm}); lower --lr, check the data, "
-        "use --precision bf16/fp32, or pass --nan_policy skip to skip such steps"
-    )
-
-
-def _forward_loss_sum(
-    model: nn.Module, batch: dict[str, torch.Tensor], *, env: DistEnv, precision: Precision, varlen: bool = False
-) -> torch.Tensor:
-    """The batch's summed loss over its label tokens, from the root (CausalLMLoss) that FSDP wraps; a packed batch
-    goes with position_ids and no attention mask (see qlora_fsdp/data/rows.py)."""
-    inputs = model_inputs(batch, env.device, varlen=varlen)
-    if inputs["attention_mask"] is None:  # packed: which positions are padding, for the router's loss alone
-        inputs["token_mask"] = batch["attention_mask"].to(env.device).reshape(inputs["input_ids"].shape)
-    with _autocast(precision, env.device):
-        return model(**inputs)

@@ -20,6 +20,7 @@ from qlora_fsdp.data.loader import EvalShard
 from qlora_fsdp.data.rows import collate
 from qlora_fsdp.distributed import DistEnv
 from qlora_fsdp.evaluate import evaluate
+from qlora_fsdp.objectives import Objective
 
 VOCAB = 11
 
@@ -61,6 +62,16 @@ def rows(labelled: list[int], length: int = 9) -> list[dict[str, list[int]]]:
     return out
 
 
+class ToyObjective(Objective):
+    """SFT's weight (label tokens) around the toy model's summed loss."""
+
+    def weight(self, batch: dict[str, torch.Tensor]) -> int:
+        return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+    def loss_sum(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return loss_sum(model, batch), torch.zeros(0, dtype=torch.float64)
+
+
 def loader(items, batch_size: int = 2) -> torch.utils.data.DataLoader:
     """Batches padded as the training loaders pad them."""
     pad = functools.partial(collate, pad_id=0, context_length=16, pad_to_context=False)
@@ -75,7 +86,7 @@ def test_loss_is_token_weighted_with_dropout_off_and_the_mode_restored(group: No
     batches = loader(shard)
 
     model.train()
-    result = evaluate(model, batches, loss_sum=lambda b: loss_sum(model, b), device=torch.device("cpu"))
+    result = evaluate(model, batches, objective=ToyObjective(), device=torch.device("cpu"))
 
     assert model.training, "evaluate must hand the model back in training mode"
     assert all(p.grad is None for p in model.parameters())
@@ -98,7 +109,7 @@ def test_blank_rows_add_nothing(group: None, tmp_path: Path) -> None:
     items = rows([3, 5, 2])
     blank = {**items[0], "labels": [IGNORE_INDEX] * len(items[0]["labels"])}
     results = [
-        evaluate(model, loader(data), loss_sum=lambda b: loss_sum(model, b), device=torch.device("cpu"))
+        evaluate(model, loader(data), objective=ToyObjective(), device=torch.device("cpu"))
         for data in (items, [*items, blank, blank, blank])
     ]
     assert results[0] == results[1]

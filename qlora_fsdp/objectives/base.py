@@ -1,0 +1,58 @@
+"""The interface between the training loop and an objective."""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from qlora_fsdp.data.rows import model_inputs
+from qlora_fsdp.fsdp import Precision
+
+
+@dataclass
+class Forward:
+    """How a batch reaches the FSDP root (CausalLMLoss): on `device`, under the precision's autocast, with packed
+    rows laid end to end for flash attention (`varlen`)."""
+
+    device: torch.device
+    precision: Precision
+    varlen: bool = False
+
+    def __call__(self, model: nn.Module, batch: dict[str, torch.Tensor], **options: object) -> torch.Tensor:
+        inputs = model_inputs(batch, self.device, varlen=self.varlen)
+        if inputs["attention_mask"] is None:  # packed: which positions are padding, for the router's loss alone
+            inputs["token_mask"] = batch["attention_mask"].to(self.device).reshape(inputs["input_ids"].shape)
+        with self._autocast():
+            return model(**inputs, **options)
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.precision.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.precision.autocast_dtype)
+
+
+class Objective(ABC):
+    """One training objective, as the loop and evaluation see it.
+
+    A step's loss is the sum of `loss_sum` over its micro-batches and ranks divided by the sum of `weight` over
+    them, so N ranks x batch B equal 1 rank x batch N*B. `loss_sum` also returns sums of the objective's own
+    metrics (`metric_names`, in order), which are divided by the same total weight when the step is logged.
+    """
+
+    metric_names: tuple[str, ...] = ()
+
+    @abstractmethod
+    def weight(self, batch: dict[str, torch.Tensor]) -> int:
+        """What this batch counts toward the step's denominator (label tokens, pairs...)."""
+
+    @abstractmethod
+    def loss_sum(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the batch's summed loss, a float64 vector of its summed metrics) from one forward of `model`."""
+
+    def logged(self, metric_sums: list[float], weight: float) -> dict[str, float]:
+        """The step's own metrics, from the sums over its micro-batches and ranks."""
+        return {name: total / max(weight, 1.0) for name, total in zip(self.metric_names, metric_sums, strict=True)}

@@ -1,0 +1,21 @@
+"""Supervised fine-tuning: next-token cross-entropy summed over label tokens, divided by the step's label tokens."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from qlora_fsdp.data import IGNORE_INDEX
+from qlora_fsdp.objectives.base import Forward, Objective
+
+
+class SftObjective(Objective):
+    def __init__(self, forward: Forward) -> None:
+        self.forward = forward
+
+    def weight(self, batch: dict[str, torch.Tensor]) -> int:
+        return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+    def loss_sum(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        loss = self.forward(model, batch)
+        return loss, torch.zeros(0, dtype=torch.float64, device=loss.device)
