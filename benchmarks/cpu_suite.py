@@ -77,6 +77,13 @@ class LaunchSettings:
     precision: str = "bf16"
     """Both sides' parameter, storage and compute dtype: bf16, or fp32 on a CPU without native bf16 matmuls."""
 
+    def set_launch(self, *, threads: int, precision: str | None, idle_wait_s: float | None) -> None:
+        """The command line's launch flags; no --precision means bf16 where the CPU has native bf16 matmuls."""
+        self.threads = threads
+        self.precision = precision or ("bf16" if native_bf16() else "fp32")
+        if idle_wait_s is not None:
+            self.idle_wait_s = idle_wait_s
+
 
 @dataclass
 class CpuPlan(LaunchSettings):
@@ -175,12 +182,9 @@ def plan(
         p.train_runs = tuple(r for r in TRAIN_RUNS if r[0] in ("bnb_1proc", "bnb_2ranks_fsdp2"))
     else:
         p = CpuPlan(FULL_MODEL, reps=3, batch_size=4, context_length=256, warmup_steps=2, measured_steps=3)
-    p.threads = threads
-    p.precision = precision or ("bf16" if native_bf16() else "fp32")
+    p.set_launch(threads=threads, precision=precision, idle_wait_s=idle_wait_s)
     if reps is not None:
         p.reps = reps
-    if idle_wait_s is not None:
-        p.idle_wait_s = idle_wait_s
     return p
 
 

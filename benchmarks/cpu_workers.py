@@ -115,8 +115,17 @@ def load_ours(args: dict[str, Any]) -> None:
 
 def load_peer(args: dict[str, Any]) -> None:
     """The peer's loading: HF from_pretrained 4-bit onto the CPU in this one process."""
+    from benchmarks.measure import model_bytes
+
+    model, record = measured_peer_load(args)
+    write_json(args["result"], {**record, "quantized_model_bytes": model_bytes(model)})
+
+
+def measured_peer_load(args: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """HF from_pretrained 4-bit of args["model"] onto the CPU in this process, and what the loading cost: seconds,
+    peak RSS and the RSS the imports alone took."""
     _quiet()
-    from benchmarks.measure import model_bytes, preimport
+    from benchmarks.measure import preimport
     from benchmarks.peer import load_peer as hf_load
 
     preimport(args["model"])
@@ -124,16 +133,13 @@ def load_peer(args: dict[str, Any]) -> None:
     start = time.perf_counter()
     model = hf_load(args["model"], device="cpu", dtype=_dtype(args["precision"]))
     load_s = time.perf_counter() - start
-    write_json(
-        args["result"],
-        {
-            "load_s": load_s,
-            "peak_rss_bytes": peak_rss_bytes(),
-            "ru_maxrss_bytes": maxrss_bytes(),
-            "rss_after_imports_bytes": baseline,
-            "quantized_model_bytes": model_bytes(model),
-        },
-    )
+    record = {
+        "load_s": load_s,
+        "peak_rss_bytes": peak_rss_bytes(),
+        "ru_maxrss_bytes": maxrss_bytes(),
+        "rss_after_imports_bytes": baseline,
+    }
+    return model, record
 
 
 def train_peer(args: dict[str, Any]) -> None:

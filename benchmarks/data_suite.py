@@ -38,7 +38,6 @@ from benchmarks.cpu_suite import (
     ensure_model,
     launch_conditions,
     launches_markdown,
-    native_bf16,
 )
 from benchmarks.report import render
 from benchmarks.rows import row
@@ -115,12 +114,9 @@ def plan(
         p = DataPlan(n, (min(n, RSS_ROWS[0]), min(n // 10, RSS_ROWS[1])), build_reps=1, train_reps=3)
     if p.rss_rows[1] < p.nproc * p.batch_size:
         raise ValueError(f"--rows {n}: too few rows for a {p.nproc}-rank step of batch {p.batch_size}")
-    p.threads = threads
-    p.precision = precision or ("bf16" if native_bf16() else "fp32")
+    p.set_launch(threads=threads, precision=precision, idle_wait_s=idle_wait_s)
     if reps is not None:
         p.build_reps = p.train_reps = reps
-    if idle_wait_s is not None:
-        p.idle_wait_s = idle_wait_s
     return p
 
 

@@ -31,11 +31,8 @@ from typing import Any
 from benchmarks.common import (
     REPO_ROOT,
     base_env,
-    current_rss_bytes,
     launch,
-    maxrss_bytes,
     median,
-    peak_rss_bytes,
     read_json,
     worker_cmd,
     write_json,
@@ -47,7 +44,6 @@ from benchmarks.cpu_suite import (
     ensure_model,
     launch_conditions,
     launches_markdown,
-    native_bf16,
 )
 from benchmarks.data_suite import _shell
 from benchmarks.report import fmt, render
@@ -119,12 +115,9 @@ def plan(
         if unknown or not quants:
             raise ValueError(f"--quants: choose from {', '.join(QUANTS)} (got {','.join(quants) or 'nothing'})")
         p.quants = tuple(dict.fromkeys(quants))
-    p.threads = threads
-    p.precision = precision or ("bf16" if native_bf16() else "fp32")
+    p.set_launch(threads=threads, precision=precision, idle_wait_s=idle_wait_s)
     if reps is not None:
         p.reps = reps
-    if idle_wait_s is not None:
-        p.idle_wait_s = idle_wait_s
     return p
 
 
@@ -248,28 +241,19 @@ def build_moe(args: dict[str, Any]) -> None:
 def load_peer(args: dict[str, Any]) -> None:
     """HF from_pretrained 4-bit in this one process: the bytes the loaded model holds (parameters, buffers,
     bitsandbytes' quantization state), where they are (the fused experts, the Linear4bit layers), and peak RSS."""
-    from benchmarks.cpu_workers import _dtype, _quiet
+    from benchmarks.cpu_workers import measured_peer_load
 
-    _quiet()
+    model, record = measured_peer_load(args)
     import bitsandbytes as bnb
 
-    from benchmarks.measure import model_bytes, preimport, tensor_bytes
-    from benchmarks.peer import load_peer as hf_load
+    from benchmarks.measure import model_bytes, tensor_bytes
 
-    preimport(args["model"])
-    baseline = current_rss_bytes()
-    start = time.perf_counter()
-    model = hf_load(args["model"], device="cpu", dtype=_dtype(args["precision"]))
-    load_s = time.perf_counter() - start
     fused = [p for p in model.parameters() if p.dim() == 3]
     linear4bit = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
     write_json(
         args["result"],
         {
-            "load_s": load_s,
-            "peak_rss_bytes": peak_rss_bytes(),
-            "ru_maxrss_bytes": maxrss_bytes(),
-            "rss_after_imports_bytes": baseline,
+            **record,
             "model_bytes": model_bytes(model),
             "fused_expert_tensors": len(fused),
             "fused_expert_bytes": sum(tensor_bytes(p) for p in fused),
