@@ -167,11 +167,6 @@ def check_adapter(adapter: Adapter, model: nn.Module, model_name: str) -> None:
             )
 
 
-def _fused_order(module: nn.Module) -> list[str]:
-    """A routed-experts module's fused parameter names in transformers' order; empty for another module."""
-    return module.fused_order if isinstance(module, QuantizedExperts) else fused_order(module)
-
-
 def _fused_shape(module: nn.Module, fused: str) -> tuple[int, int, int]:
     """(experts, out, in) of a fused projection, whether transformers' module or the per-expert one holds it."""
     if isinstance(module, QuantizedExperts):
@@ -188,7 +183,7 @@ def _find_expert_adapters(adapter: Adapter, modules: dict[str, nn.Module]) -> No
         base, depth = name, 0
         while base.endswith(".base_layer"):
             base, depth = base.removesuffix(".base_layer"), depth + 1
-        order = _fused_order(modules[base]) if base in modules else []
+        order = fused_order(modules[base]) if base in modules else []
         found = [n for n in order if n in targeted and peft_wrapper_depth(order, targeted, n) == depth]
         if order and not found:
             raise UserError(f"--adapter {adapter.path}: {name} adapts no parameter its target_parameters name")
@@ -395,7 +390,7 @@ def merge_adapter(model_cfg: ModelConfig, quant: QuantConfig, *, precision: str,
         def write(modules: dict[str, nn.Module]) -> None:
             tensors: dict[str, torch.Tensor] = {}
             for module_name, module in modules.items():
-                if _fused_order(module):
+                if fused_order(module):
                     tensors |= _merged_experts(module_name, module, adapter)
                     continue
                 for attr, tensor in module.named_parameters(recurse=False):

@@ -29,8 +29,11 @@ def target_modules(spec: str, model: nn.Module) -> list[str]:
     head = model.get_output_embeddings()
     inside = tuple(f"{n}." for n, m in model.named_modules() if isinstance(m, QuantizedExperts))
     gates = router_gates(model)
-    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head]
-    adapted = [n for n, _ in linears if n not in gates and not (inside and n.startswith(inside))]
+    adapted = [
+        n
+        for n, m in model.named_modules()
+        if isinstance(m, nn.Linear) and m is not head and n not in gates and not (inside and n.startswith(inside))
+    ]
     # PEFT matches names by their last part: one a gate shares with an adapted linear would adapt the gate too.
     return sorted({n.rpartition(".")[2] for n in adapted} - {g.rpartition(".")[2] for g in gates})
 

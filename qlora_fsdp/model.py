@@ -386,10 +386,11 @@ def stream_weights(
             log.warning("ignoring checkpoint tensor %s: no such parameter in the model", name)
             return
         module, attr = source
-        if shares is not None and shares.covers(module) and attr == "weight":
-            shares.arrive(module, tensor)  # type: ignore[arg-type]
-        elif id(module) in quantized and attr == "weight":
-            backend.load_weight(module, tensor, device=device, env=env)  # type: ignore[union-attr]
+        if id(module) in quantized and attr == "weight":  # a bias of a quantized layer is a plain parameter
+            if shares is not None and shares.covers(module):
+                shares.arrive(module, tensor)  # type: ignore[arg-type]
+            else:
+                backend.load_weight(module, tensor, device=device, env=env)  # type: ignore[union-attr]
         elif attr in module._parameters:
             old = module._parameters[attr]
             params.replace(old, tensor.to(device=device, dtype=old.dtype if tensor.is_floating_point() else None))

@@ -37,7 +37,10 @@ def has_fused_experts(module: nn.Module) -> bool:
 
 
 def fused_order(module: nn.Module) -> list[str]:
-    """The fused parameters' names in the module's order, which decides how PEFT nests its wrappers."""
+    """A routed-experts module's fused parameter names in transformers' order, which decides how PEFT nests its
+    wrappers (QuantizedExperts keeps its source's); empty for any other module."""
+    if isinstance(module, QuantizedExperts):
+        return module.fused_order
     return [n for n, _ in module.named_parameters(recurse=False)] if has_fused_experts(module) else []
 
 
