@@ -7,6 +7,8 @@
     python benchmarks/run.py --suite cpu-data [--out DIR] [--quick] [--rows N]   (tokenized cache, padding, memory)
     python benchmarks/run.py --suite cpu-moe [--out DIR] [--quick] [--quants bnb,hqq]   (a Mixtral-shaped model:
         resident bytes per rank at 1, 2, 4 ranks against HF 4-bit; step time against a dense model, same active size)
+    python benchmarks/run.py --suite cpu-preference [--out DIR] [--quick] [--objectives dpo,ipo,orpo,simpo]
+        (preference objectives against SFT over the same tokens, 2 ranks: parameter bytes, step peak RSS, step time)
     python benchmarks/run.py --suite gpu [--out DIR] [--dry-run] [--only tests,bnb,...] [--peak_flops 989e12]
         (benchmarks/gpu.sh wraps it: it installs the carried wheels first)
 
@@ -32,7 +34,7 @@ if str(REPO_ROOT) not in sys.path:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    suites = ("cpu", "cpu-large", "cpu-loss", "cpu-packing", "cpu-data", "cpu-moe", "gpu")
+    suites = ("cpu", "cpu-large", "cpu-loss", "cpu-packing", "cpu-data", "cpu-moe", "cpu-preference", "gpu")
     p.add_argument("--suite", required=True, choices=suites)
     p.add_argument("--out", type=Path, default=Path("results"), help="directory for results.json and results.md")
     p.add_argument("--model", type=Path, default=None, help="CPU suite: use this model directory instead of building")
@@ -62,6 +64,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="MoE suite: comma-separated backends of the memory section, bnb and/or hqq (default bnb; quick both)",
     )
+    p.add_argument(
+        "--objectives",
+        default=None,
+        help="preference suite: comma-separated objectives to compare with SFT, of dpo, ipo, orpo, simpo "
+        "(default all; quick dpo)",
+    )
     p.add_argument("--dry-run", dest="dry_run", action="store_true", help="GPU suite: tiny shapes on the CPU")
     p.add_argument("--peak_flops", type=float, default=989e12, help="GPU suite: the device's dense bf16 peak FLOP/s")
     p.add_argument(
@@ -84,6 +92,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.quants = tuple(q.strip() for q in args.quants.split(",") if q.strip())
         if args.suite != "cpu-moe":
             p.error("--quants is an option of --suite cpu-moe")
+    if args.objectives is not None:
+        args.objectives = tuple(o.strip() for o in args.objectives.split(",") if o.strip())
+        if args.suite != "cpu-preference":
+            p.error("--objectives is an option of --suite cpu-preference")
+    if args.suite == "cpu-preference" and args.model is not None:
+        p.error("--suite cpu-preference builds its own model (its size sets how much of a step is activations)")
     if args.suite == "cpu-moe" and args.model is not None:
         p.error("--suite cpu-moe builds its own pair of models (an MoE and its dense twin); --model is not used")
     if args.model is not None and not (args.model / "config.json").is_file():
@@ -118,6 +132,10 @@ def main(argv: list[str] | None = None) -> int:
             from benchmarks.moe_suite import render_moe
 
             (args.out / "results.md").write_text(render_moe(results))
+        elif args.suite == "cpu-preference":
+            from benchmarks.preference_suite import render_preference
+
+            (args.out / "results.md").write_text(render_preference(results))
         else:
             (args.out / "results.md").write_text(render(results))
 
@@ -144,6 +162,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         results = run_moe_suite(suite_plan, cache=args.cache)
+        results["machine"] = machine_info()
+    elif args.suite == "cpu-preference":
+        from benchmarks.preference_suite import plan as preference_plan
+        from benchmarks.preference_suite import run_preference_suite
+
+        try:
+            suite_plan = preference_plan(quick=args.quick, threads=args.threads, reps=args.reps,
+                                         idle_wait_s=args.idle_wait, precision=args.precision,
+                                         objectives=args.objectives)  # fmt: skip
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        results = run_preference_suite(suite_plan, cache=args.cache)
         results["machine"] = machine_info()
     elif args.suite in ("cpu", "cpu-large", "cpu-loss", "cpu-packing"):
         from benchmarks.cpu_suite import plan, run_cpu_suite

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+import types
 from dataclasses import dataclass, field, fields
 from typing import Any, get_type_hints
 
@@ -35,6 +36,18 @@ LOG_TARGETS = ("tqdm", "stdout", "wandb")
 DEVICES = ("auto", "cpu", "cuda")
 PROMPT_STYLES = ("alpaca", "guanaco", "qna", "chat")  # kept in step with qlora_fsdp.data by a unit test
 COMPUTE_DTYPES = ("auto", "bf16", "fp16", "fp32")
+OBJECTIVES = ("sft", "dpo", "ipo", "orpo", "simpo")  # kept in step with qlora_fsdp/objectives by a unit test
+REFERENCE_OBJECTIVES = ("dpo", "ipo")
+"""Objectives whose loss compares the policy with a reference model (the base, adapters off)."""
+# Each objective's own settings and the default of each (TRL's): a flag given to an objective it does not apply
+# to is refused.
+OBJECTIVE_SETTINGS: dict[str, dict[str, float]] = {
+    "sft": {},
+    "dpo": {"beta": 0.1, "label_smoothing": 0.0},
+    "ipo": {"beta": 0.1},
+    "orpo": {"orpo_lambda": 0.1},
+    "simpo": {"beta": 0.1, "simpo_gamma": 0.5, "label_smoothing": 0.0},
+}
 
 
 @dataclass
@@ -154,6 +167,37 @@ class DataConfig:
     sample), instead of one sample per row."""
     packing_split: bool = False
     """With --packing: split samples longer than --context_length into several instead of truncating them."""
+    max_prompt_length: int = 0
+    """Preference objectives: cut a pair's prompt from the left to at most N tokens (0: only as far as the context
+    needs; the replies are always kept)."""
+
+
+@dataclass
+class ObjectiveConfig:
+    objective: str = "sft"
+    """What training minimises: sft (cross-entropy on the responses), or on preference pairs dpo, ipo (against the
+    base model, adapters off, as reference), orpo or simpo (reference-free)."""
+    beta: float | None = None
+    """dpo, ipo, simpo: the paper's beta (IPO's tau), how far the policy may move from the reference (default 0.1)."""
+    label_smoothing: float | None = None
+    """dpo, simpo: the probability that a pair's preference is flipped, for conservative DPO (default 0)."""
+    simpo_gamma: float | None = None
+    """simpo: the target reward margin gamma (default 0.5)."""
+    orpo_lambda: float | None = None
+    """orpo: lambda, the weight of the odds-ratio term against the chosen reply's cross-entropy (default 0.1)."""
+    precompute_reference: bool = False
+    """dpo, ipo: compute the reference log-probs of every training pair once, before training, and keep them in
+    --output_dir (a resume reuses them), instead of a reference forward in every step."""
+
+    def setting(self, name: str) -> float:
+        """A setting of the chosen objective: the flag's value, or its default."""
+        value = getattr(self, name)
+        return OBJECTIVE_SETTINGS[self.objective][name] if value is None else value
+
+    @property
+    def pairs(self) -> bool:
+        """Whether the objective trains on preference pairs."""
+        return self.objective != "sft"
 
 
 @dataclass
@@ -242,6 +286,7 @@ SECTIONS: dict[str, type] = {
     "lora": LoraConfig,
     "fsdp": FSDPConfig,
     "data": DataConfig,
+    "objective": ObjectiveConfig,
     "eval": EvalConfig,
     "optim": OptimConfig,
     "output": OutputConfig,
@@ -256,6 +301,7 @@ class TrainConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
@@ -316,6 +362,8 @@ def option_docs() -> list[tuple[str, str, Any, str]]:
 
 def _coerce(flag: str, value: Any, typ: type) -> Any:
     """Turn a YAML or command-line value into the field's type, or explain which flag is wrong."""
+    if isinstance(typ, types.UnionType):  # `float | None`: unset unless given
+        (typ,) = (t for t in typ.__args__ if t is not type(None))
     if typ is bool:
         if isinstance(value, bool):
             return value
@@ -407,6 +455,7 @@ def _check_choices(cfg: TrainConfig) -> list[str]:
         *_choice("device", cfg.dist.device, DEVICES),
         *_choice("prompt_style", cfg.data.prompt_style, PROMPT_STYLES),
         *_choice("nan_policy", cfg.optim.nan_policy, ("stop", "skip")),
+        *_choice("objective", cfg.objective.objective, OBJECTIVES),
     ]
 
 
@@ -445,6 +494,14 @@ def _check_ranges(cfg: TrainConfig) -> list[str]:
         (cfg.fsdp.shard_group_size < 0, "--shard_group_size must be >= 0 (0: ranks per node)"),
         (not _is_step_window(cfg.output.profile_steps), "--profile_steps must be FIRST,LAST with 1 <= FIRST <= LAST"),
         (not cfg.output.output_dir, "--output_dir must not be empty"),
+        (cfg.data.max_prompt_length < 0, "--max_prompt_length must be >= 0 (0: no limit of its own)"),
+        (cfg.objective.beta is not None and not cfg.objective.beta > 0, "--beta must be > 0"),
+        (
+            cfg.objective.label_smoothing is not None and not 0 <= cfg.objective.label_smoothing < 0.5,
+            "--label_smoothing must be in [0, 0.5)",
+        ),
+        (cfg.objective.simpo_gamma is not None and not cfg.objective.simpo_gamma >= 0, "--simpo_gamma must be >= 0"),
+        (cfg.objective.orpo_lambda is not None and not cfg.objective.orpo_lambda >= 0, "--orpo_lambda must be >= 0"),
     ]
     return [message for bad, message in checks if bad]
 
@@ -491,6 +548,40 @@ def _check_combinations(cfg: TrainConfig) -> list[str]:
     evaluates = cfg.eval.eval_dataset or cfg.eval.eval_split
     if not evaluates and (cfg.eval.eval_steps or cfg.eval.eval_samples):
         problems.append("--eval_steps/--eval_samples need an evaluation set: --eval_dataset FILE or --eval_split 0.1")
+    return problems + _objective_problems(cfg)
+
+
+def _objective_problems(cfg: TrainConfig) -> list[str]:
+    """What the chosen objective refuses: another objective's settings, and what preference pairs cannot do."""
+    name = cfg.objective.objective
+    if name not in OBJECTIVE_SETTINGS:
+        return []  # reported by _check_choices
+    own = OBJECTIVE_SETTINGS[name]
+    problems = [
+        f"--{flag} does not apply to --objective {name}" + (f" (its settings: {', '.join('--' + f for f in own)})"
+                                                            if own else "")
+        for flag in ("beta", "label_smoothing", "simpo_gamma", "orpo_lambda")
+        if getattr(cfg.objective, flag) is not None and flag not in own
+    ]  # fmt: skip
+    reference = name in REFERENCE_OBJECTIVES
+    if cfg.objective.precompute_reference and not reference:
+        problems.append(f"--precompute_reference applies to dpo and ipo, which have a reference; {name} has none")
+    if not cfg.objective.pairs:
+        if cfg.data.max_prompt_length:
+            problems.append("--max_prompt_length cuts preference pairs' prompts; --objective sft has none")
+        return problems
+    for bad, why in (
+        (cfg.data.packing, "--packing (each pair is two rows of one batch): drop it"),
+        (cfg.data.dataset_streaming, "--dataset_streaming (pairs are read from the tokenized cache): drop it"),
+        (cfg.data.train_on_inputs, "--train_on_inputs (the losses compare replies only): drop it"),
+        (
+            reference and cfg.lora.train_type not in ("lora", "dora"),
+            f"--train_type {cfg.lora.train_type}: the reference is the model with its adapters off, so it needs "
+            "--train_type lora or dora (orpo and simpo need no reference)",
+        ),
+    ):
+        if bad:
+            problems.append(f"--objective {name} cannot take {why}")
     return problems
 
 

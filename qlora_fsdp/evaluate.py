@@ -3,22 +3,24 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-from qlora_fsdp.objectives import Objective
+from qlora_fsdp.objectives import Objective, combined_loss
 
 
 @dataclass(frozen=True)
 class EvalResult:
     loss: float
-    """Mean cross-entropy per label token of the whole evaluation set."""
+    """The objective's loss over the whole evaluation set (SFT: mean cross-entropy per label token)."""
     tokens: int
-    """Label tokens it was computed on."""
+    """What it was weighed by (SFT: label tokens; preference objectives: pairs)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """The objective's own metrics over the set (rewards/accuracies...)."""
 
     @property
     def perplexity(self) -> float:
@@ -26,8 +28,8 @@ class EvalResult:
 
 
 def evaluate(model: nn.Module, loader: DataLoader, *, objective: Objective, device: torch.device) -> EvalResult:
-    """Sum the objective's loss and weight (label tokens for SFT) over this rank's rows, add both over ranks,
-    divide once.
+    """Sum the objective's loss parts, weights (label tokens for SFT) and metrics over this rank's rows, add them
+    over ranks, divide once.
 
     The loss is the training forward's. Each rank's shard holds every row once across ranks (data.loader.EvalShard),
     and one float64 all-reduce of (sum, weight) makes the mean exact: a mean of per-rank means would weight ranks,
@@ -36,15 +38,21 @@ def evaluate(model: nn.Module, loader: DataLoader, *, objective: Objective, devi
     in place in eval mode on some CPUs), so the training that follows sees the same bytes.
     """
     was_training = model.training
-    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    sums: torch.Tensor | None = None
     model.eval()
     try:
         with torch.no_grad():
             for batch in loader:
-                totals[0] += objective.loss_sum(model, batch)[0].double()
-                totals[1] += objective.weight(batch)
+                parts, metrics = objective.loss_sum(model, batch)
+                weights = torch.tensor(objective.weights(batch), dtype=torch.float64, device=device)
+                these = torch.cat([weights, parts.double(), metrics.to(device)])
+                sums = these if sums is None else sums + these
     finally:
         model.train(was_training)
-    dist.all_reduce(totals)
-    loss_total, tokens = totals.tolist()
-    return EvalResult(loss=loss_total / max(tokens, 1.0), tokens=int(tokens))
+    if sums is None:
+        raise RuntimeError("evaluation got no batch on this rank: its shard is never empty")
+    dist.all_reduce(sums)
+    count = len(weights)
+    weight, parts = sums[:count], sums[count : 2 * count]
+    metrics = objective.logged(sums[2 * count :].tolist(), weight.tolist())
+    return EvalResult(loss=combined_loss(parts, weight).item(), tokens=int(weight[0].item()), metrics=metrics)

@@ -24,7 +24,7 @@ from qlora_fsdp.errors import UserError
 from qlora_fsdp.fsdp import ShardedModel
 from qlora_fsdp.loss import RouterLoss
 from qlora_fsdp.metrics import MetricsLogger, peak_memory_bytes
-from qlora_fsdp.objectives import Objective
+from qlora_fsdp.objectives import Objective, combined_loss
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,8 @@ def train_loop(
     """Optimizer steps of `gradient_accumulation_steps` micro-batches each, from `state` to `events.total_steps`.
 
     The loss is the objective's sum over the step's micro-batches on every rank divided by their summed weight
-    (label tokens for SFT), so N ranks x batch b and 1 rank x batch N*b compute the same gradient.
+    (label tokens for SFT, pairs for DPO; see Objective), so N ranks x batch b and 1 rank x batch N*b compute the
+    same gradient.
     `events.run_eval(step)` runs after every `eval_steps`-th step (the caller evaluates at the end).
     """
     step.model.module.train()
@@ -137,9 +138,10 @@ def _optimizer_step(
     """Forward and backward over the micro-batches, then one optimizer step (or a skipped one); returns the step's
     record (loss, lr, grad_norm, tokens, the objective's and the router's figures) and whether to stop."""
     env, objective, scaler = step.env, step.objective, step.scaler
+    weights = [sum(parts) for parts in zip(*(objective.weights(b) for b in micro), strict=True)]
     counts = torch.tensor(
         [
-            sum(objective.weight(b) for b in micro),
+            *weights,
             sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in micro),
             sum(int(b["attention_mask"].sum()) for b in micro),
             sum(b["input_ids"].numel() for b in micro),  # each rank pads its batches to their own width
@@ -148,8 +150,9 @@ def _optimizer_step(
         device=env.device,
     )
     dist.all_reduce(counts)
-    weight, label_tokens, input_tokens, row_tokens = counts.tolist()
-    loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
+    weight = counts[: len(weights)]
+    label_tokens, input_tokens, row_tokens = counts[len(weights) :].tolist()
+    loss_sum = torch.zeros(len(weights), dtype=torch.float64, device=env.device)
     metric_sums = torch.zeros(len(objective.metric_names), dtype=torch.float64, device=env.device)
     for i, batch in enumerate(micro):
         # Accumulate locally and reduce gradients once per optimizer step, not once per micro-batch.
@@ -158,7 +161,7 @@ def _optimizer_step(
             with _activation_offload(step.activation_offload, env.device):
                 part, metrics = objective.loss_sum(step.model.module, batch)
             # FSDP averages gradients over ranks: scale by world size so the result is sum / global weight.
-            scaled = part * env.world_size / max(weight, 1.0)
+            scaled = combined_loss(part, weight.to(part.dtype)) * env.world_size
             (scaler.scale(scaled) if scaler else scaled).backward()
         loss_sum += part.detach().double()
         metric_sums += metrics
@@ -168,10 +171,10 @@ def _optimizer_step(
     # One collective gives every rank the same loss, metrics and preemption decision.
     stop_requested = float(preempted.raised) if preempted is not None else 0.0
     flag = torch.tensor([stop_requested], dtype=torch.float64, device=env.device)
-    totals = torch.cat([loss_sum.reshape(1), flag, metric_sums])
+    totals = torch.cat([flag, loss_sum, metric_sums])
     dist.all_reduce(totals)
-    loss = totals[0].item() / max(weight, 1.0)
-    extra = objective.logged(totals[2:].tolist(), weight)
+    loss = combined_loss(totals[1 : 1 + len(weights)], weight).item()
+    extra = objective.logged(totals[1 + len(weights) :].tolist(), weight.tolist())
     if step.router is not None:
         extra |= _router_fields(step.router, label_tokens, env)
     # fp16's scaler skips overflowing steps itself; a non-finite norm is then routine, not an error.
@@ -202,7 +205,7 @@ def _optimizer_step(
         "skipped": skipped,
         **extra,
     }
-    return record, totals[1].item() > 0
+    return record, totals[0].item() > 0
 
 
 def _micro_batches(

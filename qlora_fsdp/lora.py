@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -106,6 +108,20 @@ def lora_layers(module: nn.Module) -> list[nn.Module]:
     from peft.tuners.lora import LoraLayer
 
     return [m for m in module.modules() if isinstance(m, (LoraLayer, ExpertAdapter))]
+
+
+@contextlib.contextmanager
+def adapters_off(model: nn.Module) -> Iterator[None]:
+    """`model` (a PeftModel) runs as its base model: PEFT's adapters disabled, and the routed experts' own."""
+    experts = [m for m in model.modules() if isinstance(m, ExpertAdapter)]
+    for adapter in experts:
+        adapter.enabled = False
+    try:
+        with model.disable_adapter():
+            yield
+    finally:
+        for adapter in experts:
+            adapter.enabled = True
 
 
 def init_adapters(layers: list[nn.Module], *, seed: int, name: str) -> None:

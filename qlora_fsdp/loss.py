@@ -18,6 +18,7 @@ while it runs, under both FSDP versions.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 from qlora_fsdp.data import IGNORE_INDEX
 from qlora_fsdp.errors import UserError
+from qlora_fsdp.lora import adapters_off
 
 LM_PREFIX = "lm."
 """What the root's state dict puts before the wrapped model's names."""
@@ -42,7 +44,9 @@ class CausalLMLoss(nn.Module):
 
     Returns the fp32 sum of the next-token cross-entropy over label tokens (labels align with input_ids and are
     shifted here; IGNORE_INDEX marks positions without one); the caller divides by the label-token count of the
-    whole step, over every rank.
+    whole step, over every rank. With `per_row` it returns each row's sum instead (a sequence's negative
+    log-likelihood, for the preference objectives); with `adapters=False` the adapters are off for the forward (the
+    reference model of DPO and IPO, the same weights in the same FSDP units).
     """
 
     def __init__(self, lm: nn.Module, *, chunk_tokens: int, router: RouterLoss | None = None) -> None:
@@ -60,22 +64,42 @@ class CausalLMLoss(nn.Module):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         token_mask: torch.Tensor | None = None,
+        per_row: bool = False,
+        adapters: bool = True,
     ) -> torch.Tensor:
         """`token_mask`: which positions are tokens rather than padding, where `attention_mask` is not given (packed
         rows); only the router's loss reads it."""
+        with contextlib.nullcontext() if adapters else adapters_off(self.lm):
+            return self._loss(input_ids, labels, attention_mask, position_ids, token_mask, per_row=per_row)
+
+    def _loss(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        token_mask: torch.Tensor | None,
+        *,
+        per_row: bool,
+    ) -> torch.Tensor:
         inputs: dict[str, Any] = dict(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         )
-        router = self.router if self.training else None
+        # The load-balancing loss joins a summed loss only (a preference objective's per-row sums go without it).
+        router = self.router if self.training and torch.is_grad_enabled() and not per_row else None
         if router is not None:
             inputs["output_router_logits"] = True
-        if not self.chunked:
+        head = self.lm.get_output_embeddings()
+        # Per-token losses from the chunked head need its gradients in backward: a plain head that trains (full
+        # fine-tuning) takes whole logits instead.
+        trained_head = type(head) is nn.Linear and any(p.requires_grad for p in head.parameters())
+        if not self.chunked or (per_row and trained_head):
             out = self.lm(**inputs)
-            loss = full_loss_sum(out.logits, labels)
+            loss = full_loss_sum(out.logits, labels, per_row=per_row)
         else:
             out = self.lm.get_decoder()(**inputs)
             loss = chunked_loss_sum(
-                out.last_hidden_state, self.lm.get_output_embeddings(), labels, chunk_tokens=self.chunk_tokens
+                out.last_hidden_state, head, labels, chunk_tokens=self.chunk_tokens, per_row=per_row
             )
         if router is not None:
             mask = attention_mask if attention_mask is not None else token_mask
@@ -83,30 +107,42 @@ class CausalLMLoss(nn.Module):
         return loss
 
 
-def full_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed next-token cross-entropy from whole logits (fp32), the reference the chunked loss must equal."""
-    return F.cross_entropy(
-        logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+def full_loss_sum(logits: torch.Tensor, labels: torch.Tensor, *, per_row: bool = False) -> torch.Tensor:
+    """Summed next-token cross-entropy from whole logits (fp32), the reference the chunked loss must equal; per row
+    with `per_row`."""
+    losses = F.cross_entropy(
+        logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX, reduction="none"
     )
+    return losses.view(labels.shape[0], -1).sum(1) if per_row else losses.sum()
 
 
-def chunked_loss_sum(hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor, *, chunk_tokens: int) -> torch.Tensor:
-    """Summed next-token cross-entropy of `head(hidden)` without materialising more than one chunk of logits."""
+def chunked_loss_sum(
+    hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor, *, chunk_tokens: int, per_row: bool = False
+) -> torch.Tensor:
+    """Summed next-token cross-entropy of `head(hidden)` without materialising more than one chunk of logits; each
+    row's sum with `per_row` (the head must then be frozen, or not a plain linear)."""
     targets = labels[:, 1:].flatten()
     keep = targets != IGNORE_INDEX
     states = hidden[:, :-1].flatten(0, 1)[keep]  # only labelled positions reach the head
     targets = targets[keep]
     if type(head) is nn.Linear:
-        return _LinearHeadLoss.apply(states, head.weight, head.bias, targets, chunk_tokens)
-    total = states.new_zeros((), dtype=torch.float32)
-    for start in range(0, states.shape[0], chunk_tokens):
-        chunk = slice(start, start + chunk_tokens)
-        total = total + checkpoint(_chunk_loss, head, states[chunk], targets[chunk], use_reentrant=False)
-    return total + 0.0 * states.sum()  # no label token here: backward must still reach every layer (FSDP)
+        losses = _LinearHeadLoss.apply(states, head.weight, head.bias, targets, chunk_tokens, per_row)
+    else:
+        parts = [
+            checkpoint(_chunk_loss, head, states[start : start + chunk_tokens], targets[start : start + chunk_tokens],
+                       use_reentrant=False)
+            for start in range(0, states.shape[0], chunk_tokens)
+        ]  # fmt: skip
+        losses = torch.cat(parts) if parts else states.new_zeros(0, dtype=torch.float32)
+    losses = losses + 0.0 * states.sum()  # no label token here: backward must still reach every layer (FSDP)
+    if not per_row:
+        return losses.sum()
+    rows = torch.arange(labels.shape[0], device=labels.device).repeat_interleave(labels.shape[1] - 1)[keep]
+    return losses.new_zeros(labels.shape[0]).index_add(0, rows, losses)
 
 
 def _chunk_loss(head: nn.Module, states: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(head(states).float(), targets, reduction="sum")
+    return F.cross_entropy(head(states).float(), targets, reduction="none")
 
 
 class _LinearHeadLoss(torch.autograd.Function):
@@ -115,6 +151,8 @@ class _LinearHeadLoss(torch.autograd.Function):
     With g = softmax(z) - onehot(target) for a chunk, d/d(states) = g @ W, d/dW = g.T @ states and d/db = sum(g):
     computed while z exists, kept at the size of the states (and of W and b, when the head trains), so backward only
     scales them. The gradients of W and b reach FSDP through their own autograd edges, as from an nn.Linear.
+    `per_token`: each token's term instead of the sum, whose gradients backward scales token by token; W and b
+    must then be frozen (their gradient would need each token's scale while z exists).
     """
 
     @staticmethod
@@ -125,7 +163,11 @@ class _LinearHeadLoss(torch.autograd.Function):
         bias: torch.Tensor | None,
         targets: torch.Tensor,
         chunk_tokens: int,
+        per_token: bool = False,
     ) -> torch.Tensor:
+        if per_token and any(ctx.needs_input_grad[1:3]):
+            raise RuntimeError("per-token head losses need a frozen head; train it with whole logits")
+
         def buffer(like: torch.Tensor | None, needed: bool) -> torch.Tensor | None:
             return (
                 torch.zeros(like.shape, dtype=torch.float32, device=like.device)
@@ -136,7 +178,7 @@ class _LinearHeadLoss(torch.autograd.Function):
         grad_states, grad_weight, grad_bias = (
             buffer(t, needed) for t, needed in zip((states, weight, bias), ctx.needs_input_grad[:3], strict=True)
         )
-        total = torch.zeros((), dtype=torch.float32, device=states.device)
+        losses = torch.zeros(states.shape[0], dtype=torch.float32, device=states.device)
         for start in range(0, states.shape[0], chunk_tokens):
             chunk = slice(start, start + chunk_tokens)
             low = F.linear(states[chunk], weight, bias)  # the head's own dtype (or autocast's), as the model computes
@@ -148,7 +190,7 @@ class _LinearHeadLoss(torch.autograd.Function):
             peak = logits.amax(dim=-1, keepdim=True)
             probs = logits.sub_(peak).exp_()
             sums = probs.sum(dim=-1, keepdim=True)
-            total += (peak + sums.log() - target_logit[:, None]).sum()  # logsumexp(z) - z[target]
+            losses[chunk] = (peak + sums.log()).squeeze(1) - target_logit  # logsumexp(z) - z[target]
             if grad_states is None and grad_weight is None and grad_bias is None:
                 continue
             probs.div_(sums)  # softmax
@@ -163,15 +205,16 @@ class _LinearHeadLoss(torch.autograd.Function):
             del logits, probs, grad
         ctx.save_for_backward(grad_states, grad_weight, grad_bias)
         ctx.dtypes = (states.dtype, weight.dtype, None if bias is None else bias.dtype)
-        return total
+        ctx.per_token = per_token
+        return losses if per_token else losses.sum()
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        scale = grad_output[:, None] if ctx.per_token else grad_output
         grads = (
-            None if g is None else (g * grad_output).to(dtype)
-            for g, dtype in zip(ctx.saved_tensors, ctx.dtypes, strict=True)
+            None if g is None else (g * scale).to(dtype) for g, dtype in zip(ctx.saved_tensors, ctx.dtypes, strict=True)
         )
-        return (*grads, None, None)
+        return (*grads, None, None, None)
 
 
 class RouterLoss:

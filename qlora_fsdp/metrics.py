@@ -107,8 +107,10 @@ class MetricsLogger:
             )
             self._bar.update(1)
         elif self.log_to == "stdout":
+            accuracy = record.get("rewards/accuracies")
+            accuracy = "" if accuracy is None else f" rewards/accuracies {accuracy:.3f}"
             print(
-                f"step {record['step']} loss {record['loss']:.4f} lr {record['lr']:.3e} "
+                f"step {record['step']} loss {record['loss']:.4f}{accuracy} lr {record['lr']:.3e} "
                 f"tokens/s {record['tokens_per_s']:.0f}",
                 flush=True,
             )
@@ -120,7 +122,9 @@ class MetricsLogger:
         self._file.write(json.dumps(record) + "\n")
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
-        self.message(f"step {record['step']} eval_loss {record['eval_loss']:.4f} eval_ppl {record['eval_ppl']:.2f}")
+        shown = {"eval_loss": ".4f", "eval_ppl": ".2f", "eval_rewards/accuracies": ".3f"}
+        fields = " ".join(f"{k} {record[k]:{form}}" for k, form in shown.items() if k in record)
+        self.message(f"step {record['step']} {fields}")
 
     def message(self, text: str) -> None:
         """A line for the user that does not break the progress bar."""

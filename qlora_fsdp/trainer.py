@@ -63,7 +63,7 @@ from qlora_fsdp.model import (
     resolve_model_path,
     stream_weights,
 )
-from qlora_fsdp.objectives import Forward, SftObjective
+from qlora_fsdp.objectives import Forward, make_objective
 from qlora_fsdp.optim import build_optimizer, build_scheduler
 from qlora_fsdp.quant import make_backend
 from qlora_fsdp.quant.base import QuantizedLinear
@@ -159,11 +159,13 @@ MUST_MATCH_ON_RESUME = (
     "train_type", "quant", "bnb_quant_type", "bnb_double_quant", "hqq_bits",
     "hqq_group_size", "compute_dtype", "lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "precision",
     "fsdp_version", "sharding_strategy", "shard_group_size", "optimizer", "chat_template",
+    "objective", "max_prompt_length", "precompute_reference",
 )  # fmt: skip
 # These may change on resume (a lower learning rate, a longer run): the new values apply from the resumed step on,
 # as if the schedule had always been the new one, and the log names each change.
 MAY_CHANGE_ON_RESUME = (
     "lr", "wd", "lr_scheduler", "warmup_ratio", "cosine_min_lr_ratio", "max_steps", "num_epochs", "grad_norm",
+    "beta", "label_smoothing", "simpo_gamma", "orpo_lambda",
 )  # fmt: skip
 
 
@@ -227,7 +229,8 @@ def _run(
     torch.manual_seed(cfg.optim.seed)
     tokenizer = load_tokenizer(model_path)
     loader, eval_loader = build_loaders(
-        cfg.data, cfg.eval, tokenizer, env, seed=cfg.optim.seed, fixed_shapes=cfg.fsdp.compile
+        cfg.data, cfg.eval, tokenizer, env, seed=cfg.optim.seed, fixed_shapes=cfg.fsdp.compile,
+        pairs=cfg.objective.pairs,
     )
     total_steps = cfg.optim.max_steps or _epoch_steps(cfg.optim, len(loader))  # a stream has no length
     attention = attention_implementation(packing=cfg.data.packing, device=env.device, dtype=precision.compute_dtype)
@@ -287,15 +290,18 @@ def _run(
             manifest=built.manifest,
         )
 
-    objective = SftObjective(Forward(env.device, precision, varlen=varlen))
+    objective = make_objective(cfg.objective, Forward(env.device, precision, varlen=varlen))
 
     def run_eval(step: int) -> None:
         started = time.perf_counter()
         result = evaluate(built.model.module, eval_loader, objective=objective, device=env.device)
-        logger.log_eval(
-            {"step": step, "eval_loss": result.loss, "eval_ppl": result.perplexity, "eval_tokens": result.tokens,
-             "eval_s": time.perf_counter() - started}
-        )  # fmt: skip
+        record: dict[str, object] = {"step": step, "eval_loss": result.loss}
+        if objective.reports_perplexity:
+            record |= {"eval_ppl": result.perplexity, "eval_tokens": result.tokens}
+        else:
+            record["eval_pairs"] = result.tokens
+        record |= {f"eval_{name}": value for name, value in result.metrics.items()}
+        logger.log_eval({**record, "eval_s": time.perf_counter() - started})
 
     step = Step(
         model=built.model,

@@ -8,9 +8,10 @@ concurrent builders (the nodes of a job on a shared disk, two jobs) wait for one
 build leaves only a directory the next builder removes.
 
 Each cache row is one sample as it will be trained (at most --context_length tokens): input_ids, labels and its
-length, with the example it came from. Rows with nothing to learn are kept with length 0 (so the counts in the log
-come from the cache itself) and never served. Packing and padding happen when rows are read (rows.py), so a
-packed and an unpacked run share one cache.
+length, with the example it came from. A preference pair's row holds both sides (its rejected side in
+rejected_input_ids and rejected_labels; its length is both together). Rows with nothing to learn are kept with
+length 0 (so the counts in the log come from the cache itself) and never served. Packing and padding happen when
+rows are read (rows.py), so a packed and an unpacked run share one cache.
 """
 
 from __future__ import annotations
@@ -38,16 +39,19 @@ from qlora_fsdp.data.formats import (
     learned_tokens,
     special_prefix,
 )
-from qlora_fsdp.data.rows import FitStats, fit_sample
+from qlora_fsdp.data.rows import FitStats, fit_pair, fit_sample
 from qlora_fsdp.data.sources import read_rows, source_identity, source_names
 from qlora_fsdp.errors import UserError
 
 logger = logging.getLogger(__name__)
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 """Part of every key: raise it when encoding changes what a cached row holds."""
-_CUT = {"whole": 0, "truncated": 1, "split": 2, "no_reply": 3}
-"""How a row's sample was cut; "no_reply": a conversation without an assistant turn to learn (nothing to cut)."""
+_CUT = {"whole": 0, "truncated": 1, "split": 2, "no_reply": 3, "identical": 4, "empty": 5}
+"""How a row's sample was cut; "no_reply": a conversation without an assistant turn to learn (nothing to cut);
+"identical" and "empty": a preference pair dropped for its replies."""
+PREFERENCE = "preference"
+"""CacheSpec.objective of every preference objective: they all read the same pairs."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,12 @@ class CacheSpec:
     packing_split: bool
     train_on_inputs: bool
     objective: str = "sft"
+    """"sft", or PREFERENCE for pairs."""
+    max_prompt_length: int = 0
+
+    @property
+    def pairs(self) -> bool:
+        return self.objective == PREFERENCE
 
 
 def default_cache_dir() -> Path:
@@ -110,36 +120,71 @@ def cache_key(spec: CacheSpec, tokenizer: Any) -> tuple[str, dict[str, Any]]:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _records(names: tuple[str, ...], samples: int, prompt_style: str) -> Iterator[dict[str, Any]]:
+def _records(names: tuple[str, ...], samples: int, prompt_style: str, pairs: bool) -> Iterator[dict[str, Any]]:
     """Every example of the sources, validated as it is read, with its source and its index over all sources."""
     index = 0
     for source, name in enumerate(names):
         first = index
-        for record in examples_of(read_rows(name, samples=samples), prompt_style=prompt_style):
+        for record in examples_of(read_rows(name, samples=samples), prompt_style=prompt_style, pairs=pairs):
             yield {**record, "source": source, "source_row": index}
             index += 1
         if index == first:
             raise UserError(f"--dataset {name}: no rows to train on")
 
 
-def _encode(batch: dict[str, list[Any]], tokenizer: Any, context_length: int, split: bool, train_on_inputs: bool):
+_ROW_COLUMNS = ("input_ids", "labels", "rejected_input_ids", "rejected_labels", "length", "label_tokens", "source",
+                "source_row", "cut")  # fmt: skip
+
+
+def _encode(batch: dict[str, list[Any]], tokenizer: Any, spec: CacheSpec) -> dict[str, list[Any]]:
     """datasets.map's function: a batch of examples -> their samples (pieces), dropped ones with length 0."""
     examples = [from_record({k: batch[k][i] for k in RECORD_COLUMNS}) for i in range(len(batch["where"]))]
-    out: dict[str, list[Any]] = {k: [] for k in ("input_ids", "labels", "length", "label_tokens", "source",
-                                                 "source_row", "cut")}  # fmt: skip
-    for i, sample in enumerate(encode_examples(examples, tokenizer, train_on_inputs=train_on_inputs)):
-        kept, how, dropped = fit_sample(sample, context_length, split=split)
+    out: dict[str, list[Any]] = {k: [] for k in _ROW_COLUMNS}
+    if spec.pairs:
+        _encode_pairs(examples, batch, tokenizer, spec, out)
+        return out
+    encoded = encode_examples(examples, tokenizer, train_on_inputs=spec.train_on_inputs)
+    for i, sample in enumerate(encoded):
+        kept, how, dropped = fit_sample(sample, spec.context_length, split=spec.packing_split)
         how = how if sample[0] else "no_reply"
         pieces: list[Sample] = [*kept, *[([], [])] * dropped]
         for ids, labels in pieces:
-            out["input_ids"].append(ids)
-            out["labels"].append(labels)
-            out["length"].append(len(ids))
-            out["label_tokens"].append(learned_tokens(labels))
-            out["source"].append(batch["source"][i])
-            out["source_row"].append(batch["source_row"][i])
-            out["cut"].append(_CUT[how])
+            _append(out, batch, i, (ids, labels), ([], []), how)
     return out
+
+
+def _append(out: dict[str, list[Any]], batch: dict[str, list[Any]], i: int, sample: Sample, rejected: Sample,
+            how: str) -> None:  # fmt: skip
+    out["input_ids"].append(sample[0])
+    out["labels"].append(sample[1])
+    out["rejected_input_ids"].append(rejected[0])
+    out["rejected_labels"].append(rejected[1])
+    out["length"].append(len(sample[0]) + len(rejected[0]))
+    out["label_tokens"].append(learned_tokens(sample[1]) + learned_tokens(rejected[1]))
+    out["source"].append(batch["source"][i])
+    out["source_row"].append(batch["source_row"][i])
+    out["cut"].append(_CUT[how])
+
+
+def _encode_pairs(examples: list[Any], batch: dict[str, list[Any]], tokenizer: Any, spec: CacheSpec,
+                  out: dict[str, list[Any]]) -> None:  # fmt: skip
+    """Each pair's sides fitted together (rows.fit_pair); a pair with an empty or repeated reply, or a side left
+    with nothing to learn, is a row of length 0."""
+    sides = [side for pair in examples for side in (pair.chosen, pair.rejected)]
+    encoded = encode_examples(sides, tokenizer, train_on_inputs=False)
+    prefix = special_prefix(tokenizer)
+    for i, pair in enumerate(examples):
+        chosen, rejected = encoded[2 * i], encoded[2 * i + 1]
+        defect = pair.defect() or ("no_reply" if not (chosen[0] and rejected[0]) else None)
+        if defect is not None:
+            _append(out, batch, i, ([], []), ([], []), defect)
+            continue
+        head = len(prefix) if chosen[0][: len(prefix)] == prefix else 0
+        chosen, rejected, how = fit_pair(chosen, rejected, spec.context_length,
+                                         max_prompt_length=spec.max_prompt_length, keep_head=head)  # fmt: skip
+        if not (learned_tokens(chosen[1]) and learned_tokens(rejected[1])):
+            chosen = rejected = ([], [])
+        _append(out, batch, i, chosen, rejected, how)
 
 
 def _auto_procs(rows: int) -> int:
@@ -156,8 +201,7 @@ def _build(spec: CacheSpec, tokenizer: Any, work: Path, num_proc: int) -> dict[s
     started = time.perf_counter()
     record_features = datasets.Features(
         {
-            **{k: datasets.Value("string") for k in ("prompt", "response", "messages", "where")},
-            "learn_from": datasets.Value("int32"),
+            **{k: datasets.Value("string") for k in RECORD_COLUMNS},
             "source": datasets.Value("int32"),
             "source_row": datasets.Value("int64"),
         }
@@ -168,7 +212,12 @@ def _build(spec: CacheSpec, tokenizer: Any, work: Path, num_proc: int) -> dict[s
             features=record_features,
             cache_dir=str(work / "read"),
             # A tuple: datasets splits list arguments into shards, one generator call per source.
-            gen_kwargs={"names": tuple(names), "samples": spec.dataset_samples, "prompt_style": spec.prompt_style},
+            gen_kwargs={
+                "names": tuple(names),
+                "samples": spec.dataset_samples,
+                "prompt_style": spec.prompt_style,
+                "pairs": spec.pairs,
+            },
         )
     except DatasetGenerationError as exc:
         if isinstance(exc.__cause__, UserError):
@@ -179,8 +228,7 @@ def _build(spec: CacheSpec, tokenizer: Any, work: Path, num_proc: int) -> dict[s
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the pool's processes tokenize in parallel
     row_features = datasets.Features(
         {
-            "input_ids": datasets.Sequence(datasets.Value("int32")),
-            "labels": datasets.Sequence(datasets.Value("int32")),
+            **{k: datasets.Sequence(datasets.Value("int32")) for k in _ROW_COLUMNS[:4]},
             **{k: datasets.Value("int32") for k in ("length", "label_tokens", "source")},
             "source_row": datasets.Value("int64"),
             "cut": datasets.Value("int8"),
@@ -194,12 +242,7 @@ def _build(spec: CacheSpec, tokenizer: Any, work: Path, num_proc: int) -> dict[s
         num_proc=procs if procs > 1 else None,
         remove_columns=records.column_names,
         features=row_features,
-        fn_kwargs={
-            "tokenizer": tokenizer,
-            "context_length": spec.context_length,
-            "split": spec.packing_split,
-            "train_on_inputs": spec.train_on_inputs,
-        },
+        fn_kwargs={"tokenizer": tokenizer, "spec": spec},
         cache_file_name=str(work / "encoded" / "rows.arrow"),
         new_fingerprint=work.name,
     )
@@ -208,6 +251,7 @@ def _build(spec: CacheSpec, tokenizer: Any, work: Path, num_proc: int) -> dict[s
     summary = {
         "sources": dict(zip(names, per_source.tolist(), strict=True)),
         "examples": len(records),
+        "pairs": spec.pairs,
         **asdict(_stats(rows, len(records))),
         "bytes": sum(f.stat().st_size for f in (work / "rows").rglob("*") if f.is_file()),
         "build_s": round(time.perf_counter() - started, 2),
@@ -237,6 +281,8 @@ def _stats(rows: Any, examples: int, keep: np.ndarray | None = None) -> FitStats
         samples=int(valid.sum()),
         tokens=int(length[valid].sum()),
         label_tokens=int(label_tokens[valid].sum()),
+        identical=int((chosen & (cut == _CUT["identical"])).sum()),
+        empty=int((chosen & (cut == _CUT["empty"])).sum()),
     )
 
 
@@ -246,17 +292,20 @@ def _stats(rows: Any, examples: int, keep: np.ndarray | None = None) -> FitStats
 
 
 class ArrowSamples(Sequence):
-    """The cache's (input_ids, labels) by row index, read from the memory-mapped Arrow files as they are asked for."""
+    """The cache's (input_ids, labels) by row index, read from the memory-mapped Arrow files as they are asked for;
+    a pair's ((chosen ids, labels), (rejected ids, labels)) with `pairs`."""
 
-    def __init__(self, rows: Any) -> None:
-        self._rows = rows.select_columns(["input_ids", "labels"])
+    def __init__(self, rows: Any, *, pairs: bool = False) -> None:
+        self.pairs = pairs
+        self._rows = rows.select_columns(list(_ROW_COLUMNS[: 4 if pairs else 2]))
 
     def __len__(self) -> int:
         return len(self._rows)
 
-    def __getitem__(self, index: int) -> Sample:  # type: ignore[override]
+    def __getitem__(self, index: int) -> Any:
         row = self._rows[index]
-        return row["input_ids"], row["labels"]
+        sample = row["input_ids"], row["labels"]
+        return (sample, (row["rejected_input_ids"], row["rejected_labels"])) if self.pairs else sample
 
 
 @dataclass
@@ -299,8 +348,8 @@ def _load(path: Path) -> TokenizedCache:
 
     rows = datasets.load_from_disk(str(path / "rows"))
     summary = json.loads((path / "summary.json").read_text())
-    return TokenizedCache(path, ArrowSamples(rows), _column(rows, "length"), _column(rows, "source_row"), summary,
-                          rows)  # fmt: skip
+    samples = ArrowSamples(rows, pairs=summary.get("pairs", False))
+    return TokenizedCache(path, samples, _column(rows, "length"), _column(rows, "source_row"), summary, rows)
 
 
 def _stale(build: Path, *, max_age_s: float = 24 * 3600) -> bool:

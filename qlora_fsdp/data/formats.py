@@ -8,7 +8,11 @@ Formats, recognised per row by their fields:
 - chat: `messages` (OpenAI) or `conversations` (ShareGPT); assistant turns are learned;
 - prompt/completion: `prompt` + `completion` strings (used verbatim) or message lists; the completion is learned;
 - alpaca: `instruction` + `output` (+ `input`), framed by --prompt_style; the output is learned;
-- text: `text`; every token is learned (continued pretraining).
+- text: `text`; every token is learned (continued pretraining);
+- preference pairs (--objective dpo, ipo, orpo, simpo): `prompt` + `chosen` + `rejected` strings, the prompt framed
+  by --prompt_style; or TRL's conversational form, `chosen`/`rejected` message lists sharing their prompt turns, or
+  `prompt` messages + `chosen`/`rejected` assistant messages. Each side is an example of its own (the prompt, its
+  reply); only the replies are labelled.
 --train_on_inputs learns the prompt too. Every sequence begins as the tokenizer begins one (its BOS, where it adds
 one) exactly once, and every non-chat sequence ends with EOS.
 """
@@ -51,6 +55,28 @@ class Example:
 
 AnyExample = Example | Conversation
 """An example (prompt, response) or a chat conversation."""
+
+
+@dataclass(frozen=True)
+class Pair:
+    """A preference pair: the same prompt with the reply to prefer (`chosen`) and the one not to (`rejected`)."""
+
+    chosen: AnyExample
+    rejected: AnyExample
+
+    def defect(self) -> str | None:
+        """"empty" when a side has no reply text, "identical" when both replies are the same: such a pair teaches
+        nothing and is dropped (and counted)."""
+        replies = [_reply(side) for side in (self.chosen, self.rejected)]
+        if any(not "".join(content for _, content in reply).strip() for reply in replies):
+            return "empty"
+        return "identical" if replies[0] == replies[1] else None
+
+
+def _reply(example: AnyExample) -> tuple[tuple[str, str], ...]:
+    if isinstance(example, Example):
+        return (("assistant", example.response),)
+    return example.messages[example.learn_from :]
 
 Sample = tuple[list[int], list[int]]
 """(input_ids, labels) of one example at its full length, labels -100 where nothing is learned."""
@@ -112,16 +138,16 @@ def format_prompt(instruction: str, inp: str = "", *, prompt_style: str = "alpac
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _field(row: dict[str, Any], name: str, where: str, *, optional: bool = False) -> str:
+def _field(row: dict[str, Any], name: str, where: str, *, optional: bool = False, help: str = _ROW_HELP) -> str:
     """row[name] as a string, or a one-line UserError saying where the row is and what is wrong."""
     value = row.get(name)
     if value is None:
         if optional:
             return ""
         what = "missing field" if name not in row else "null field"
-        raise UserError(f"{where}: {what} {name!r} ({_ROW_HELP})")
+        raise UserError(f"{where}: {what} {name!r} ({help})")
     if not isinstance(value, str):
-        raise UserError(f"{where}: field {name!r} must be a string, got {type(value).__name__} ({_ROW_HELP})")
+        raise UserError(f"{where}: field {name!r} must be a string, got {type(value).__name__} ({help})")
     return value
 
 
@@ -146,10 +172,56 @@ def _prompt_completion_example(row: dict[str, Any], where: str) -> AnyExample:
     return Example(_field(row, "prompt", where), _field(row, "completion", where))
 
 
+_PAIR_HELP = (
+    "each row needs 'prompt', 'chosen' and 'rejected' strings, or 'chosen' and 'rejected' message lists (with "
+    "or without 'prompt' messages)"
+)
+
+
+def _is_pair_row(row: dict[str, Any]) -> bool:
+    return row.get("chosen") is not None or row.get("rejected") is not None
+
+
+def pair_example(row: Any, where: str, *, prompt_style: str) -> Pair:
+    """The preference pair a row holds (see the module docstring), or a UserError naming the row."""
+    if not isinstance(row, dict) or not _is_pair_row(row):
+        got = "an object without them" if isinstance(row, dict) else type(row).__name__
+        raise UserError(f"{where}: expected a preference pair, got {got} ({_PAIR_HELP})")
+    prompt, chosen, rejected = row.get("prompt"), row.get("chosen"), row.get("rejected")
+    if isinstance(chosen, list) or isinstance(rejected, list):
+        if not (isinstance(chosen, list) and isinstance(rejected, list)) or isinstance(prompt, str):
+            raise UserError(f"{where}: 'prompt', 'chosen' and 'rejected' must be all strings or all message lists")
+        if prompt is None:  # the prompt is the turns both sides share
+            sides = parse_messages(chosen, f"{where} chosen"), parse_messages(rejected, f"{where} rejected")
+            shared = next((i for i, (a, b) in enumerate(zip(*sides, strict=False)) if a != b), min(map(len, sides)))
+            turns, replies = sides[0][:shared], (sides[0][shared:], sides[1][shared:])
+        else:
+            turns = parse_messages(prompt, f"{where} prompt")
+            replies = (parse_messages(chosen, f"{where} chosen"), parse_messages(rejected, f"{where} rejected"))
+        for name, reply in zip(("chosen", "rejected"), replies, strict=True):
+            if any(role != "assistant" for role, _ in reply):
+                raise UserError(f"{where}: {name!r} must hold only assistant messages after the prompt's turns")
+        if not turns:
+            raise UserError(f"{where}: no prompt: 'chosen' and 'rejected' share no turn and there is no 'prompt'")
+        chosen_side, rejected_side = (Conversation((*turns, *reply), where, learn_from=len(turns)) for reply in replies)
+        return Pair(chosen_side, rejected_side)
+    text = _field(row, "prompt", where, help=_PAIR_HELP)
+    replies = (_field(row, "chosen", where, help=_PAIR_HELP), _field(row, "rejected", where, help=_PAIR_HELP))
+    if prompt_style == CHAT_STYLE:
+        return Pair(*(conversation_from_pair(text, reply, where) for reply in replies))
+    framed = format_prompt(text, prompt_style=prompt_style)
+    return Pair(*(Example(framed, reply) for reply in replies))
+
+
 def row_example(row: Any, where: str, *, prompt_style: str) -> AnyExample:
     """The example a row holds, by its fields (see the module docstring); a null field counts as absent."""
     if not isinstance(row, dict):
         raise UserError(f"{where}: expected an object, got {type(row).__name__} ({_ROW_HELP})")
+    if _is_pair_row(row):
+        raise UserError(
+            f"{where}: a preference pair ('chosen'/'rejected'), which --objective sft cannot learn from; pass "
+            "--objective dpo, ipo, orpo or simpo, or give supervised rows"
+        )
     if is_chat_row(row):
         return conversation_from_row(row, where)
     if row.get("completion") is not None or row.get("prompt") is not None:
@@ -174,34 +246,44 @@ def load_examples(dataset: str, *, samples: int = 0, prompt_style: str = "alpaca
 # Examples as Arrow records (the cache stores them between reading and tokenizing)
 # ---------------------------------------------------------------------------------------------------------------
 
-RECORD_COLUMNS = ("prompt", "response", "messages", "learn_from", "where")
+RECORD_COLUMNS = ("example", "rejected", "where")
 
 
-def to_record(example: AnyExample, where: str) -> dict[str, Any]:
-    """One example as flat columns: a conversation's messages as JSON, so every row has one schema."""
+def _encode_example(example: AnyExample) -> str:
     if isinstance(example, Example):
-        return {"prompt": example.prompt, "response": example.response, "messages": "", "learn_from": 0, "where": where}
-    return {
-        "prompt": "",
-        "response": "",
-        "messages": json.dumps(example.messages),
-        "learn_from": example.learn_from,
-        "where": where,
-    }
+        return json.dumps({"prompt": example.prompt, "response": example.response})
+    return json.dumps({"messages": example.messages, "learn_from": example.learn_from})
 
 
-def from_record(record: dict[str, Any]) -> AnyExample:
-    if record["messages"]:
-        messages = tuple((role, content) for role, content in json.loads(record["messages"]))
-        return Conversation(messages, record["where"], learn_from=record["learn_from"])
-    return Example(record["prompt"], record["response"])
+def _decode_example(text: str, where: str) -> AnyExample:
+    fields = json.loads(text)
+    if "messages" in fields:
+        messages = tuple((role, content) for role, content in fields["messages"])
+        return Conversation(messages, where, learn_from=fields["learn_from"])
+    return Example(fields["prompt"], fields["response"])
 
 
-def examples_of(rows: Iterable[Located], *, prompt_style: str) -> Iterable[dict[str, Any]]:
-    """Records of the rows, each validated as it is read."""
+def to_record(example: AnyExample | Pair, where: str) -> dict[str, Any]:
+    """One example (or pair: its chosen side and its rejected side) as JSON columns, so every row has one schema."""
+    if isinstance(example, Pair):
+        return {"example": _encode_example(example.chosen), "rejected": _encode_example(example.rejected),
+                "where": where}  # fmt: skip
+    return {"example": _encode_example(example), "rejected": "", "where": where}
+
+
+def from_record(record: dict[str, Any]) -> AnyExample | Pair:
+    example = _decode_example(record["example"], record["where"])
+    if record["rejected"]:
+        return Pair(example, _decode_example(record["rejected"], record["where"]))
+    return example
+
+
+def examples_of(rows: Iterable[Located], *, prompt_style: str, pairs: bool = False) -> Iterable[dict[str, Any]]:
+    """Records of the rows (preference pairs with `pairs`), each validated as it is read."""
     _check_prompt_style(prompt_style)
+    read = pair_example if pairs else row_example
     for where, row in rows:
-        yield to_record(row_example(row, where, prompt_style=prompt_style), where)
+        yield to_record(read(row, where, prompt_style=prompt_style), where)
 
 
 # ---------------------------------------------------------------------------------------------------------------

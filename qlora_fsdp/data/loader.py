@@ -19,10 +19,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from qlora_fsdp.config import DataConfig, EvalConfig
-from qlora_fsdp.data.cache import CacheSpec, TokenizedCache, open_cache
+from qlora_fsdp.data.cache import PREFERENCE, CacheSpec, TokenizedCache, open_cache
 from qlora_fsdp.data.chat import load_chat_template
 from qlora_fsdp.data.formats import IGNORE_INDEX, pad_token_id
-from qlora_fsdp.data.rows import PackedRows, SampleRows, all_dropped_error, build_rows, collate
+from qlora_fsdp.data.rows import PackedRows, PairRows, SampleRows, all_dropped_error, build_rows, collate
 from qlora_fsdp.data.stream import StreamRows
 from qlora_fsdp.distributed import DistEnv, leaders_first
 from qlora_fsdp.errors import UserError
@@ -101,15 +101,15 @@ class EvalShard(Dataset):
             raise IndexError(index)
         if index < len(self.mine):
             return self.rows[self.mine[index]]
-        first = self.rows[0]
-        return {**first, "labels": [IGNORE_INDEX] * len(first["labels"])}
+        first = self.rows[0]  # a pair's rejected side too: both are unlabelled, so the pair counts for nothing
+        return {**first, **{k: [IGNORE_INDEX] * len(v) for k, v in first.items() if k.endswith("labels")}}
 
 
 def dataset_cache(
-    dataset: str, samples: int, data: DataConfig, tokenizer: Any, env: DistEnv
+    dataset: str, samples: int, data: DataConfig, tokenizer: Any, env: DistEnv, *, pairs: bool = False
 ) -> tuple[TokenizedCache, bool]:
-    """The tokenized cache of one dataset (--dataset or --eval_dataset) under the data flags, built by each
-    node's local rank 0 if no one has built it, and logged on rank 0."""
+    """The tokenized cache of one dataset (--dataset or --eval_dataset) under the data flags (of preference
+    pairs with `pairs`), built by each node's local rank 0 if no one has built it, and logged on rank 0."""
     spec = CacheSpec(
         dataset=dataset,
         dataset_samples=samples,
@@ -117,6 +117,8 @@ def dataset_cache(
         context_length=data.context_length,
         packing_split=data.packing_split,
         train_on_inputs=data.train_on_inputs,
+        objective=PREFERENCE if pairs else "sft",
+        max_prompt_length=data.max_prompt_length if pairs else 0,
     )
 
     def work() -> tuple[TokenizedCache, bool]:
@@ -128,27 +130,30 @@ def dataset_cache(
     return cache, built
 
 
-def prepare_caches(data: DataConfig, ev: EvalConfig, tokenizer: Any, env: DistEnv) -> list[tuple[TokenizedCache, bool]]:
+def prepare_caches(
+    data: DataConfig, ev: EvalConfig, tokenizer: Any, env: DistEnv, *, pairs: bool = False
+) -> list[tuple[TokenizedCache, bool]]:
     """The caches a training run with these flags reads (--dataset, and --eval_dataset if given), built now:
     scripts/preprocess.py runs this ahead of a GPU job."""
     if data.chat_template:
         load_chat_template(tokenizer, data.chat_template)
-    caches = [dataset_cache(data.dataset, data.dataset_samples, data, tokenizer, env)]
+    caches = [dataset_cache(data.dataset, data.dataset_samples, data, tokenizer, env, pairs=pairs)]
     if ev.eval_dataset:
-        caches.append(dataset_cache(ev.eval_dataset, ev.eval_samples, data, tokenizer, env))
+        caches.append(dataset_cache(ev.eval_dataset, ev.eval_samples, data, tokenizer, env, pairs=pairs))
     return caches
 
 
 def _rows(
     cache: TokenizedCache, keep: np.ndarray, data: DataConfig, name: str, env: DistEnv
-) -> SampleRows | PackedRows:
+) -> SampleRows | PackedRows | PairRows:
     """The rows of the examples in `keep`, logged with what fitting and packing did to them."""
     indices = np.flatnonzero(keep[cache.origin] & (cache.lengths > 0))
     if not len(indices):
         chosen = np.flatnonzero(keep[cache.origin])
         raise all_dropped_error(int(keep.sum()), data.context_length, without_reply=cache.all_without_reply(chosen))
     rows, packed = build_rows(
-        cache.samples, indices, cache.lengths, context_length=data.context_length, packing=data.packing
+        cache.samples, indices, cache.lengths, context_length=data.context_length, packing=data.packing,
+        pairs=cache.samples.pairs,
     )
     if env.is_main:
         logger.info("%s: %s%s", name, cache.stats(keep).describe(data.context_length), packed)
@@ -168,12 +173,20 @@ def _loader_kwargs(data: DataConfig, tokenizer: Any, seed: int, fixed_shapes: bo
 
 
 def build_loaders(
-    data: DataConfig, ev: EvalConfig, tokenizer: Any, env: DistEnv, *, seed: int, fixed_shapes: bool = False
+    data: DataConfig,
+    ev: EvalConfig,
+    tokenizer: Any,
+    env: DistEnv,
+    *,
+    seed: int,
+    fixed_shapes: bool = False,
+    pairs: bool = False,
 ) -> tuple[DataLoader, DataLoader | None]:
     """This rank's training loader (without the rows --eval_split holds out) and evaluation loader (None without
     --eval_dataset or --eval_split). The caller calls loader.sampler.set_epoch(epoch) so each epoch reshuffles.
 
-    `fixed_shapes` (--compile) pads every batch to the context, as --pad_to_context does.
+    `fixed_shapes` (--compile) pads every batch to the context, as --pad_to_context does. `pairs`: the rows are
+    preference pairs, a batch of B pairs being 2B sequences (rows.collate).
     """
     if data.chat_template:
         load_chat_template(tokenizer, data.chat_template)
@@ -181,12 +194,12 @@ def build_loaders(
     if data.dataset_streaming:
         train = DataLoader(_stream(data, tokenizer, env), **_loader_kwargs(data, tokenizer, seed, fixed_shapes))
     else:
-        cache, _ = dataset_cache(data.dataset, data.dataset_samples, data, tokenizer, env)
+        cache, _ = dataset_cache(data.dataset, data.dataset_samples, data, tokenizer, env, pairs=pairs)
         held = held_out(cache.examples, ev.eval_split, seed=seed)
         rows = _rows(cache, ~held, data, "training rows", env)
         train = DataLoader(rows, sampler=_sampler(rows, data, env, seed), drop_last=True,
                            **_loader_kwargs(data, tokenizer, seed, fixed_shapes))  # fmt: skip
-    evaluation = _eval_rows(data, ev, tokenizer, env, cache, held)
+    evaluation = _eval_rows(data, ev, tokenizer, env, cache, held, pairs=pairs)
     if evaluation is None:
         return train, None
     # No sampler and no shuffling: every rank evaluates its share in order.
@@ -212,7 +225,7 @@ def _stream(data: DataConfig, tokenizer: Any, env: DistEnv) -> StreamRows:
     )
 
 
-def _sampler(rows: SampleRows | PackedRows, data: DataConfig, env: DistEnv, seed: int) -> Sampler[int]:
+def _sampler(rows: SampleRows | PackedRows | PairRows, data: DataConfig, env: DistEnv, seed: int) -> Sampler[int]:
     needed = env.world_size * data.batch_size
     if len(rows) < needed:
         raise UserError(
@@ -233,13 +246,15 @@ def _eval_rows(
     env: DistEnv,
     cache: TokenizedCache | None,
     held: np.ndarray | None,
-) -> SampleRows | PackedRows | None:
+    *,
+    pairs: bool,
+) -> SampleRows | PackedRows | PairRows | None:
     """The evaluation rows, built like the training rows (same context, prompt style, masking and packing), from
     --eval_dataset or from the examples --eval_split holds out of --dataset (`cache`, `held`; None when
     streamed, which the config allows only with --eval_dataset)."""
     if ev.eval_dataset:
         try:
-            cache, _ = dataset_cache(ev.eval_dataset, ev.eval_samples, data, tokenizer, env)
+            cache, _ = dataset_cache(ev.eval_dataset, ev.eval_samples, data, tokenizer, env, pairs=pairs)
         except UserError as exc:  # the sources name --dataset, the flag they usually serve
             text = str(exc)
             raise UserError(

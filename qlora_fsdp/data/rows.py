@@ -75,6 +75,33 @@ def assign_rows(lengths: list[int], context_length: int) -> list[list[int]]:
     return [sorted(row) for row in rows]
 
 
+def fit_pair(
+    chosen: Sample, rejected: Sample, context_length: int, *, max_prompt_length: int = 0, keep_head: int = 0
+) -> tuple[Sample, Sample, str]:
+    """A preference pair's two sides within the context: (chosen, rejected, "whole" or "truncated").
+
+    The replies are kept and the prompt is cut from the left, to --max_prompt_length (0: no limit of its own) and
+    then to what the longer reply leaves of the context, by the same number of tokens on both sides. The first
+    `keep_head` tokens (the tokenizer's BOS) stay. A reply that alone outgrows the context keeps its beginning. A
+    side's prompt is its tokens before the first label.
+    """
+    sides = []
+    starts = [next((i for i, label in enumerate(labels) if label != IGNORE_INDEX), len(labels)) for _, labels in
+              (chosen, rejected)]  # fmt: skip
+    reply = max(len(ids) - start for (ids, _), start in zip((chosen, rejected), starts, strict=True))
+    budget = context_length - reply
+    if max_prompt_length:
+        budget = min(budget, max_prompt_length)
+    cut = False
+    for (ids, labels), start in zip((chosen, rejected), starts, strict=True):
+        keep = min(start, max(budget, keep_head + 1))  # one prompt token at least: it predicts the reply's first
+        head = min(keep_head, keep)
+        take = [*range(head), *range(start - (keep - head), len(ids))][:context_length]
+        cut |= len(take) < len(ids)
+        sides.append(([ids[i] for i in take], [labels[i] for i in take]))
+    return sides[0], sides[1], "truncated" if cut else "whole"
+
+
 @dataclass(frozen=True)
 class FitStats:
     """What fitting samples into the context did, so a silently truncated or shrunken dataset shows in the log."""
@@ -93,12 +120,18 @@ class FitStats:
     """Tokens of the kept samples."""
     label_tokens: int
     """Tokens the loss learns in the kept samples (labels[1:] != -100, as the trainer counts them)."""
+    identical: int = 0
+    """Preference pairs whose two replies are the same, dropped."""
+    empty: int = 0
+    """Preference pairs with an empty reply, dropped."""
 
     def describe(self, context_length: int) -> str:
         cut = f"{self.split} split" if self.split else f"{self.truncated} truncated"
+        pairs = f", {self.identical} identical and {self.empty} empty pairs dropped" if self.identical or self.empty \
+            else ""  # fmt: skip
         return (
-            f"{self.rows} rows, {cut} at {context_length} tokens, {self.dropped} dropped (nothing left to learn), "
-            f"{self.samples} samples of {self.tokens} tokens, {self.label_tokens} label tokens"
+            f"{self.rows} rows, {cut} at {context_length} tokens, {self.dropped} dropped (nothing left to learn)"
+            f"{pairs}, {self.samples} samples of {self.tokens} tokens, {self.label_tokens} label tokens"
         )
 
 
@@ -154,6 +187,23 @@ class PackedRows(Dataset):
         return packed_row([self.samples[sample] for sample in self.groups[index]])
 
 
+class PairRows(Dataset):
+    """One preference pair per row (--objective dpo, ipo, orpo, simpo): its chosen and rejected sides, and its
+    index in the store (precomputed reference log-probs are looked up by it)."""
+
+    def __init__(self, pairs: Sequence[tuple[Sample, Sample]], indices: np.ndarray, lengths: np.ndarray) -> None:
+        self.pairs, self.indices, self.lengths = pairs, indices, lengths
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, index: int) -> dict[str, list[int]]:
+        at = int(self.indices[index])
+        (chosen_ids, chosen_labels), (rejected_ids, rejected_labels) = self.pairs[at]
+        return {"input_ids": chosen_ids, "labels": chosen_labels, "rejected_input_ids": rejected_ids,
+                "rejected_labels": rejected_labels, "pair_index": [at]}  # fmt: skip
+
+
 def packed_row(parts: list[Sample]) -> dict[str, list[int]]:
     """Samples laid end to end: labels -100 on each sample's first token, positions restarting at every sample."""
     row: dict[str, list[int]] = {"input_ids": [], "labels": [], "position_ids": []}
@@ -165,9 +215,13 @@ def packed_row(parts: list[Sample]) -> dict[str, list[int]]:
 
 
 def build_rows(
-    samples: Sequence[Sample], indices: np.ndarray, lengths: np.ndarray, *, context_length: int, packing: bool
-) -> tuple[SampleRows | PackedRows, str]:
-    """The rows of the samples at `indices` (each no longer than the context), and a line on how full they are."""
+    samples: Sequence[Any], indices: np.ndarray, lengths: np.ndarray, *, context_length: int, packing: bool,
+    pairs: bool = False,
+) -> tuple[SampleRows | PackedRows | PairRows, str]:
+    """The rows of the samples (or pairs) at `indices` (each no longer than the context), and a line on how full
+    they are."""
+    if pairs:
+        return PairRows(samples, indices, lengths[indices]), ""
     if not packing:
         return SampleRows(samples, indices, lengths[indices]), ""
     groups = [[int(indices[i]) for i in row] for row in assign_rows(lengths[indices].tolist(), context_length)]
@@ -183,8 +237,14 @@ def collate(
     """A batch padded to its longest row rounded up to PAD_MULTIPLE (at most the context), or to the context.
 
     attention_mask marks the real tokens (the trainer counts them; a packed batch goes to the model without it,
-    and its padding is a segment of its own: positions from 0, no labels).
+    and its padding is a segment of its own: positions from 0, no labels). A batch of preference pairs is 2B rows,
+    the B chosen sides then the B rejected ones, so one forward runs both; `pair_index` holds the pairs' indices.
     """
+    if "rejected_input_ids" in items[0]:
+        sides = [{"input_ids": item[f"{side}input_ids"], "labels": item[f"{side}labels"]}
+                 for side in ("", "rejected_") for item in items]  # fmt: skip
+        batch = collate(sides, pad_id=pad_id, context_length=context_length, pad_to_context=pad_to_context)
+        return {**batch, "pair_index": torch.tensor([item["pair_index"][0] for item in items], dtype=torch.long)}
     longest = max(len(item["input_ids"]) for item in items)
     width = context_length if pad_to_context else min(context_length, -(-longest // PAD_MULTIPLE) * PAD_MULTIPLE)
     batch: dict[str, list[list[int]]] = {"input_ids": [], "labels": [], "attention_mask": []}

@@ -1,10 +1,39 @@
 """Training objectives: what a batch's loss is, what it is divided by, and what the step logs besides the loss.
 
 The training loop and evaluation call an Objective and nothing else about it (`base.py`); supervised fine-tuning's
-token-level cross-entropy is one of them (`sft.py`).
+token-level cross-entropy is one of them (`sft.py`), the preference objectives the others (`preference.py`).
 """
 
-from qlora_fsdp.objectives.base import Forward, Objective
+from __future__ import annotations
+
+from qlora_fsdp.config import ObjectiveConfig
+from qlora_fsdp.objectives.base import Forward, Objective, combined_loss
+from qlora_fsdp.objectives.preference import (
+    DpoObjective,
+    IpoObjective,
+    OrpoObjective,
+    PreferenceObjective,
+    ReferenceLookup,
+    SimpoObjective,
+)
 from qlora_fsdp.objectives.sft import SftObjective
 
-__all__ = ["Forward", "Objective", "SftObjective"]
+__all__ = ["Forward", "Objective", "PreferenceObjective", "SftObjective", "combined_loss", "make_objective"]
+
+
+def make_objective(cfg: ObjectiveConfig, forward: Forward, *, reference: ReferenceLookup | None = None) -> Objective:
+    """The objective --objective names, with its settings; `reference`: precomputed reference log-probs."""
+    name = cfg.objective
+    if name == "sft":
+        return SftObjective(forward)
+    if name == "dpo":
+        return DpoObjective(forward, beta=cfg.setting("beta"), label_smoothing=cfg.setting("label_smoothing"),
+                            reference=reference)  # fmt: skip
+    if name == "ipo":
+        return IpoObjective(forward, beta=cfg.setting("beta"), reference=reference)
+    if name == "orpo":
+        return OrpoObjective(forward, lam=cfg.setting("orpo_lambda"))
+    if name == "simpo":
+        return SimpoObjective(forward, beta=cfg.setting("beta"), gamma=cfg.setting("simpo_gamma"),
+                              label_smoothing=cfg.setting("label_smoothing"))  # fmt: skip
+    raise ValueError(f"unknown objective {name!r}")

@@ -38,21 +38,30 @@ class Forward:
 class Objective(ABC):
     """One training objective, as the loop and evaluation see it.
 
-    A step's loss is the sum of `loss_sum` over its micro-batches and ranks divided by the sum of `weight` over
-    them, so N ranks x batch B equal 1 rank x batch N*B. `loss_sum` also returns sums of the objective's own
-    metrics (`metric_names`, in order), which are divided by the same total weight when the step is logged.
+    A loss is a sum of parts, each summed over the step's micro-batches and ranks and divided by its own weight
+    summed the same way (SFT: one part, over label tokens; DPO: one, over pairs; ORPO: its odds-ratio term over
+    pairs and its cross-entropy over chosen tokens), so N ranks x batch B equal 1 rank x batch N*B exactly.
+    `loss_sum` also returns sums of the objective's own metrics (`metric_names`, in order), which are divided by
+    the first weight when the step is logged.
     """
 
     metric_names: tuple[str, ...] = ()
+    reports_perplexity = False
+    """Whether exp(eval_loss) means something (a per-token cross-entropy)."""
 
     @abstractmethod
-    def weight(self, batch: dict[str, torch.Tensor]) -> int:
-        """What this batch counts toward the step's denominator (label tokens, pairs...)."""
+    def weights(self, batch: dict[str, torch.Tensor]) -> tuple[int, ...]:
+        """What this batch counts toward each part's denominator (label tokens, pairs...)."""
 
     @abstractmethod
     def loss_sum(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the batch's summed loss, a float64 vector of its summed metrics) from one forward of `model`."""
+        """(the batch's summed loss parts, one per weight; a float64 vector of its summed metrics) from `model`."""
 
-    def logged(self, metric_sums: list[float], weight: float) -> dict[str, float]:
+    def logged(self, metric_sums: list[float], weights: list[float]) -> dict[str, float]:
         """The step's own metrics, from the sums over its micro-batches and ranks."""
-        return {name: total / max(weight, 1.0) for name, total in zip(self.metric_names, metric_sums, strict=True)}
+        return {name: total / max(weights[0], 1.0) for name, total in zip(self.metric_names, metric_sums, strict=True)}
+
+
+def combined_loss(part_sums: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The loss from its parts' sums and their weights over the whole step (or evaluation set)."""
+    return (part_sums / weights.clamp(min=1.0)).sum()

@@ -10,12 +10,14 @@ from qlora_fsdp.objectives.base import Forward, Objective
 
 
 class SftObjective(Objective):
+    reports_perplexity = True
+
     def __init__(self, forward: Forward) -> None:
         self.forward = forward
 
-    def weight(self, batch: dict[str, torch.Tensor]) -> int:
-        return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+    def weights(self, batch: dict[str, torch.Tensor]) -> tuple[int, ...]:
+        return (int((batch["labels"][:, 1:] != IGNORE_INDEX).sum()),)
 
     def loss_sum(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         loss = self.forward(model, batch)
-        return loss, torch.zeros(0, dtype=torch.float64, device=loss.device)
+        return loss.reshape(1), torch.zeros(0, dtype=torch.float64, device=loss.device)

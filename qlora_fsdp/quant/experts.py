@@ -87,6 +87,8 @@ class ExpertAdapter(nn.Module):
         self.B = nn.Parameter(torch.empty(out_features, rank * experts, device="meta"))
         self.peft_prefix = ""
         """What PEFT puts between the experts module's name and `lora_A`: `base_layer.` per wrapper inside."""
+        self.enabled = True
+        """Off while the model stands for its own reference (lora.adapters_off), as PEFT's disabled adapters."""
 
     def reset(self, generator: torch.Generator) -> None:
         """PEFT's initialisation: A Kaiming-uniform over the whole [rank x experts, in] matrix, B zero."""
@@ -161,12 +163,12 @@ class QuantizedExperts(nn.Module):
         token = order // k
         x = hidden_states[token]
         h = torch.cat([layer(part) for layer, part in zip(self.gate_up, x.split(sizes_list), strict=True)])
-        if self.gate_up_adapter is not None:
+        if self.gate_up_adapter is not None and self.gate_up_adapter.enabled:
             h = h + self.gate_up_adapter(x, sizes_list).to(h.dtype)
         gate, up = h.chunk(2, dim=-1)
         h = self.act_fn(gate) * up
         out = torch.cat([layer(part) for layer, part in zip(self.down, h.split(sizes_list), strict=True)])
-        if self.down_adapter is not None:
+        if self.down_adapter is not None and self.down_adapter.enabled:
             out = out + self.down_adapter(h, sizes_list).to(out.dtype)
         out = out * top_k_weights.reshape(-1)[order, None]
         return torch.zeros_like(hidden_states).index_add_(0, token, out.to(hidden_states.dtype))

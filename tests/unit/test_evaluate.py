@@ -65,11 +65,11 @@ def rows(labelled: list[int], length: int = 9) -> list[dict[str, list[int]]]:
 class ToyObjective(Objective):
     """SFT's weight (label tokens) around the toy model's summed loss."""
 
-    def weight(self, batch: dict[str, torch.Tensor]) -> int:
-        return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+    def weights(self, batch: dict[str, torch.Tensor]) -> tuple[int, ...]:
+        return (int((batch["labels"][:, 1:] != IGNORE_INDEX).sum()),)
 
     def loss_sum(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        return loss_sum(model, batch), torch.zeros(0, dtype=torch.float64)
+        return loss_sum(model, batch).reshape(1), torch.zeros(0, dtype=torch.float64)
 
 
 def loader(items, batch_size: int = 2) -> torch.utils.data.DataLoader:

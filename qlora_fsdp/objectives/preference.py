@@ -1,0 +1,182 @@
+"""Preference objectives on chosen/rejected pairs: DPO, IPO (against a reference), ORPO and SimPO (without one).
+
+A batch of B pairs is 2B sequences, the chosen sides first (data.rows.collate), and one forward of the policy
+gives every sequence's log-probability summed over its reply tokens. DPO and IPO compare it with the reference's:
+the same network with its adapters off, run under no_grad inside the same FSDP units (no second model), or looked
+up in log-probs computed once before training (--precompute_reference). The losses are the papers', as TRL
+computes them: DPO (its sigmoid loss; with --label_smoothing the conservative form), IPO (its squared loss on
+log-ratios averaged over each reply's tokens), ORPO (the chosen reply's cross-entropy minus lambda times the log
+odds ratio of the average log-probs) and SimPO (the sigmoid loss on average log-probs, less the margin gamma).
+
+Each loss is a sum over pairs divided by the step's pairs over every rank (ORPO's cross-entropy: by its chosen
+tokens), so N ranks x batch B equal 1 rank x batch N*B. A pair without labels (the padding of an evaluation
+shard) counts for nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import abstractmethod
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qlora_fsdp.data import IGNORE_INDEX
+from qlora_fsdp.objectives.base import Forward, Objective
+
+ReferenceLookup = Callable[[torch.Tensor], torch.Tensor]
+"""Pair indices -> their precomputed reference log-probs [pairs, 2] (chosen, rejected)."""
+PairLosses = tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, list[torch.Tensor]]
+
+
+class PreferenceObjective(Objective):
+    """What the four share: the policy's reply log-probs, the masking of empty pairs and TRL's metrics."""
+
+    metric_names: tuple[str, ...] = (
+        "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected",
+    )  # fmt: skip
+    average = False
+    """Log-probs are averaged over each reply's tokens (ORPO, SimPO) rather than summed."""
+
+    def __init__(self, forward: Forward, *, beta: float) -> None:
+        self.forward, self.beta = forward, beta
+
+    def weights(self, batch: dict[str, torch.Tensor]) -> tuple[int, ...]:
+        return (int(_pairs_present(batch).sum()),)
+
+    def loss_sum(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = _reply_tokens(batch).to(self.forward.device)
+        logps = self.reply_logps(model, batch, tokens)
+        present = _pairs_present(batch).to(self.forward.device)
+        parts, chosen_rewards, rejected_rewards, extra = self.pair_losses(model, batch, logps, tokens)
+        parts = [torch.where(present, part, 0.0).sum() if part.dim() else part for part in parts]
+        chosen, rejected = logps.detach().chunk(2)
+        with torch.no_grad():
+            columns = [chosen_rewards, rejected_rewards, (chosen_rewards > rejected_rewards).float(),
+                       chosen_rewards - rejected_rewards, chosen, rejected, *extra]  # fmt: skip
+            metrics = torch.stack([torch.where(present, c.double(), 0.0).sum() for c in columns])
+        return torch.stack(parts), metrics
+
+    def reply_logps(self, model: nn.Module, batch: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
+        """Every sequence's log-probability of its reply, summed (or averaged) over the reply's tokens."""
+        logps = -self.forward(model, batch, per_row=True)
+        return logps / tokens.clamp(min=1) if self.average else logps
+
+    @abstractmethod
+    def pair_losses(
+        self, model: nn.Module, batch: dict[str, torch.Tensor], logps: torch.Tensor, tokens: torch.Tensor
+    ) -> PairLosses:
+        """([each part: a per-pair loss, or an already summed one], chosen rewards, rejected rewards, extra metric
+        columns), from the sequences' reply log-probs and reply tokens (chosen sides first)."""
+
+
+class _ReferenceObjective(PreferenceObjective):
+    """DPO and IPO: log-ratios against the reference model."""
+
+    def __init__(self, forward: Forward, *, beta: float, reference: ReferenceLookup | None = None) -> None:
+        super().__init__(forward, beta=beta)
+        self.reference = reference
+
+    def reference_logps(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The reference's summed reply log-probs of every sequence (chosen sides first)."""
+        if self.reference is not None:
+            return self.reference(batch["pair_index"]).T.reshape(-1).to(self.forward.device)
+        with torch.no_grad():
+            return -self.forward(model, batch, per_row=True, adapters=False)
+
+    def pair_losses(
+        self, model: nn.Module, batch: dict[str, torch.Tensor], logps: torch.Tensor, tokens: torch.Tensor
+    ) -> PairLosses:
+        ratios = logps - self.reference_logps(model, batch)
+        chosen, rejected = ratios.chunk(2)
+        rewards = self.beta * chosen.detach(), self.beta * rejected.detach()
+        return [self.loss(chosen, rejected, tokens)], *rewards, []
+
+    @abstractmethod
+    def loss(self, chosen: torch.Tensor, rejected: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Per-pair loss from the chosen and rejected log-ratios."""
+
+
+class DpoObjective(_ReferenceObjective):
+    """-log sigmoid(beta x (chosen log-ratio - rejected log-ratio)); conservative DPO with label smoothing e:
+    (1 - e) x that + e x the same for the flipped pair."""
+
+    def __init__(self, forward: Forward, *, beta: float, label_smoothing: float = 0.0,
+                 reference: ReferenceLookup | None = None) -> None:  # fmt: skip
+        super().__init__(forward, beta=beta, reference=reference)
+        self.label_smoothing = label_smoothing
+
+    def loss(self, chosen: torch.Tensor, rejected: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        return smoothed_sigmoid_loss(self.beta * (chosen - rejected), self.label_smoothing)
+
+
+class IpoObjective(_ReferenceObjective):
+    """(chosen log-ratio / its tokens - rejected log-ratio / its tokens - 1 / (2 beta))^2, beta being IPO's tau."""
+
+    def loss(self, chosen: torch.Tensor, rejected: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        chosen_tokens, rejected_tokens = tokens.clamp(min=1).chunk(2)
+        return (chosen / chosen_tokens - rejected / rejected_tokens - 1 / (2 * self.beta)) ** 2
+
+
+class SimpoObjective(PreferenceObjective):
+    """-log sigmoid(beta x (average chosen log-prob - average rejected log-prob) - gamma), smoothed as DPO."""
+
+    average = True
+
+    def __init__(self, forward: Forward, *, beta: float, gamma: float, label_smoothing: float = 0.0) -> None:
+        super().__init__(forward, beta=beta)
+        self.gamma, self.label_smoothing = gamma, label_smoothing
+
+    def pair_losses(
+        self, model: nn.Module, batch: dict[str, torch.Tensor], logps: torch.Tensor, tokens: torch.Tensor
+    ) -> PairLosses:
+        chosen, rejected = logps.chunk(2)
+        loss = smoothed_sigmoid_loss(self.beta * (chosen - rejected) - self.gamma, self.label_smoothing)
+        return [loss], self.beta * chosen.detach(), self.beta * rejected.detach(), []
+
+
+class OrpoObjective(PreferenceObjective):
+    """The chosen reply's cross-entropy (per token) - lambda x log sigmoid(log odds(chosen) - log odds(rejected)),
+    the odds of an average log-prob p being exp(p) / (1 - exp(p)). Logs TRL's log_odds_ratio and log_odds_chosen."""
+
+    average = True
+    metric_names = (*PreferenceObjective.metric_names, "log_odds_ratio", "log_odds_chosen")
+
+    def __init__(self, forward: Forward, *, lam: float) -> None:
+        super().__init__(forward, beta=lam)
+
+    def weights(self, batch: dict[str, torch.Tensor]) -> tuple[int, ...]:
+        chosen_tokens = int(_reply_tokens(batch).chunk(2)[0].sum())
+        return (*super().weights(batch), chosen_tokens)
+
+    def pair_losses(
+        self, model: nn.Module, batch: dict[str, torch.Tensor], logps: torch.Tensor, tokens: torch.Tensor
+    ) -> PairLosses:
+        chosen, rejected = logps.chunk(2)
+        log_odds = (chosen - rejected) - (log1mexp(chosen) - log1mexp(rejected))
+        ratio = F.logsigmoid(log_odds)
+        chosen_tokens = tokens.chunk(2)[0]
+        nll = -(chosen * chosen_tokens).sum()  # the average times the count: the chosen replies' summed NLL
+        rewards = self.beta * chosen.detach(), self.beta * rejected.detach()
+        return [-self.beta * ratio, nll], *rewards, [ratio.detach(), log_odds.detach()]
+
+
+def smoothed_sigmoid_loss(logits: torch.Tensor, label_smoothing: float) -> torch.Tensor:
+    return -F.logsigmoid(logits) * (1 - label_smoothing) - F.logsigmoid(-logits) * label_smoothing
+
+
+def log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x < 0, accurate near 0 and far below it."""
+    return torch.where(x > -math.log(2), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def _reply_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Each sequence's label tokens (chosen sides first)."""
+    return (batch["labels"][:, 1:] != IGNORE_INDEX).sum(1)
+
+
+def _pairs_present(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Which pairs have labels: an evaluation shard's padding pair has none."""
+    return _reply_tokens(batch).chunk(2)[0] > 0

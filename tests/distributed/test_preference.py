@@ -1,0 +1,97 @@
+"""The preference objectives through the real CLI on CPU ranks: the fresh adapter's first loss, N ranks x batch B
+against 1 rank x batch N*B, exact resume, evaluation on held-out pairs, and the parameter bytes of an SFT run.
+
+Each objective runs under another mix of quantization, FSDP version and training type, so together they cover
+bnb and HQQ, FSDP1 and FSDP2, LoRA and DoRA, gradient accumulation and checkpointing (on by default)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from qlora_fsdp.metrics import read_metrics
+from tests.conftest import DATASET, REPO_ROOT, train
+
+pytestmark = pytest.mark.distributed
+
+PAIRS = REPO_ROOT / "data" / "preference_tiny.jsonl"
+COMMON = [
+    "--precision", "fp32", "--context_length", "96", "--lr", "0.01", "--lora_rank", "8", "--lora_alpha", "16",
+    "--lr_scheduler", "constant", "--device", "cpu", "--log_to", "stdout", "--seed", "7",
+]  # fmt: skip
+CASES = {
+    "dpo": ("--quant", "bnb", "--fsdp_version", "2"),
+    "ipo": ("--quant", "hqq", "--fsdp_version", "1"),
+    "orpo": ("--quant", "bnb", "--fsdp_version", "1", "--train_type", "dora"),
+    "simpo": ("--quant", "hqq", "--fsdp_version", "2", "--beta", "2.0", "--simpo_gamma", "1.0"),
+}
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected")  # fmt: skip
+
+
+def _run(model: Path, out: Path, objective: str, *flags: str, nproc: int) -> list[dict]:
+    args = ["--model", str(model), *COMMON, "--dataset", str(PAIRS), "--objective", objective, *CASES[objective]]
+    train([*args, "--output_dir", str(out), *flags], nproc=nproc, timeout=600)
+    return [r for r in read_metrics(out) if "loss" in r]
+
+
+@pytest.mark.parametrize("objective", list(CASES))
+def test_ranks_times_batch_is_one_rank_with_the_whole_batch(tiny_model: Path, tmp_path: Path, objective: str) -> None:
+    """2 ranks x batch 2 (SimPO: batch 1 x 2 accumulated micro-batches) equal 1 rank x batch 4 step by step: the
+    loss is a sum over pairs divided by the step's pairs over every rank (ORPO's cross-entropy by its tokens).
+    No dropout: its masks are drawn per rank."""
+    split = ("--batch_size", "1", "--gradient_accumulation_steps", "2") if objective == "simpo" else ("--batch_size",
+                                                                                                     "2")  # fmt: skip
+    flags = ("--max_steps", "3", "--lora_dropout", "0")
+    one = _run(tiny_model, tmp_path / "one", objective, "--batch_size", "4", *flags, nproc=1)
+    two = _run(tiny_model, tmp_path / "two", objective, *split, *flags, nproc=2)
+    for a, b in zip(one, two, strict=True):
+        assert math.isclose(a["loss"], b["loss"], rel_tol=1e-5), (a["step"], a["loss"], b["loss"])
+        assert math.isclose(a["grad_norm"], b["grad_norm"], rel_tol=1e-4), (a["step"], a["grad_norm"], b["grad_norm"])
+        for key in METRICS:
+            assert math.isclose(a[key], b[key], rel_tol=1e-5, abs_tol=1e-6), (a["step"], key, a[key], b[key])
+    assert one[-1]["loss"] < one[0]["loss"]
+
+
+def test_a_fresh_adapter_starts_at_the_reference(tiny_model: Path, tmp_path: Path) -> None:
+    """LoRA B = 0: the policy is the reference, so DPO's first loss is ln 2 with zero rewards, and IPO's is
+    (1 / (2 beta))^2."""
+    dpo = _run(tiny_model, tmp_path / "dpo", "dpo", "--batch_size", "2", "--max_steps", "1", nproc=2)[0]
+    assert abs(dpo["loss"] - math.log(2)) < 1e-6, dpo["loss"]
+    assert dpo["rewards/chosen"] == dpo["rewards/rejected"] == dpo["rewards/margins"] == 0.0
+    ipo = _run(tiny_model, tmp_path / "ipo", "ipo", "--batch_size", "2", "--max_steps", "1", "--beta", "0.25",
+               nproc=2)[0]  # fmt: skip
+    assert abs(ipo["loss"] - (1 / (2 * 0.25)) ** 2) < 1e-6, ipo["loss"]
+
+
+@pytest.mark.parametrize("objective", list(CASES))
+def test_resume_is_exact(tiny_model: Path, tmp_path: Path, objective: str) -> None:
+    """Steps 3-4 after a resume from step 2 equal the uninterrupted run's (dropout on: the RNG state matters)."""
+    flags = ("--batch_size", "2", "--save_steps", "2")
+    whole = _run(tiny_model, tmp_path / "whole", objective, *flags, "--max_steps", "4", nproc=2)
+    out = tmp_path / "parts"
+    _run(tiny_model, out, objective, *flags, "--max_steps", "2", nproc=2)
+    resumed = _run(tiny_model, out, objective, *flags, "--max_steps", "4", "--resume_from", "auto", nproc=2)[2:]
+    assert [r["step"] for r in resumed] == [3, 4]
+    for a, b in zip(resumed, whole[2:], strict=True):
+        for key in ("loss", "grad_norm", *METRICS):
+            assert math.isclose(a[key], b[key], rel_tol=1e-6, abs_tol=1e-9), (a["step"], key, a[key], b[key])
+
+
+def test_evaluation_on_held_out_pairs_and_sft_parameter_bytes(tiny_model: Path, tmp_path: Path) -> None:
+    """--eval_split holds pairs out: evaluation reports eval_loss and the reward metrics under eval_ names, and a
+    DPO run keeps exactly the parameter bytes per rank of an SFT run with the same flags."""
+    flags = ("--batch_size", "2", "--max_steps", "4", "--eval_split", "0.05", "--eval_steps", "2")
+    _run(tiny_model, tmp_path / "dpo", "dpo", *flags, nproc=2)
+    records = read_metrics(tmp_path / "dpo")
+    evals = [r for r in records if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [2, 4]
+    assert evals[0]["eval_pairs"] == 20 and all(f"eval_{key}" in evals[0] for key in METRICS)
+    assert evals[-1]["eval_loss"] < math.log(2) and evals[-1]["eval_rewards/accuracies"] > 0.5
+    sft = tmp_path / "sft"
+    train(["--model", str(tiny_model), *COMMON, *CASES["dpo"], "--dataset", str(DATASET), "--batch_size", "2",
+           "--max_steps", "1", "--output_dir", str(sft)], nproc=2)  # fmt: skip
+    dpo_bytes = next(r for r in records if "loss" in r)["param_bytes_per_rank"]
+    assert dpo_bytes == read_metrics(sft)[0]["param_bytes_per_rank"]

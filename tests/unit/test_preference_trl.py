@@ -1,0 +1,335 @@
+"""qlora_fsdp.objectives.preference against TRL's own code (a test-only dependency).
+
+On one fixed batch of pairs (prompts and replies of different lengths, right padding), the tiny Llama with a LoRA
+adapter whose B matrices are non-zero (so the policy is not the reference), each objective's loss, rewards and
+log-probs, and the loss's gradient on the adapter, equal what TRL computes on the same model and tokens, within 1e-5
+in fp32. TRL's side is its trainers' real code: DPOTrainer._compute_loss (DPO, IPO; reference: the adapters
+disabled, as for a new adapter), ORPOTrainer.get_batch_loss_metrics and CPOTrainer.get_batch_loss_metrics (SimPO:
+loss_type simpo, cpo_alpha 0), each trainer built from the base model and the LoRA config, the B matrices then
+drawn as if the adapter had trained. Our side runs CausalLMLoss with a 7-token head chunk (and whole logits).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from datasets import Dataset
+from peft import LoraConfig
+from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer
+from trl import DPOConfig, DPOTrainer
+from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+from qlora_fsdp.config import ObjectiveConfig
+from qlora_fsdp.data import IGNORE_INDEX
+from qlora_fsdp.data.rows import collate
+from qlora_fsdp.fsdp import PRECISIONS
+from qlora_fsdp.loss import CausalLMLoss
+from qlora_fsdp.objectives import Forward, PreferenceObjective, combined_loss, make_objective
+from qlora_fsdp.objectives.preference import DpoObjective
+
+CPU = torch.device("cpu")
+FP32 = Forward(CPU, PRECISIONS["fp32"])
+PAD = 1  # the tiny tokenizer's <|pad|>
+TOL = 1e-5
+# (prompt, chosen, rejected) lengths: rows of different widths, chosen longer or shorter than rejected.
+LENGTHS = ((5, 4, 6), (1, 7, 3), (9, 2, 5))
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
+           "logps/rejected")  # fmt: skip
+Pair = tuple[list[int], list[int], list[int]]
+
+
+def _pairs(lengths: tuple[tuple[int, int, int], ...] = LENGTHS, seed: int = 4) -> list[Pair]:
+    """Random (prompt, chosen, rejected) token ids, off the special tokens (0-2). Seed 4: under the perturbed
+    adapter DPO prefers the chosen side in 2 of the 3 pairs, ORPO and SimPO in 1, so no reward accuracy is 0 or 1."""
+    g = torch.Generator().manual_seed(seed)
+    return [tuple(torch.randint(3, 500, (n,), generator=g).tolist() for n in sides) for sides in lengths]
+
+
+def _our_batch(pairs: list[Pair], pair_index: list[int] | None = None) -> dict[str, torch.Tensor]:
+    """Our layout (data.rows.collate): 2B rows, chosen sides first, labels on the reply tokens only."""
+    items = [
+        {"input_ids": p + c, "labels": [IGNORE_INDEX] * len(p) + c, "rejected_input_ids": p + r,
+         "rejected_labels": [IGNORE_INDEX] * len(p) + r, "pair_index": [i if pair_index is None else pair_index[i]]}
+        for i, (p, c, r) in enumerate(pairs)
+    ]  # fmt: skip
+    return collate(items, pad_id=PAD, context_length=64, pad_to_context=False)
+
+
+def _model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """CausalLMLoss's arguments from our batch."""
+    return {k: batch[k] for k in ("input_ids", "labels", "attention_mask")}
+
+
+def _dpo_inputs(pairs: list[Pair]) -> dict[str, torch.Tensor]:
+    """DPOTrainer's layout, by its own collator: input_ids, attention_mask, completion_mask."""
+    return DataCollatorForPreference(pad_token_id=PAD)(
+        [{"prompt_ids": p, "chosen_ids": c, "rejected_ids": r} for p, c, r in pairs]
+    )
+
+
+def _cpo_inputs(pairs: list[Pair]) -> dict[str, torch.Tensor]:
+    """ORPOTrainer's and CPOTrainer's layout (what their tokenize_row makes), by their own collator."""
+    from trl.experimental.utils import DPODataCollatorWithPadding
+
+    features = []
+    for p, c, r in pairs:
+        row: dict[str, list[int]] = {"prompt_input_ids": p, "prompt_attention_mask": [1] * len(p)}
+        for side, reply in (("chosen", c), ("rejected", r)):
+            row |= {f"{side}_input_ids": p + reply, f"{side}_attention_mask": [1] * (len(p) + len(reply)),
+                    f"{side}_labels": [IGNORE_INDEX] * len(p) + reply}  # fmt: skip
+        features.append(row)
+    return DPODataCollatorWithPadding(pad_token_id=PAD)(features)
+
+
+def _trl_classes(kind: str) -> tuple[type, type[Trainer]]:
+    if kind == "dpo":
+        return DPOConfig, DPOTrainer
+    with warnings.catch_warnings():  # "APIs here are unstable"
+        warnings.simplefilter("ignore")
+        from trl.experimental.cpo import CPOConfig, CPOTrainer
+        from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+    return {"orpo": (ORPOConfig, ORPOTrainer), "cpo": (CPOConfig, CPOTrainer)}[kind]
+
+
+def _perturb(model: nn.Module, *, seed: int = 1, scale: float = 0.05) -> None:
+    """Non-zero B matrices, as after some training: the adapter changes the model."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=g) * scale)
+
+
+def _trainer(kind: str, model_dir: Path, out: Path, **settings: Any) -> Trainer:
+    """TRL's trainer (dpo, orpo or cpo) on the tiny base model, wrapped by TRL with a LoRA adapter, then perturbed."""
+    config_class, trainer_class = _trl_classes(kind)
+    args = config_class(output_dir=str(out), report_to="none", use_cpu=True, bf16=False, gradient_checkpointing=False,
+                        max_length=64, seed=0, **settings)  # fmt: skip
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    assert tokenizer.pad_token_id == PAD
+    dataset = Dataset.from_dict({"prompt": ["Hello"], "chosen": [" yes"], "rejected": [" no"]})  # never trained on
+    lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    trainer = trainer_class(base, args=args, train_dataset=dataset, processing_class=tokenizer, peft_config=lora)
+    _perturb(trainer.model)
+    trainer.model.train()
+    return trainer
+
+
+def _ours(
+    objective: PreferenceObjective, model: nn.Module, batch: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """(loss, its parts divided by their weights, logged metrics) as the training loop makes them."""
+    parts, sums = objective.loss_sum(model, batch)
+    weights = torch.tensor(objective.weights(batch), dtype=torch.float32)
+    metrics = objective.logged(sums.tolist(), weights.tolist())
+    return combined_loss(parts, weights), parts / weights, metrics
+
+
+def _lora_params(model: nn.Module) -> list[nn.Parameter]:
+    params = [p for n, p in model.named_parameters() if p.requires_grad]
+    assert params and all("lora_" in n for n, p in model.named_parameters() if p.requires_grad)
+    return params
+
+
+def _grad(loss: torch.Tensor, params: list[nn.Parameter]) -> torch.Tensor:
+    return torch.cat([g.flatten() for g in torch.autograd.grad(loss, params)])
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b))
+
+
+def _assert_metrics(ours: dict[str, float], trl: dict[str, float], names: tuple[str, ...]) -> None:
+    for name in names:
+        assert ours[name] == pytest.approx(trl[name], rel=TOL, abs=TOL), name
+
+
+def _last(trainer: Trainer) -> dict[str, float]:
+    """DPOTrainer's metrics of its last _compute_loss."""
+    return {k: v[-1] for k, v in trainer._metrics["train"].items()}
+
+
+# --- DPO and IPO: DPOTrainer._compute_loss ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dpo_trainers(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Trainer]:
+    out = tmp_path_factory.mktemp("trl-dpo")
+    # Conservative DPO (label smoothing e): TRL 1.16's DPOTrainer has no such loss type any more, but it combines
+    # types: 2(1 - e) x sigmoid - (1 - 2e) x robust = -(1 - e) logsig(z) - e logsig(-z), robust being
+    # (-(1 - e) logsig(z) + e logsig(-z)) / (1 - 2e).
+    e = 0.1
+    settings = {
+        "dpo": {"beta": 0.5, "loss_type": "sigmoid"},
+        "cdpo": {"beta": 0.5, "label_smoothing": e, "loss_type": ["sigmoid", "robust"],
+                 "loss_weights": [2 * (1 - e), -(1 - 2 * e)]},
+        "ipo": {"beta": 0.1, "loss_type": "ipo"},
+    }  # fmt: skip
+    return {case: _trainer("dpo", tiny_model, out / case, **kw) for case, kw in settings.items()}
+
+
+DPO_CASES = {
+    "dpo": ObjectiveConfig(objective="dpo", beta=0.5),
+    "cdpo": ObjectiveConfig(objective="dpo", beta=0.5, label_smoothing=0.1),
+    "ipo": ObjectiveConfig(objective="ipo", beta=0.1),
+}
+
+
+@pytest.mark.parametrize("chunk", [7, 0], ids=["chunked", "whole"])
+@pytest.mark.parametrize("case", list(DPO_CASES))
+def test_dpo_and_ipo_equal_trl(dpo_trainers: dict[str, Trainer], case: str, chunk: int) -> None:
+    """Loss, rewards, log-probs and the adapter's gradient. A reference other than the adapters-off model, a wrong
+    per-token normalisation (IPO) or label-smoothing form, or misaligned rows would each break it."""
+    trainer = dpo_trainers[case]
+    model = trainer.model
+    params = _lora_params(model)
+    pairs = _pairs()
+    trl_loss = trainer._compute_loss(model, _dpo_inputs(pairs), return_outputs=False)
+    trl_metrics = _last(trainer)
+    objective = make_objective(DPO_CASES[case], FP32)
+    loss, _, metrics = _ours(objective, CausalLMLoss(model, chunk_tokens=chunk), _our_batch(pairs))
+
+    assert loss.item() == pytest.approx(trl_loss.item(), rel=TOL, abs=TOL)
+    _assert_metrics(metrics, trl_metrics, METRICS)
+    assert abs(metrics["rewards/margins"]) > 1e-2  # the adapter moved the policy off the reference
+    assert _rel(_grad(loss, params), _grad(trl_loss, params)) < TOL
+
+
+def test_label_smoothing_matches_cpo_sigmoid_formula(
+    dpo_trainers: dict[str, Trainer], tiny_model: Path, tmp_path: Path
+) -> None:
+    """Conservative DPO also equals the formula TRL keeps in CPOTrainer.cpo_loss (loss_type sigmoid), fed the
+    log-ratios against TRL's DPO reference: pair by pair, not only on average."""
+    trainer = dpo_trainers["cdpo"]
+    model, pairs = trainer.model, _pairs()
+    cpo = _trainer("cpo", tiny_model, tmp_path, loss_type="sigmoid", beta=0.5, label_smoothing=0.1, cpo_alpha=0.0)
+    with torch.no_grad():
+        logps = -CausalLMLoss(model, chunk_tokens=7)(**_model_inputs(_our_batch(pairs)), per_row=True)
+        ref_chosen, ref_rejected = trainer.compute_ref_log_probs(model, _dpo_inputs(pairs))
+    chosen, rejected = logps[:3] - ref_chosen, logps[3:] - ref_rejected
+    trl_losses, trl_chosen_rewards, trl_rejected_rewards = cpo.cpo_loss(chosen, rejected)
+    ours = DpoObjective(FP32, beta=0.5, label_smoothing=0.1).loss(chosen, rejected, torch.ones(6))
+    torch.testing.assert_close(ours, trl_losses, rtol=TOL, atol=TOL)
+    torch.testing.assert_close(trl_chosen_rewards, 0.5 * chosen)
+    torch.testing.assert_close(trl_rejected_rewards, 0.5 * rejected)
+    unsmoothed = DpoObjective(FP32, beta=0.5).loss(chosen, rejected, torch.ones(6))
+    assert (ours - unsmoothed).abs().min() > 100 * TOL  # the smoothing changes every pair's loss, far past TOL
+
+
+def test_precomputed_reference_equals_trl(dpo_trainers: dict[str, Trainer]) -> None:
+    """--precompute_reference: the pairs' reference log-probs looked up by pair_index (here out of order, in a
+    table of more pairs) give TRL's loss; chosen and rejected swapped, or pairs misindexed, they would not."""
+    trainer = dpo_trainers["dpo"]
+    model, pairs = trainer.model, _pairs()
+    trl_loss = trainer._compute_loss(model, _dpo_inputs(pairs), return_outputs=False).item()
+    trl_metrics = _last(trainer)
+    index = [5, 0, 3]
+    with torch.no_grad():
+        ref_chosen, ref_rejected = trainer.compute_ref_log_probs(model, _dpo_inputs(pairs))
+    table = torch.full((6, 2), float("nan"))
+    table[index] = torch.stack([ref_chosen, ref_rejected], dim=1)
+    objective = make_objective(DPO_CASES["dpo"], FP32, reference=lambda pair_index: table[pair_index])
+    loss, _, metrics = _ours(objective, CausalLMLoss(model, chunk_tokens=7), _our_batch(pairs, index))
+    assert loss.item() == pytest.approx(trl_loss, rel=TOL, abs=TOL)
+    _assert_metrics(metrics, trl_metrics, METRICS)
+
+
+def test_control_reference_with_adapters_on_is_not_trl(dpo_trainers: dict[str, Trainer]) -> None:
+    """The parity above is not vacuous: a reference run with the adapters on (the policy itself) gives log 2 for
+    every pair, far from TRL's loss, and so would a test whose adapter did nothing."""
+    trainer = dpo_trainers["dpo"]
+    model, pairs = trainer.model, _pairs()
+    trl_loss = trainer._compute_loss(model, _dpo_inputs(pairs), return_outputs=False).item()
+    lm = CausalLMLoss(model, chunk_tokens=7)
+    batch = _our_batch(pairs)
+
+    class AdaptersOn(DpoObjective):
+        def reference_logps(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+            with torch.no_grad():
+                return -self.forward(model, batch, per_row=True)
+
+    wrong, _, metrics = _ours(AdaptersOn(FP32, beta=0.5), lm, batch)
+    assert wrong.item() == pytest.approx(math.log(2), abs=1e-6)
+    assert metrics["rewards/margins"] == pytest.approx(0.0, abs=1e-6)
+    assert abs(wrong.item() - trl_loss) > 1e3 * TOL
+    right, _, _ = _ours(make_objective(DPO_CASES["dpo"], FP32), lm, batch)
+    assert right.item() == pytest.approx(trl_loss, rel=TOL, abs=TOL)
+
+
+# --- ORPO: ORPOTrainer ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def orpo_trainer(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Trainer:
+    return _trainer("orpo", tiny_model, tmp_path_factory.mktemp("trl-orpo"), beta=0.2)
+
+
+ORPO = ObjectiveConfig(objective="orpo", orpo_lambda=0.2)
+ORPO_METRICS = (*METRICS, "log_odds_ratio", "log_odds_chosen")
+
+
+@pytest.mark.parametrize("chunk", [7, 0], ids=["chunked", "whole"])
+def test_orpo_odds_ratio_and_metrics_equal_trl(orpo_trainer: Trainer, chunk: int) -> None:
+    """The odds-ratio term, rewards, average log-probs and log-odds equal TRL's; the cross-entropy term is over the
+    chosen reply's tokens (the paper's), where TRL's concatenated_forward takes prompt and reply: it is checked
+    against a cross-entropy over the reply tokens of the same logits, and shown to differ from TRL's here."""
+    model, pairs = orpo_trainer.model, _pairs()
+    inputs = _cpo_inputs(pairs)
+    trl_loss, trl_metrics = orpo_trainer.get_batch_loss_metrics(model, inputs)
+    _, parts, metrics = _ours(make_objective(ORPO, FP32), CausalLMLoss(model, chunk_tokens=chunk), _our_batch(pairs))
+
+    # TRL: loss = nll - mean(lambda x log sigmoid(log odds)); its odds-ratio term is loss - nll. Its nll is over
+    # prompt and reply tokens (concatenated_forward: "orpo chosen nll loss is computed over the full prompt and
+    # response"), ours over the chosen reply's tokens alone, as the paper's: that part is compared with a
+    # cross-entropy over the reply tokens of TRL's model's own logits instead.
+    assert parts[0].item() == pytest.approx(trl_loss.item() - trl_metrics["nll_loss"], rel=TOL, abs=TOL)
+    _assert_metrics(metrics, trl_metrics, ORPO_METRICS)
+    with torch.no_grad():
+        logits = model(inputs["chosen_input_ids"], attention_mask=inputs["chosen_attention_mask"]).logits
+    reply_nll = nn.CrossEntropyLoss()(logits[:, :-1].flatten(0, 1), inputs["chosen_labels"][:, 1:].flatten())
+    assert parts[1].item() == pytest.approx(reply_nll.item(), rel=TOL, abs=TOL)
+    assert abs(parts[1].item() - trl_metrics["nll_loss"]) > 1e-2  # TRL's NLL also counts the prompt tokens
+
+
+def test_orpo_equals_trl_loss_when_the_prompt_is_one_token(orpo_trainer: Trainer) -> None:
+    """With one-token prompts TRL's NLL (every token but the first) is over the reply tokens alone, as ours: then
+    TRL's whole ORPO loss and its gradient on the adapter equal ours."""
+    model, pairs = orpo_trainer.model, _pairs(((1, 4, 6), (1, 7, 3), (1, 2, 5)))
+    params = _lora_params(model)
+    trl_loss, trl_metrics = orpo_trainer.get_batch_loss_metrics(model, _cpo_inputs(pairs))
+    loss, _, metrics = _ours(make_objective(ORPO, FP32), CausalLMLoss(model, chunk_tokens=7), _our_batch(pairs))
+    assert loss.item() == pytest.approx(trl_loss.item(), rel=TOL, abs=TOL)
+    _assert_metrics(metrics, trl_metrics, ORPO_METRICS)
+    assert _rel(_grad(loss, params), _grad(trl_loss, params)) < TOL
+
+
+# --- SimPO: CPOTrainer, loss_type simpo --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def simpo_trainers(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[float, Trainer]:
+    out = tmp_path_factory.mktemp("trl-simpo")
+    simpo = {"loss_type": "simpo", "cpo_alpha": 0.0, "beta": 2.0, "simpo_gamma": 0.5}
+    return {e: _trainer("cpo", tiny_model, out / str(e), label_smoothing=e, **simpo) for e in (0.0, 0.1)}
+
+
+@pytest.mark.parametrize("chunk", [7, 0], ids=["chunked", "whole"])
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+def test_simpo_equals_trl(simpo_trainers: dict[float, Trainer], label_smoothing: float, chunk: int) -> None:
+    """Loss (on log-probs averaged over each reply's tokens, less gamma), rewards, log-probs and gradient."""
+    trainer = simpo_trainers[label_smoothing]
+    model, pairs = trainer.model, _pairs()
+    params = _lora_params(model)
+    trl_loss, trl_metrics = trainer.get_batch_loss_metrics(model, _cpo_inputs(pairs))
+    config = ObjectiveConfig(objective="simpo", beta=2.0, simpo_gamma=0.5, label_smoothing=label_smoothing)
+    loss, _, metrics = _ours(make_objective(config, FP32), CausalLMLoss(model, chunk_tokens=chunk), _our_batch(pairs))
+    assert loss.item() == pytest.approx(trl_loss.item(), rel=TOL, abs=TOL)
+    _assert_metrics(metrics, trl_metrics, METRICS)
+    assert _rel(_grad(loss, params), _grad(trl_loss, params)) < TOL
