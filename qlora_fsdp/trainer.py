@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.utils.data import DataLoader
 
 from qlora_fsdp.checkpoint import (
     TRAINED_BLOCKS,
@@ -64,6 +65,7 @@ from qlora_fsdp.model import (
     stream_weights,
 )
 from qlora_fsdp.objectives import Forward, make_objective
+from qlora_fsdp.objectives.reference import REFERENCE_FILE, reference_table
 from qlora_fsdp.optim import build_optimizer, build_scheduler
 from qlora_fsdp.quant import make_backend
 from qlora_fsdp.quant.base import QuantizedLinear
@@ -290,7 +292,19 @@ def _run(
             manifest=built.manifest,
         )
 
-    objective = make_objective(cfg.objective, Forward(env.device, precision, varlen=varlen))
+    forward = Forward(env.device, precision, varlen=varlen)
+    reference = None
+    if cfg.objective.precompute_reference:
+        started = time.perf_counter()
+        table, reused = reference_table(
+            built.model.module, loader.dataset, forward=forward, env=env, path=output_dir / REFERENCE_FILE,
+            reuse=resume is not None, make_loader=lambda rows: DataLoader(rows, batch_size=cfg.data.batch_size,
+                                                                          collate_fn=loader.collate_fn),
+        )  # fmt: skip
+        how = "read back from" if reused else f"computed in {time.perf_counter() - started:.1f}s and saved to"
+        logger.message(f"reference log-probs of {len(table)} pairs {how} {output_dir / REFERENCE_FILE}")
+        reference = table.__getitem__
+    objective = make_objective(cfg.objective, forward, reference=reference)
 
     def run_eval(step: int) -> None:
         started = time.perf_counter()

@@ -12,8 +12,9 @@ Each RUN_DIR is one of:
 The plot (x: optimizer step, y: loss) goes to --output, with each run's evaluation loss (train.py --eval_dataset or
 --eval_split) as a dashed line in the run's colour; stdout gets a Markdown table, or JSON with --json, with one row
 per run: name, steps, final and min training loss, final and min evaluation loss, mean tokens/s (of the per-step
-values) and peak memory (the largest per-rank peak of any step, GiB). A step logged twice (a resumed run's W&B log)
-counts once, with its last record.
+values) and peak memory (the largest per-rank peak of any step, GiB). Preference runs (--objective dpo, ipo, orpo,
+simpo) add their final reward accuracy and margin, training and evaluation, to the table, and a second panel with
+both curves to the plot. A step logged twice (a resumed run's W&B log) counts once, with its last record.
 Bad input prints one line, `error: ...`, and exits with status 2.
 """
 
@@ -205,6 +206,11 @@ def summarize(run: Run) -> dict[str, Any]:
     finite_losses = _finite(losses)
     eval_losses = [float(r["eval_loss"]) for r in run.evals]
     finite_evals = _finite(eval_losses)
+    rewards = {
+        f"final_{prefix}reward_{what}": _last(records, f"{prefix}rewards/{key}")
+        for prefix, records in (("", run.records), ("eval_", run.evals))
+        for what, key in (("accuracy", "accuracies"), ("margin", "margins"))
+    }
     return {
         "name": run.name,
         "source": str(run.source),
@@ -215,16 +221,35 @@ def summarize(run: Run) -> dict[str, Any]:
         "min_eval_loss": min(finite_evals) if finite_evals else None,
         "mean_tokens_per_s": sum(speeds) / len(speeds) if speeds else None,
         "peak_memory_gib": max(peaks) / GIB if peaks else None,
+        **rewards,
     }
+
+
+REWARD_COLUMNS = {
+    "final_reward_accuracy": "reward accuracy",
+    "final_reward_margin": "reward margin",
+    "final_eval_reward_accuracy": "eval reward accuracy",
+    "final_eval_reward_margin": "eval reward margin",
+}
+"""The preference columns of the table (shown when some run has them)."""
+
+
+def _last(records: list[dict[str, Any]], key: str) -> float | None:
+    values = _finite([r[key] for r in records if key in r])
+    return values[-1] if values else None
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     def fmt(value: Any, spec: str) -> str:
         return "-" if value is None else format(value, spec)
 
+    rewards = [key for key in REWARD_COLUMNS if any(r.get(key) is not None for r in rows)]
+    header = (
+        "| run | steps | final loss | min loss | final eval loss | min eval loss | mean tokens/s | peak memory (GiB) |"
+    )
     lines = [
-        "| run | steps | final loss | min loss | final eval loss | min eval loss | mean tokens/s | peak memory (GiB) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        header + "".join(f" {REWARD_COLUMNS[key]} |" for key in rewards),
+        "|---|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(rewards),
     ]
     for r in rows:
         cells = [
@@ -236,6 +261,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
             fmt(r["min_eval_loss"], ".4f"),
             fmt(r["mean_tokens_per_s"], ".1f"),
             fmt(r["peak_memory_gib"], ".2f"),
+            *(fmt(r[key], ".3f" if key.endswith("accuracy") else ".4f") for key in rewards),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -264,7 +290,12 @@ def plot(runs: list[Run], output: Path, window: int) -> None:
         from matplotlib.ticker import MaxNLocator
     except ImportError:
         raise CompareError("the plot needs matplotlib (pip install matplotlib)") from None
-    fig, ax = plt.subplots(figsize=(8, 4.5), layout="constrained")
+    preference = any("rewards/accuracies" in r for run in runs for r in run.records)
+    if preference:
+        fig, (ax, reward_ax) = plt.subplots(2, 1, figsize=(8, 8), layout="constrained", sharex=True)
+        _plot_rewards(reward_ax, runs, window)
+    else:
+        fig, ax = plt.subplots(figsize=(8, 4.5), layout="constrained")
     for run in runs:
         steps = [r["step"] for r in run.records]
         losses = [float(r["loss"]) for r in run.records]
@@ -290,6 +321,32 @@ def plot(runs: list[Run], output: Path, window: int) -> None:
         raise CompareError(f"--output {output}: {exc}") from None
     finally:
         plt.close(fig)
+
+
+def _plot_rewards(ax: Any, runs: list[Run], window: int) -> None:
+    """Reward accuracy (solid) and margin (dotted, right axis) against step, evaluation values as markers."""
+    margin_ax = ax.twinx()
+    for run in runs:
+        records = [r for r in run.records if "rewards/accuracies" in r]
+        if not records:
+            continue
+        steps = [r["step"] for r in records]
+        accuracy = [float(r["rewards/accuracies"]) for r in records]
+        margin = [float(r["rewards/margins"]) for r in records]
+        if window > 1:
+            accuracy, margin = smooth(accuracy, window), smooth(margin, window)
+        (line,) = ax.plot(steps, accuracy, label=f"{run.name} accuracy")
+        margin_ax.plot(steps, margin, ":", color=line.get_color(), label=f"{run.name} margin")
+        evals = [r for r in run.evals if "eval_rewards/accuracies" in r]
+        if evals:
+            ax.plot([r["step"] for r in evals], [r["eval_rewards/accuracies"] for r in evals], "o",
+                    color=line.get_color(), label=f"{run.name} eval accuracy")  # fmt: skip
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward accuracy")
+    ax.set_ylim(-0.05, 1.05)
+    margin_ax.set_ylabel("reward margin (dotted)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="lower right")
 
 
 def main(argv: list[str] | None = None) -> int:

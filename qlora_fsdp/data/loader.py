@@ -149,6 +149,12 @@ def _rows(
     """The rows of the examples in `keep`, logged with what fitting and packing did to them."""
     indices = np.flatnonzero(keep[cache.origin] & (cache.lengths > 0))
     if not len(indices):
+        stats = cache.stats(keep)
+        if stats.identical + stats.empty == stats.rows:
+            raise UserError(
+                f"{name}: all {stats.rows} pairs were dropped ({stats.identical} with identical replies, "
+                f"{stats.empty} with an empty one): a pair needs two different replies"
+            )
         chosen = np.flatnonzero(keep[cache.origin])
         raise all_dropped_error(int(keep.sum()), data.context_length, without_reply=cache.all_without_reply(chosen))
     rows, packed = build_rows(

@@ -209,3 +209,29 @@ def test_resumed_run_counts_each_step_once(tmp_path: Path) -> None:
     assert (row["steps"], row["final_loss"], row["min_loss"]) == (4, 0.5, 0.5)
     assert row["peak_memory_gib"] is None
     assert not math.isnan(row["mean_tokens_per_s"])
+
+
+def test_preference_runs_tabulate_and_plot_reward_accuracy_and_margin(tmp_path: Path) -> None:
+    """A DPO run's reward accuracy and margin, training and evaluation, become columns (absent for SFT runs) and a
+    second panel of the plot."""
+    dpo, sft = tmp_path / "dpo", tmp_path / "sft"
+    dpo.mkdir()
+    sft.mkdir()
+    steps = [{"step": s, "loss": 0.7 - 0.1 * s, "rewards/accuracies": 0.25 * s, "rewards/margins": 0.1 * s}
+             for s in (1, 2, 3)]  # fmt: skip
+    evals = [{"step": 3, "eval_loss": 0.4, "eval_rewards/accuracies": 0.9, "eval_rewards/margins": 0.35}]
+    (dpo / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [*steps, *evals]))
+    (sft / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n")
+    result = compare(dpo, sft, "--labels", "dpo,sft", "--json", "--output", tmp_path / "x.png")
+    assert result.returncode == 0, result.stderr
+    rows = {row["name"]: row for row in json.loads(result.stdout)}
+    assert rows["dpo"]["final_reward_accuracy"] == 0.75 and rows["dpo"]["final_eval_reward_margin"] == 0.35
+    assert rows["sft"]["final_reward_accuracy"] is None
+    table = compare(dpo, sft, "--labels", "dpo,sft", "--output", tmp_path / "y.png").stdout
+    assert "| reward accuracy | reward margin | eval reward accuracy | eval reward margin |" in table
+    assert "| 0.750 | 0.3000 | 0.900 | 0.3500 |" in table and "| - | - | - | - |" in table
+    from PIL import Image
+
+    plain = compare(sft, "--output", tmp_path / "z.png")
+    assert "reward accuracy" not in plain.stdout
+    assert Image.open(tmp_path / "y.png").size[1] > Image.open(tmp_path / "z.png").size[1]  # the second panel

@@ -95,3 +95,23 @@ def test_evaluation_on_held_out_pairs_and_sft_parameter_bytes(tiny_model: Path, 
            "--max_steps", "1", "--output_dir", str(sft)], nproc=2)  # fmt: skip
     dpo_bytes = next(r for r in records if "loss" in r)["param_bytes_per_rank"]
     assert dpo_bytes == read_metrics(sft)[0]["param_bytes_per_rank"]
+
+
+def test_precomputed_reference_trains_as_the_reference_forward(tiny_model: Path, tmp_path: Path) -> None:
+    """--precompute_reference gives the steps the per-step reference forward gives (both are the model with its
+    adapters off), and a resume reads the table back instead of computing it again."""
+    flags = ("--batch_size", "2", "--save_steps", "2")
+    online = _run(tiny_model, tmp_path / "online", "dpo", *flags, "--max_steps", "4", nproc=2)
+    out = tmp_path / "table"
+    first = train(["--model", str(tiny_model), *COMMON, "--dataset", str(PAIRS), "--objective", "dpo",
+                   *CASES["dpo"], *flags, "--max_steps", "2", "--precompute_reference", "true", "--output_dir",
+                   str(out)], nproc=2)  # fmt: skip
+    assert "reference log-probs of 400 pairs computed in" in first.stdout
+    again = train(["--model", str(tiny_model), *COMMON, "--dataset", str(PAIRS), "--objective", "dpo",
+                   *CASES["dpo"], *flags, "--max_steps", "4", "--precompute_reference", "true", "--output_dir",
+                   str(out), "--resume_from", "auto"], nproc=2)  # fmt: skip
+    assert "reference log-probs of 400 pairs read back from" in again.stdout
+    table = [r for r in read_metrics(out) if "loss" in r]
+    for a, b in zip(table, online, strict=True):
+        for key in ("loss", "grad_norm", "rewards/margins"):
+            assert math.isclose(a[key], b[key], rel_tol=1e-5, abs_tol=1e-7), (a["step"], key, a[key], b[key])

@@ -83,6 +83,14 @@ def test_regenerating_reproduces_file_byte_for_byte(tmp_path: Path) -> None:
     assert out.read_bytes() == DATA.read_bytes()
 
 
+def test_regenerating_the_preference_pairs_reproduces_their_file(tmp_path: Path) -> None:
+    out = tmp_path / "pairs.jsonl"
+    script = str(REPO_ROOT / "scripts" / "make_dataset.py")
+    subprocess.run([sys.executable, script, "--output", str(out), "--preference"], check=True, capture_output=True,
+                   timeout=60)  # fmt: skip
+    assert out.read_bytes() == (REPO_ROOT / "data" / "preference_tiny.jsonl").read_bytes()
+
+
 def test_seed_changes_rows() -> None:
     assert generate_rows(50, seed=0) != generate_rows(50, seed=1)
     assert generate_rows(50, seed=0) == generate_rows(50, seed=0)

@@ -298,16 +298,55 @@ def test_orpo_odds_ratio_and_metrics_equal_trl(orpo_trainer: Trainer, chunk: int
     assert abs(parts[1].item() - trl_metrics["nll_loss"]) > 1e-2  # TRL's NLL also counts the prompt tokens
 
 
-def test_orpo_equals_trl_loss_when_the_prompt_is_one_token(orpo_trainer: Trainer) -> None:
+@pytest.fixture(scope="module")
+def confident_orpo_trainer(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Trainer:
+    """ORPO's trainer on a model made confident: its (frozen) head's weight x 20."""
+    trainer = _trainer("orpo", tiny_model, tmp_path_factory.mktemp("trl-orpo-confident"), beta=0.2)
+    with torch.no_grad():
+        trainer.model.get_output_embeddings().weight.mul_(20.0)
+    return trainer
+
+
+def _greedy_pairs(model: nn.Module, pairs: list[Pair]) -> list[Pair]:
+    """Each pair's prompt with replies the model is sure of: chosen, its greedy continuation; rejected, the same
+    from its second-best first token. On the confident model their average log-probs lie on both sides of -log 2,
+    where log1mexp changes branch, and the log-odds differ much from the log-prob difference."""
+
+    def greedy(ids: list[int], n: int, first_rank: int) -> list[int]:
+        ids = list(ids)
+        with torch.no_grad():
+            for k in range(n):
+                logits = model(torch.tensor([ids])).logits[0, -1]
+                ids.append(int(logits.topk(first_rank + 1).indices[-1]) if k == 0 else int(logits.argmax()))
+        return ids[-n:]
+
+    return [(p, greedy(p, len(c), 0), greedy(p, len(r), 1)) for p, c, r in pairs]
+
+
+@pytest.mark.parametrize("confident", [False, True], ids=["random-replies", "confident"])
+def test_orpo_equals_trl_loss_when_the_prompt_is_one_token(
+    orpo_trainer: Trainer, confident_orpo_trainer: Trainer, confident: bool
+) -> None:
     """With one-token prompts TRL's NLL (every token but the first) is over the reply tokens alone, as ours: then
-    TRL's whole ORPO loss and its gradient on the adapter equal ours."""
-    model, pairs = orpo_trainer.model, _pairs(((1, 4, 6), (1, 7, 3), (1, 2, 5)))
+    TRL's whole ORPO loss and its gradient on the adapter equal ours. Random replies have average log-probs near
+    -6, where the odds are nearly the probabilities; the confident model's greedy replies test log1mexp and the
+    odds where they matter."""
+    trainer = confident_orpo_trainer if confident else orpo_trainer
+    model, pairs = trainer.model, _pairs(((1, 4, 6), (1, 7, 3), (1, 2, 5)))
+    if confident:
+        pairs = _greedy_pairs(model, pairs)
     params = _lora_params(model)
-    trl_loss, trl_metrics = orpo_trainer.get_batch_loss_metrics(model, _cpo_inputs(pairs))
-    loss, _, metrics = _ours(make_objective(ORPO, FP32), CausalLMLoss(model, chunk_tokens=7), _our_batch(pairs))
+    batch, lm = _our_batch(pairs), CausalLMLoss(model, chunk_tokens=7)
+    trl_loss, trl_metrics = trainer.get_batch_loss_metrics(model, _cpo_inputs(pairs))
+    loss, _, metrics = _ours(make_objective(ORPO, FP32), lm, batch)
     assert loss.item() == pytest.approx(trl_loss.item(), rel=TOL, abs=TOL)
     _assert_metrics(metrics, trl_metrics, ORPO_METRICS)
     assert _rel(_grad(loss, params), _grad(trl_loss, params)) < TOL
+    if confident:  # the regime it is there for
+        with torch.no_grad():
+            average = -lm(**_model_inputs(batch), per_row=True) / (batch["labels"][:, 1:] != IGNORE_INDEX).sum(1)
+        assert (average > -math.log(2)).any() and (average < -math.log(2)).any()  # both branches of log1mexp
+        assert abs(metrics["log_odds_chosen"] - metrics["rewards/margins"] / 0.2) > 0.1  # odds far from probs
 
 
 # --- SimPO: CPOTrainer, loss_type simpo --------------------------------------------------------------------------

@@ -1,0 +1,78 @@
+"""Bad preference input through the real CLI: exit status 2 and one `error:` line, before the model loads (its
+directory has a tokenizer but no weights, so an error about the data or flags proves it came first)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.cli.test_bad_input import assert_one_line_error, run_cli
+from tests.conftest import DATASET, REPO_ROOT
+
+PAIRS = REPO_ROOT / "data" / "preference_tiny.jsonl"
+
+
+@pytest.fixture(scope="module")
+def no_weights(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    model = tmp_path_factory.mktemp("no-weights")
+    for item in tiny_model.iterdir():
+        if item.is_file() and "safetensors" not in item.name:
+            (model / item.name).write_bytes(item.read_bytes())
+    return model
+
+
+def _pairs(tmp_path: Path, rows: list) -> Path:
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+GOOD = {"prompt": "Name a color.", "chosen": "Blue.", "rejected": "Loud."}
+
+
+@pytest.mark.parametrize(
+    ("rows", "flags", "needles"),
+    [
+        ([GOOD, {"prompt": "p", "chosen": "a", "rejected": ["b"]}], ["--objective", "dpo"],
+         ["row 2", "'prompt', 'chosen' and 'rejected' must be all strings or all message lists"]),
+        ([GOOD, {"prompt": "p", "chosen": "a"}], ["--objective", "ipo"], ["row 2", "missing field 'rejected'"]),
+        ([GOOD, {"instruction": "p", "output": "a"}], ["--objective", "simpo"], ["row 2", "a preference pair"]),
+        ([GOOD], ["--objective", "sft"], ["row 1", "--objective dpo"]),
+        ([{"prompt": "p", "chosen": "a", "rejected": "a"}, {"prompt": "q", "chosen": "b", "rejected": ""}],
+         ["--objective", "orpo"], ["all 2 pairs were dropped (1 with identical replies, 1 with an empty one)"]),
+    ],
+)  # fmt: skip
+def test_bad_pairs_name_the_file_and_row(no_weights: Path, tmp_path: Path, rows: list, flags: list[str],
+                                         needles: list[str]) -> None:  # fmt: skip
+    path = _pairs(tmp_path, rows)
+    out = tmp_path / "out"
+    code, errors, output = run_cli(["--model", str(no_weights), "--dataset", str(path), *flags, "--device", "cpu",
+                                    "--output_dir", str(out)])  # fmt: skip
+    assert code == 2
+    assert_one_line_error(code, errors, output, *needles)
+    assert not (out / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    ("flags", "needles"),
+    [
+        (["--objective", "orpo", "--beta", "0.2"], ["--beta does not apply to --objective orpo", "--orpo_lambda"]),
+        (["--objective", "ipo", "--label_smoothing", "0.1"], ["--label_smoothing does not apply to --objective ipo"]),
+        (["--objective", "sft", "--simpo_gamma", "1"], ["--simpo_gamma does not apply to --objective sft"]),
+        (["--objective", "dpo", "--packing", "true"], ["--objective dpo cannot take --packing"]),
+        (["--objective", "simpo", "--precompute_reference", "true"], ["--precompute_reference", "simpo has none"]),
+        (["--objective", "dpo", "--quant", "none", "--train_type", "full"], ["--train_type full", "adapters off"]),
+        (["--objective", "kto"], ["--objective 'kto' is not one of sft, dpo, ipo, orpo, simpo"]),
+        (["--objective", "dpo", "--beta", "0"], ["--beta must be > 0"]),
+        (["--objective", "dpo", "--max_prompt_length", "-1"], ["--max_prompt_length must be >= 0"]),
+    ],
+)
+def test_flags_that_do_not_apply_are_refused(no_weights: Path, tmp_path: Path, flags: list[str],
+                                             needles: list[str]) -> None:  # fmt: skip
+    dataset = DATASET if "sft" in flags else PAIRS
+    code, errors, output = run_cli(["--model", str(no_weights), "--dataset", str(dataset), *flags, "--device", "cpu",
+                                    "--output_dir", str(tmp_path / "out")])  # fmt: skip
+    assert code == 2
+    assert_one_line_error(code, errors, output, *needles)
