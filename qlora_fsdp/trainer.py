@@ -161,7 +161,7 @@ MUST_MATCH_ON_RESUME = (
     "train_type", "quant", "bnb_quant_type", "bnb_double_quant", "hqq_bits",
     "hqq_group_size", "compute_dtype", "lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "precision",
     "fsdp_version", "sharding_strategy", "shard_group_size", "optimizer", "chat_template",
-    "objective", "max_prompt_length", "precompute_reference",
+    "objective", "max_prompt_length",
 )  # fmt: skip
 # These may change on resume (a lower learning rate, a longer run): the new values apply from the resumed step on,
 # as if the schedule had always been the new one, and the log names each change.
@@ -298,8 +298,10 @@ def _run(
         started = time.perf_counter()
         table, reused = reference_table(
             built.model.module, loader.dataset, forward=forward, env=env, path=output_dir / REFERENCE_FILE,
-            reuse=resume is not None, make_loader=lambda rows: DataLoader(rows, batch_size=cfg.data.batch_size,
-                                                                          collate_fn=loader.collate_fn),
+            reuse=resume is not None, make_loader=lambda rows: DataLoader(
+                # Its own generator: drawing the iterator's seed from the global one would shift dropout masks.
+                rows, batch_size=cfg.data.batch_size, collate_fn=loader.collate_fn, generator=torch.Generator(),
+            ),
         )  # fmt: skip
         how = "read back from" if reused else f"computed in {time.perf_counter() - started:.1f}s and saved to"
         logger.message(f"reference log-probs of {len(table)} pairs {how} {output_dir / REFERENCE_FILE}")

@@ -9,7 +9,8 @@ VENV=${VENV_TORCH211:-.venv-torch211}
 "$VENV/bin/python" -c 'import torch, transformers; print(f"torch {torch.__version__}, transformers {transformers.__version__}")'
 # 2-rank bnb and HQQ training under both FSDP versions; storage integrity; exact resume; after training (unit and
 # SmolLM2 end to end); the GPU suite's dry run; the default command against the CPU suite's torch; mixture-of-experts
-# loading, quantization, adapters and merge (transformers 5.17's conversion mapping).
+# loading, quantization, adapters and merge (transformers 5.17's conversion mapping); DPO and IPO across ranks (a
+# second forward with the adapters off, inside the same FSDP units).
 export QLORA_REFERENCE_PYTHON="$PWD/${VENV_CPU:-.venv}/bin/python"
 "$VENV/bin/python" -m pytest -q -n "${PYTEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder \
     tests/distributed/test_after_training_bnb.py \
@@ -19,4 +20,7 @@ export QLORA_REFERENCE_PYTHON="$PWD/${VENV_CPU:-.venv}/bin/python"
     tests/distributed/test_storage_integrity.py \
     "tests/distributed/test_reliability.py::test_sigkill_then_resume_matches_uninterrupted" \
     tests/benchmarks/test_harness.py::test_gpu_script_dry_run \
+    "tests/distributed/test_preference.py::test_ranks_times_batch_is_one_rank_with_the_whole_batch[dpo]" \
+    "tests/distributed/test_preference.py::test_ranks_times_batch_is_one_rank_with_the_whole_batch[ipo]" \
+    tests/unit/test_preference_objectives.py \
     tests/unit/test_export.py tests/unit/test_quant.py tests/unit/test_fsdp.py tests/unit/test_moe.py "$@"

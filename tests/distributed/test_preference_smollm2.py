@@ -7,6 +7,7 @@ dequantized), and PEFT's reply log-probs of the held-out pairs equal the run's f
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -61,9 +62,9 @@ def test_smollm2_learns_to_prefer_the_sign_off(smollm2: Path, tmp_path: Path) ->
     train(
         ["--model", str(smollm2), "--dataset", str(PAIRS), "--objective", "dpo", "--beta", "0.1",
          "--prompt_style", "chat", "--quant", "bnb", "--precision", "fp32", "--context_length", str(CONTEXT),
-         "--batch_size", "2", "--max_steps", "24", "--lr", "5e-4", "--lora_rank", "8", "--lora_alpha", "16",
+         "--batch_size", "2", "--max_steps", "12", "--lr", "5e-4", "--lora_rank", "8", "--lora_alpha", "16",
          "--lora_target_modules", "q_proj,v_proj,o_proj,down_proj", "--eval_split", str(SPLIT), "--eval_steps",
-         "12", "--seed", str(SEED), "--device", "cpu", "--log_to", "stdout", "--dataset_cache_dir",
+         "6", "--seed", str(SEED), "--device", "cpu", "--log_to", "stdout", "--dataset_cache_dir",
          str(tmp_path / "cache"), "--output_dir", str(out)],
         nproc=2,
         timeout=900,
@@ -72,7 +73,7 @@ def test_smollm2_learns_to_prefer_the_sign_off(smollm2: Path, tmp_path: Path) ->
     first, last = evals[0], evals[-1]
     assert last["eval_pairs"] == 40
     assert last["eval_rewards/accuracies"] >= 0.9, evals
-    assert last["eval_loss"] < first["eval_loss"] < 0.7
+    assert last["eval_loss"] < first["eval_loss"] < math.log(2)  # ln 2: the fresh adapter's loss
     assert last["eval_rewards/margins"] > first["eval_rewards/margins"] > 0
 
     # PEFT on transformers' model with the dequantized 4-bit weights: the run's held-out log-probs.

@@ -1,5 +1,5 @@
-"""Training code on CUDA: a 1-process FSDP2 run against the same run on the CPU (fp32), verify_packed on CUDA, and
-export after a CUDA run reproducing the packed bytes training used."""
+"""Training code on CUDA: 1-process FSDP2 runs (SFT and DPO) against the same runs on the CPU (fp32), verify_packed
+on CUDA, and export after a CUDA run reproducing the packed bytes training used."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from scripts import export_quantized
 pytestmark = pytest.mark.gpu
 
 DATASET = str(Path(__file__).resolve().parents[2] / "data" / "alpaca_tiny.jsonl")
+PAIRS = str(Path(__file__).resolve().parents[2] / "data" / "preference_tiny.jsonl")
 # SGD, not Adam: Adam's first step moves every weight by lr whatever the size of its gradient, so the sign of a
 # gradient that is zero up to rounding would decide it; SGD's step is continuous in the gradient.
 FLAGS = {
@@ -64,6 +65,28 @@ def test_fsdp2_step_on_cuda_matches_the_cpu_in_fp32(runs: dict[str, list[dict]])
         assert g["grad_norm"] == pytest.approx(c["grad_norm"], rel=1e-3), step
         assert c["grad_norm"] > 0
     assert cuda[1]["loss"] != cuda[0]["loss"]  # the first step changed the adapters, on both devices alike
+
+
+@pytest.fixture(scope="module")
+def dpo_runs(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        flags = {"model": str(tiny_model), "dataset": PAIRS, "objective": "dpo", "optimizer": "adamw", "lr": 0.01}
+        return {device: train(device, tmp_path_factory.mktemp(f"dpo-{device}"), **flags) for device in ("cpu", "cuda")}
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+def test_dpo_step_on_cuda_matches_the_cpu_in_fp32(dpo_runs: dict[str, list[dict]]) -> None:
+    """DPO's reference forward (adapters off, no_grad) and policy forward in one step on CUDA: the first loss is
+    ln 2 and both steps equal the CPU's."""
+    cpu, cuda = dpo_runs["cpu"], dpo_runs["cuda"]
+    assert abs(cuda[0]["loss"] - 0.6931471805599453) < 1e-6
+    for step, (c, g) in enumerate(zip(cpu, cuda, strict=True), start=1):
+        for key in ("loss", "rewards/margins", "logps/chosen"):
+            assert g[key] == pytest.approx(c[key], rel=1e-4, abs=1e-6), (step, key)
+        assert g["grad_norm"] == pytest.approx(c["grad_norm"], rel=1e-3), step
 
 
 def guarded(quant: str, storage: torch.dtype, *, shard_state: bool = False) -> nn.Sequential:

@@ -7,6 +7,11 @@ in fp32. TRL's side is its trainers' real code: DPOTrainer._compute_loss (DPO, I
 disabled, as for a new adapter), ORPOTrainer.get_batch_loss_metrics and CPOTrainer.get_batch_loss_metrics (SimPO:
 loss_type simpo, cpo_alpha 0), each trainer built from the base model and the LoRA config, the B matrices then
 drawn as if the adapter had trained. Our side runs CausalLMLoss with a 7-token head chunk (and whole logits).
+
+Known difference, by design: ORPO's cross-entropy is over the chosen reply's tokens (the paper's), TRL's over the
+prompt's and the reply's; the ORPO tests compare that term with a cross-entropy over the reply tokens instead, and
+TRL's whole ORPO loss where the two coincide (one-token prompts). Measured on this batch: every difference is below
+6e-6 absolute (the largest, IPO's loss of about 25) and the gradients agree to about 1e-6 relative.
 """
 
 from __future__ import annotations
@@ -182,8 +187,8 @@ DPO_CASES = {
 }
 
 
-@pytest.mark.parametrize("chunk", [7, 0], ids=["chunked", "whole"])
-@pytest.mark.parametrize("case", list(DPO_CASES))
+# The whole-logits path (chunk 0) once per trainer: it is the same for every objective.
+@pytest.mark.parametrize(("case", "chunk"), [("dpo", 7), ("dpo", 0), ("cdpo", 7), ("ipo", 7)])
 def test_dpo_and_ipo_equal_trl(dpo_trainers: dict[str, Trainer], case: str, chunk: int) -> None:
     """Loss, rewards, log-probs and the adapter's gradient. A reference other than the adapters-off model, a wrong
     per-token normalisation (IPO) or label-smoothing form, or misaligned rows would each break it."""
@@ -359,8 +364,7 @@ def simpo_trainers(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -
     return {e: _trainer("cpo", tiny_model, out / str(e), label_smoothing=e, **simpo) for e in (0.0, 0.1)}
 
 
-@pytest.mark.parametrize("chunk", [7, 0], ids=["chunked", "whole"])
-@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+@pytest.mark.parametrize(("label_smoothing", "chunk"), [(0.0, 7), (0.0, 0), (0.1, 7)])
 def test_simpo_equals_trl(simpo_trainers: dict[float, Trainer], label_smoothing: float, chunk: int) -> None:
     """Loss (on log-probs averaged over each reply's tokens, less gamma), rewards, log-probs and gradient."""
     trainer = simpo_trainers[label_smoothing]
