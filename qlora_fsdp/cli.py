@@ -51,7 +51,7 @@ def preprocess(config: str | None = None, **flags: Any) -> None:
 
         tokenizer = load_tokenizer(resolve_model_path(cfg.model.model))
         alone = DistEnv(0, 0, 1, 1, torch.device("cpu"), "gloo")
-        for cache, built in prepare_caches(cfg.data, cfg.eval, tokenizer, alone):
+        for cache, built in prepare_caches(cfg.data, cfg.eval, tokenizer, alone, pairs=cfg.objective.pairs):
             print(cache.describe(built), flush=True)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)

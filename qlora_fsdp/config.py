@@ -575,6 +575,10 @@ def _objective_problems(cfg: TrainConfig) -> list[str]:
         (cfg.data.dataset_streaming, "--dataset_streaming (pairs are read from the tokenized cache): drop it"),
         (cfg.data.train_on_inputs, "--train_on_inputs (the losses compare replies only): drop it"),
         (
+            bool(cfg.model.router_aux_loss_coef),
+            "--router_aux_loss_coef (the load-balancing loss joins supervised losses only): drop it",
+        ),
+        (
             reference and cfg.lora.train_type not in ("lora", "dora"),
             f"--train_type {cfg.lora.train_type}: the reference is the model with its adapters off, so it needs "
             "--train_type lora or dora (orpo and simpo need no reference)",

@@ -161,7 +161,7 @@ def _optimizer_step(
             with _activation_offload(step.activation_offload, env.device):
                 part, metrics = objective.loss_sum(step.model.module, batch)
             # FSDP averages gradients over ranks: scale by world size so the result is sum / global weight.
-            scaled = combined_loss(part, weight.to(part.dtype)) * env.world_size
+            scaled = (part * env.world_size / weight.to(part.dtype).clamp(min=1.0)).sum()
             (scaler.scale(scaled) if scaler else scaled).backward()
         loss_sum += part.detach().double()
         metric_sums += metrics

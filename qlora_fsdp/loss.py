@@ -85,14 +85,16 @@ class CausalLMLoss(nn.Module):
         inputs: dict[str, Any] = dict(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         )
-        # The load-balancing loss joins a summed loss only (a preference objective's per-row sums go without it).
-        router = self.router if self.training and torch.is_grad_enabled() and not per_row else None
+        router = self.router if self.training and torch.is_grad_enabled() else None
         if router is not None:
             inputs["output_router_logits"] = True
         head = self.lm.get_output_embeddings()
         # Per-token losses from the chunked head need its gradients in backward: a plain head that trains (full
         # fine-tuning) takes whole logits instead.
-        trained_head = type(head) is nn.Linear and any(p.requires_grad for p in head.parameters())
+        # FSDP1's flat parameters leave the head without parameters of its own: its attributes are what it trains.
+        trained_head = type(head) is nn.Linear and any(
+            p is not None and p.requires_grad for p in (head.weight, head.bias)
+        )
         if not self.chunked or (per_row and trained_head):
             out = self.lm(**inputs)
             loss = full_loss_sum(out.logits, labels, per_row=per_row)
@@ -128,21 +130,25 @@ def chunked_loss_sum(
     if type(head) is nn.Linear:
         losses = _LinearHeadLoss.apply(states, head.weight, head.bias, targets, chunk_tokens, per_row)
     else:
+        reduction = "none" if per_row else "sum"
         parts = [
             checkpoint(_chunk_loss, head, states[start : start + chunk_tokens], targets[start : start + chunk_tokens],
-                       use_reentrant=False)
+                       reduction, use_reentrant=False)
             for start in range(0, states.shape[0], chunk_tokens)
         ]  # fmt: skip
-        losses = torch.cat(parts) if parts else states.new_zeros(0, dtype=torch.float32)
-    losses = losses + 0.0 * states.sum()  # no label token here: backward must still reach every layer (FSDP)
+        losses = states.new_zeros((0,) if per_row else (), dtype=torch.float32)
+        for part in parts:
+            losses = torch.cat([losses, part]) if per_row else losses + part
+        losses = losses + 0.0 * states.sum()  # no label token here: backward must still reach every layer (FSDP)
     if not per_row:
-        return losses.sum()
-    rows = torch.arange(labels.shape[0], device=labels.device).repeat_interleave(labels.shape[1] - 1)[keep]
-    return losses.new_zeros(labels.shape[0]).index_add(0, rows, losses)
+        return losses
+    # Each row's sum by a dense scatter (deterministic on CUDA, unlike index_add's atomics).
+    dense = losses.new_zeros(keep.shape[0]).masked_scatter(keep, losses)
+    return dense.view(labels.shape[0], -1).sum(1)
 
 
-def _chunk_loss(head: nn.Module, states: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(head(states).float(), targets, reduction="none")
+def _chunk_loss(head: nn.Module, states: torch.Tensor, targets: torch.Tensor, reduction: str) -> torch.Tensor:
+    return F.cross_entropy(head(states).float(), targets, reduction=reduction)
 
 
 class _LinearHeadLoss(torch.autograd.Function):
@@ -178,7 +184,7 @@ class _LinearHeadLoss(torch.autograd.Function):
         grad_states, grad_weight, grad_bias = (
             buffer(t, needed) for t, needed in zip((states, weight, bias), ctx.needs_input_grad[:3], strict=True)
         )
-        losses = torch.zeros(states.shape[0], dtype=torch.float32, device=states.device)
+        losses = torch.zeros(states.shape[0] if per_token else (), dtype=torch.float32, device=states.device)
         for start in range(0, states.shape[0], chunk_tokens):
             chunk = slice(start, start + chunk_tokens)
             low = F.linear(states[chunk], weight, bias)  # the head's own dtype (or autocast's), as the model computes
@@ -190,7 +196,11 @@ class _LinearHeadLoss(torch.autograd.Function):
             peak = logits.amax(dim=-1, keepdim=True)
             probs = logits.sub_(peak).exp_()
             sums = probs.sum(dim=-1, keepdim=True)
-            losses[chunk] = (peak + sums.log()).squeeze(1) - target_logit  # logsumexp(z) - z[target]
+            token_losses = (peak + sums.log()).squeeze(1) - target_logit  # logsumexp(z) - z[target]
+            if per_token:
+                losses[chunk] = token_losses
+            else:
+                losses += token_losses.sum()
             if grad_states is None and grad_weight is None and grad_bias is None:
                 continue
             probs.div_(sums)  # softmax
@@ -206,7 +216,7 @@ class _LinearHeadLoss(torch.autograd.Function):
         ctx.save_for_backward(grad_states, grad_weight, grad_bias)
         ctx.dtypes = (states.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.per_token = per_token
-        return losses if per_token else losses.sum()
+        return losses
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:

@@ -304,13 +304,15 @@ def _run(
             ),
         )  # fmt: skip
         how = "read back from" if reused else f"computed in {time.perf_counter() - started:.1f}s and saved to"
-        logger.message(f"reference log-probs of {len(table)} pairs {how} {output_dir / REFERENCE_FILE}")
+        logger.message(f"reference log-probs of {len(loader.dataset)} pairs {how} {output_dir / REFERENCE_FILE}")
         reference = table.__getitem__
     objective = make_objective(cfg.objective, forward, reference=reference)
+    # The table holds the training pairs only: evaluation runs its reference forward itself.
+    eval_objective = make_objective(cfg.objective, forward)
 
     def run_eval(step: int) -> None:
         started = time.perf_counter()
-        result = evaluate(built.model.module, eval_loader, objective=objective, device=env.device)
+        result = evaluate(built.model.module, eval_loader, objective=eval_objective, device=env.device)
         record: dict[str, object] = {"step": step, "eval_loss": result.loss}
         if objective.reports_perplexity:
             record |= {"eval_ppl": result.perplexity, "eval_tokens": result.tokens}
@@ -414,7 +416,8 @@ def _build_model(cfg: TrainConfig, env: DistEnv, model_path: Path, precision: Pr
             digests.add(layer)
         sharder.shard_unit(name, layer, root=skeleton.model)
 
-    router = router_loss(unwrapped, cfg.model.router_aux_loss_coef)
+    # A preference loss goes without the load-balancing loss, even where the model config asks for it.
+    router = router_loss(unwrapped, 0.0 if cfg.objective.pairs else cfg.model.router_aux_loss_coef)
     if router is not None and cfg.fsdp.gradient_checkpointing and cfg.fsdp.reentrant_checkpointing:
         raise UserError(
             "--reentrant_checkpointing true: the router's load-balancing loss would get no gradient through "

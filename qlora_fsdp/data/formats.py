@@ -65,12 +65,14 @@ class Pair:
     rejected: AnyExample
 
     def defect(self) -> str | None:
-        """"empty" when a side has no reply text, "identical" when both replies are the same: such a pair teaches
+        """"identical" when both replies are the same, "empty" when a side has no reply text: such a pair teaches
         nothing and is dropped (and counted)."""
         replies = [_reply(side) for side in (self.chosen, self.rejected)]
+        if replies[0] == replies[1]:
+            return "identical"
         if any(not "".join(content for _, content in reply).strip() for reply in replies):
             return "empty"
-        return "identical" if replies[0] == replies[1] else None
+        return None
 
 
 def _reply(example: AnyExample) -> tuple[tuple[str, str], ...]:
@@ -138,16 +140,19 @@ def format_prompt(instruction: str, inp: str = "", *, prompt_style: str = "alpac
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _field(row: dict[str, Any], name: str, where: str, *, optional: bool = False, help: str = _ROW_HELP) -> str:
-    """row[name] as a string, or a one-line UserError saying where the row is and what is wrong."""
+def _field(
+    row: dict[str, Any], name: str, where: str, *, optional: bool = False, formats: str = _ROW_HELP
+) -> str:
+    """row[name] as a string, or a one-line UserError saying where the row is and what is wrong (and `formats`,
+    what a row may hold)."""
     value = row.get(name)
     if value is None:
         if optional:
             return ""
         what = "missing field" if name not in row else "null field"
-        raise UserError(f"{where}: {what} {name!r} ({help})")
+        raise UserError(f"{where}: {what} {name!r} ({formats})")
     if not isinstance(value, str):
-        raise UserError(f"{where}: field {name!r} must be a string, got {type(value).__name__} ({help})")
+        raise UserError(f"{where}: field {name!r} must be a string, got {type(value).__name__} ({formats})")
     return value
 
 
@@ -178,6 +183,10 @@ _PAIR_HELP = (
 )
 
 
+_SFT_FIELDS = ("messages", "conversations", "completion", "instruction", "output", "text")
+"""Fields of the supervised formats: a row with one is not taken for a pair for carrying `chosen` too."""
+
+
 def _is_pair_row(row: dict[str, Any]) -> bool:
     return row.get("chosen") is not None or row.get("rejected") is not None
 
@@ -188,7 +197,7 @@ def pair_example(row: Any, where: str, *, prompt_style: str) -> Pair:
         got = "an object without them" if isinstance(row, dict) else type(row).__name__
         raise UserError(f"{where}: expected a preference pair, got {got} ({_PAIR_HELP})")
     prompt, chosen, rejected = row.get("prompt"), row.get("chosen"), row.get("rejected")
-    if isinstance(chosen, list) or isinstance(rejected, list):
+    if any(isinstance(value, list) for value in (prompt, chosen, rejected)):
         if not (isinstance(chosen, list) and isinstance(rejected, list)) or isinstance(prompt, str):
             raise UserError(f"{where}: 'prompt', 'chosen' and 'rejected' must be all strings or all message lists")
         if prompt is None:  # the prompt is the turns both sides share
@@ -205,8 +214,8 @@ def pair_example(row: Any, where: str, *, prompt_style: str) -> Pair:
             raise UserError(f"{where}: no prompt: 'chosen' and 'rejected' share no turn and there is no 'prompt'")
         chosen_side, rejected_side = (Conversation((*turns, *reply), where, learn_from=len(turns)) for reply in replies)
         return Pair(chosen_side, rejected_side)
-    text = _field(row, "prompt", where, help=_PAIR_HELP)
-    replies = (_field(row, "chosen", where, help=_PAIR_HELP), _field(row, "rejected", where, help=_PAIR_HELP))
+    text = _field(row, "prompt", where, formats=_PAIR_HELP)
+    replies = (_field(row, "chosen", where, formats=_PAIR_HELP), _field(row, "rejected", where, formats=_PAIR_HELP))
     if prompt_style == CHAT_STYLE:
         return Pair(*(conversation_from_pair(text, reply, where) for reply in replies))
     framed = format_prompt(text, prompt_style=prompt_style)
@@ -217,7 +226,7 @@ def row_example(row: Any, where: str, *, prompt_style: str) -> AnyExample:
     """The example a row holds, by its fields (see the module docstring); a null field counts as absent."""
     if not isinstance(row, dict):
         raise UserError(f"{where}: expected an object, got {type(row).__name__} ({_ROW_HELP})")
-    if _is_pair_row(row):
+    if _is_pair_row(row) and not any(row.get(key) is not None for key in _SFT_FIELDS):
         raise UserError(
             f"{where}: a preference pair ('chosen'/'rejected'), which --objective sft cannot learn from; pass "
             "--objective dpo, ipo, orpo or simpo, or give supervised rows"

@@ -81,7 +81,7 @@ def fit_pair(
     """A preference pair's two sides within the context: (chosen, rejected, "whole" or "truncated").
 
     The replies are kept and the prompt is cut from the left, to --max_prompt_length (0: no limit of its own) and
-    then to what the longer reply leaves of the context, by the same number of tokens on both sides. The first
+    then to what the longer reply leaves of the context, each side keeping the same number of prompt tokens. The first
     `keep_head` tokens (the tokenizer's BOS) stay. A reply that alone outgrows the context keeps its beginning. A
     side's prompt is its tokens before the first label.
     """
@@ -130,8 +130,9 @@ class FitStats:
         pairs = f", {self.identical} identical and {self.empty} empty pairs dropped" if self.identical or self.empty \
             else ""  # fmt: skip
         return (
-            f"{self.rows} rows, {cut} at {context_length} tokens, {self.dropped} dropped (nothing left to learn)"
-            f"{pairs}, {self.samples} samples of {self.tokens} tokens, {self.label_tokens} label tokens"
+            f"{self.rows} rows, {cut} at {context_length} tokens, {self.dropped - self.identical - self.empty} "
+            f"dropped (nothing left to learn){pairs}, {self.samples} samples of {self.tokens} tokens, "
+            f"{self.label_tokens} label tokens"
         )
 
 

@@ -83,8 +83,13 @@ class _ReferenceObjective(PreferenceObjective):
         """The reference's summed reply log-probs of every sequence (chosen sides first)."""
         if self.reference is not None:
             return self.reference(batch["pair_index"]).T.reshape(-1).to(self.forward.device)
-        with torch.no_grad():
-            return -self.forward(model, batch, per_row=True, adapters=False)
+        was_training = model.training
+        model.eval()  # the reference has no dropout (the base model's own, where its config has some)
+        try:
+            with torch.no_grad():
+                return -self.forward(model, batch, per_row=True, adapters=False)
+        finally:
+            model.train(was_training)
 
     def pair_losses(
         self, model: nn.Module, batch: dict[str, torch.Tensor], logps: torch.Tensor, tokens: torch.Tensor
@@ -168,8 +173,13 @@ def smoothed_sigmoid_loss(logits: torch.Tensor, label_smoothing: float) -> torch
 
 
 def log1mexp(x: torch.Tensor) -> torch.Tensor:
-    """log(1 - exp(x)) for x < 0, accurate near 0 and far below it."""
-    return torch.where(x > -math.log(2), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+    """log(1 - exp(x)) for x < 0, accurate near 0 and far below it. Each branch sees only the inputs it is exact
+    for (the other branch's backward would make 0/0 of them), and x stops short of 0, where the odds are infinite
+    (a reply certain to the last digit)."""
+    x = x.clamp(max=-1e-7)
+    near = x > -math.log(2)
+    return torch.where(near, torch.log(-torch.expm1(torch.where(near, x, -1.0))),
+                       torch.log1p(-torch.exp(torch.where(near, -1.0, x))))  # fmt: skip
 
 
 def _reply_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -8,9 +8,12 @@ computing it again: resuming requires the data, model and quantization flags the
 
 from __future__ import annotations
 
+import hashlib
+import os
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -33,13 +36,16 @@ def reference_table(
     reuse: bool,
 ) -> tuple[torch.Tensor, bool]:
     """([cache rows, 2] float64 reference log-probs (chosen, rejected), whether read back from `path`)."""
+    from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
     size = len(rows.pairs)  # type: ignore[attr-defined]
+    fingerprint = _fingerprint(rows)
     if reuse and path.is_file():
-        table = load_file(str(path))["logps"]
-        if table.shape == (size, 2):
-            return table, True
+        with safe_open(str(path), "pt") as stored:
+            same = (stored.metadata() or {}).get("pairs") == fingerprint
+        if same:
+            return load_file(str(path))["logps"], True
     from qlora_fsdp.data.loader import EvalShard
 
     table = torch.zeros(size, 2, dtype=torch.float64, device=env.device)
@@ -57,5 +63,16 @@ def reference_table(
     table = table.cpu()
     if env.is_main:
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_file({"logps": table}, str(path))
+        partial = path.with_name(path.name + ".tmp")
+        save_file({"logps": table}, str(partial), metadata={"pairs": fingerprint})
+        os.replace(partial, path)  # whole or absent: a run killed while writing leaves the previous file
     return table, False
+
+
+def _fingerprint(rows: Dataset) -> str:
+    """Which pairs the table is for: the cache's size and the training pairs' rows and lengths (another dataset,
+    tokenizer or context gives others; the flags that decide them must match to resume at all)."""
+    digest = hashlib.sha256(str(len(rows.pairs)).encode())  # type: ignore[attr-defined]
+    for values in (rows.indices, rows.lengths):  # type: ignore[attr-defined]
+        digest.update(np.ascontiguousarray(values, dtype=np.int64).tobytes())
+    return digest.hexdigest()

@@ -67,6 +67,7 @@ def test_bad_pairs_name_the_file_and_row(no_weights: Path, tmp_path: Path, rows:
         (["--objective", "kto"], ["--objective 'kto' is not one of sft, dpo, ipo, orpo, simpo"]),
         (["--objective", "dpo", "--beta", "0"], ["--beta must be > 0"]),
         (["--objective", "dpo", "--max_prompt_length", "-1"], ["--max_prompt_length must be >= 0"]),
+        (["--objective", "dpo", "--router_aux_loss_coef", "0.01"], ["--objective dpo cannot take --router_aux_loss"]),
     ],
 )
 def test_flags_that_do_not_apply_are_refused(no_weights: Path, tmp_path: Path, flags: list[str],
@@ -76,3 +77,14 @@ def test_flags_that_do_not_apply_are_refused(no_weights: Path, tmp_path: Path, f
                                     "--output_dir", str(tmp_path / "out")])  # fmt: skip
     assert code == 2
     assert_one_line_error(code, errors, output, *needles)
+
+
+def test_preprocess_builds_the_pairs_cache(no_weights: Path, tmp_path: Path) -> None:
+    """scripts/preprocess.py with --objective dpo builds the preference cache training then reuses."""
+    from tests.conftest import launch
+
+    args = ["--model", str(no_weights), "--dataset", str(PAIRS), "--objective", "dpo", "--dataset_cache_dir",
+            str(tmp_path / "cache")]  # fmt: skip
+    result = launch(REPO_ROOT / "scripts" / "preprocess.py", args, nproc=0, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "400 examples" in result.stdout and "built in" in result.stdout

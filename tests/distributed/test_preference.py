@@ -98,20 +98,40 @@ def test_evaluation_on_held_out_pairs_and_sft_parameter_bytes(tiny_model: Path, 
 
 
 def test_precomputed_reference_trains_as_the_reference_forward(tiny_model: Path, tmp_path: Path) -> None:
-    """--precompute_reference gives the steps the per-step reference forward gives (both are the model with its
-    adapters off), and a resume reads the table back instead of computing it again."""
-    flags = ("--batch_size", "2", "--save_steps", "2")
+    """--precompute_reference gives the steps (and the evaluations, whose held-out pairs are not in the table) that
+    the per-step reference forward gives (both are the model with its adapters off), and a resume reads the table
+    back instead of computing it again."""
+    flags = ("--batch_size", "2", "--save_steps", "2", "--eval_split", "0.05", "--eval_steps", "2")
     online = _run(tiny_model, tmp_path / "online", "dpo", *flags, "--max_steps", "4", nproc=2)
     out = tmp_path / "table"
     first = train(["--model", str(tiny_model), *COMMON, "--dataset", str(PAIRS), "--objective", "dpo",
                    *CASES["dpo"], *flags, "--max_steps", "2", "--precompute_reference", "true", "--output_dir",
                    str(out)], nproc=2)  # fmt: skip
-    assert "reference log-probs of 400 pairs computed in" in first.stdout
+    assert "reference log-probs of 380 pairs computed in" in first.stdout
     again = train(["--model", str(tiny_model), *COMMON, "--dataset", str(PAIRS), "--objective", "dpo",
                    *CASES["dpo"], *flags, "--max_steps", "4", "--precompute_reference", "true", "--output_dir",
                    str(out), "--resume_from", "auto"], nproc=2)  # fmt: skip
-    assert "reference log-probs of 400 pairs read back from" in again.stdout
-    table = [r for r in read_metrics(out) if "loss" in r]
-    for a, b in zip(table, online, strict=True):
+    assert "reference log-probs of 380 pairs read back from" in again.stdout
+    records = read_metrics(out)
+    for a, b in zip([r for r in records if "loss" in r], online, strict=True):
         for key in ("loss", "grad_norm", "rewards/margins"):
             assert math.isclose(a[key], b[key], rel_tol=1e-5, abs_tol=1e-7), (a["step"], key, a[key], b[key])
+    online_evals = [r for r in read_metrics(tmp_path / "online") if "eval_loss" in r]
+    table_evals = [r for r in records if "eval_loss" in r]
+    assert [r["step"] for r in table_evals] == [2, 4]
+    for a, b in zip(table_evals, online_evals, strict=True):
+        for key in ("eval_loss", "eval_rewards/margins", "eval_rewards/chosen"):
+            assert math.isclose(a[key], b[key], rel_tol=1e-5, abs_tol=1e-7), (a["step"], key, a[key], b[key])
+
+
+@pytest.mark.parametrize("objective", ["orpo", "simpo"])
+def test_reference_free_objectives_train_every_weight(tiny_model: Path, tmp_path: Path, objective: str) -> None:
+    """ORPO and SimPO need no reference, so --train_type full trains with them, FSDP1 included (whose flat
+    parameters hide the trained head's own: its per-token losses take whole logits)."""
+    args = ["--model", str(tiny_model), *COMMON, "--dataset", str(PAIRS), "--objective", objective, "--quant", "none",
+            "--train_type", "full", "--fsdp_version", "1" if objective == "orpo" else "2", "--batch_size", "2",
+            "--max_steps", "3", "--lr", "1e-3", "--output_dir", str(tmp_path / "out")]  # fmt: skip
+    train(args, nproc=2)
+    records = [r for r in read_metrics(tmp_path / "out") if "loss" in r]
+    assert all(math.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in records)
+    assert records[-1]["loss"] < records[0]["loss"]

@@ -71,6 +71,7 @@ def test_conversational_pairs_share_their_prompt_turns() -> None:
         ({"prompt": "p", "chosen": "a", "rejected": 3}, "field 'rejected' must be a string"),
         ({"chosen": "a", "rejected": "b"}, "missing field 'prompt'"),
         ({"prompt": "p", "chosen": [{"role": "assistant", "content": "a"}], "rejected": "b"}, "all strings or all"),
+        ({"prompt": [{"role": "user", "content": "p"}], "chosen": "a", "rejected": "b"}, "all strings or all"),
         ({"chosen": [{"role": "assistant", "content": "a"}], "rejected": [{"role": "assistant", "content": "b"}]},
          "share no turn"),
         ({"prompt": [{"role": "user", "content": "p"}], "chosen": [{"role": "user", "content": "a"}],
@@ -89,6 +90,16 @@ def test_malformed_pairs_name_the_row(row: dict, needle: str) -> None:
 def test_a_pair_under_sft_names_the_objective_flag() -> None:
     with pytest.raises(UserError, match="--objective dpo"):
         row_example({"prompt": "p", "chosen": "a", "rejected": "b"}, "f row 1", prompt_style="alpaca")
+    # A supervised row that happens to carry a `chosen` field is still the supervised row.
+    row = {"instruction": "p", "output": "a", "chosen": "x"}
+    assert row_example(row, "f row 1", prompt_style="qna") == Example(format_prompt("p", prompt_style="qna"), "a")
+
+
+def test_identical_conversations_are_identical_not_empty() -> None:
+    turns = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "Blue."}]
+    assert pair_example({"chosen": turns, "rejected": turns}, "f row 1", prompt_style="alpaca").defect() == "identical"
+    explicit = {"prompt": [turns[0]], "chosen": [turns[1]], "rejected": [{"role": "assistant", "content": " "}]}
+    assert pair_example(explicit, "f row 2", prompt_style="alpaca").defect() == "empty"
 
 
 def _side(prompt: int, reply: int, start: int = 0) -> tuple[list[int], list[int]]:

@@ -105,7 +105,7 @@ def test_the_reference_is_the_base_model_once_the_adapter_moved(models) -> None:
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name:
-                param.normal_(0, 0.2, generator=torch.Generator().manual_seed(len(name)))
+                param.normal_(0, 1.0, generator=torch.Generator().manual_seed(len(name)))
     try:
         _, logged = _loss(model, "dpo", batch, beta=0.5)
         logps, _ = _base_logps(base, batch)
@@ -119,3 +119,16 @@ def test_the_reference_is_the_base_model_once_the_adapter_moved(models) -> None:
             for name, param in model.named_parameters():
                 if "lora_B" in name:
                     param.zero_()
+
+
+def test_log1mexp_has_finite_gradients_up_to_certainty() -> None:
+    """ORPO's log(1 - exp(p)) of an average log-prob p: a reply certain to within rounding (p -> 0) and a very
+    unlikely one keep a finite loss and gradient (the unselected branch of a plain where would make 0/0)."""
+    from qlora_fsdp.objectives.preference import log1mexp
+
+    x = torch.tensor([-1e-9, 0.0, -0.3, -2.0, -60.0], dtype=torch.float32, requires_grad=True)
+    y = log1mexp(x)
+    y.sum().backward()
+    assert torch.isfinite(y).all() and torch.isfinite(x.grad).all()
+    exact = torch.log(-torch.expm1(x.detach()[2:].double()))
+    assert torch.allclose(y[2:].double(), exact, rtol=1e-6)
