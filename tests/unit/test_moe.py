@@ -449,3 +449,25 @@ def test_router_loss_flag_on_a_model_without_one_is_refused(tiny_model: Path) ->
     assert router_loss(model, None) is None
     with pytest.raises(UserError, match="no load-balancing loss"):
         router_loss(model, 0.01)
+
+
+def test_adapters_off_is_the_base_model_experts_included(moe_models: dict[str, Path]) -> None:
+    """DPO's reference (lora.adapters_off) switches the routed experts' own adapters off with PEFT's: the logits are
+    the base model's, and the adapters are back on afterwards."""
+    from qlora_fsdp.lora import adapters_off
+
+    _, peft_model, _ = _adapted(moe_models["mixtral"], "bnb")
+    batch = inputs(peft_model.config.vocab_size)
+    with torch.no_grad():
+        adapted = peft_model(**batch).logits
+        with adapters_off(peft_model):
+            off = peft_model(**batch).logits
+        again = peft_model(**batch).logits
+        experts = [m for m in peft_model.modules() if isinstance(m, ExpertAdapter)]
+        for adapter in experts:
+            adapter.B.zero_()
+        with peft_model.disable_adapter():  # PEFT's layers off, the experts' now zero: the base model
+            base = peft_model(**batch).logits
+    assert experts and (adapted - off).abs().max() > 1e-3
+    torch.testing.assert_close(off, base, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(again, adapted)
