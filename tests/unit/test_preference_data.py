@@ -175,3 +175,24 @@ def test_a_batch_of_pairs_is_the_chosen_sides_then_the_rejected(tmp_path: Path, 
         assert batch["input_ids"][i, : len(chosen)].tolist() == chosen
         assert batch["input_ids"][3 + i, : len(rejected)].tolist() == rejected
         assert batch["attention_mask"][3 + i].sum() == len(rejected)
+
+
+def test_conversational_pairs_encode_with_the_chat_template(tmp_path: Path, tokenizer) -> None:
+    """Both TRL conversational forms render with the template: each side is the shared turns then its reply, only
+    the reply (and its eos) labelled, and the two forms give the same rows."""
+    user = {"role": "user", "content": "Name a color."}
+    implicit = {"chosen": [user, {"role": "assistant", "content": "Blue."}],
+                "rejected": [user, {"role": "assistant", "content": "Loud and long."}]}  # fmt: skip
+    explicit = {"prompt": [user], "chosen": [{"role": "assistant", "content": "Blue."}],
+                "rejected": [{"role": "assistant", "content": "Loud and long."}]}  # fmt: skip
+    cache, _ = open_cache(_spec(_file(tmp_path, [implicit, explicit])), tokenizer, cache_dir=tmp_path / "cache")
+    assert cache.samples[0] == cache.samples[1]
+    prompt = tokenizer("<|user|>Name a color.", add_special_tokens=False)["input_ids"]
+    for (ids, labels), reply in zip(cache.samples[0], ("Blue.", "Loud and long."), strict=True):
+        rendered = tokenizer(f"<|user|>Name a color.<|assistant|>{reply}{tokenizer.eos_token}",
+                             add_special_tokens=False)["input_ids"]  # fmt: skip
+        assert ids == rendered and ids[: len(prompt)] == prompt
+        learned = [i for i, label in zip(ids, labels, strict=True) if label != IGNORE_INDEX]
+        assert tokenizer.decode(learned) == tokenizer.decode(tokenizer(f"{reply}{tokenizer.eos_token}",
+                                                                        add_special_tokens=False)["input_ids"])
+        assert all(label == IGNORE_INDEX for label in labels[: len(prompt)])
