@@ -205,6 +205,13 @@ def launch(
     return Launch(returncode=returncode, wall_s=wall, cpu_s=cpu, foreign_cores=foreign, log="\n".join(logs))
 
 
+def run_metrics(output_dir: Path) -> list[dict[str, Any]]:
+    """A training run's metrics.jsonl records so far ([] before it writes one): a launch is finished when it has
+    its steps."""
+    path = output_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
 def read_json(path: str | os.PathLike) -> Any:
     with open(path) as fh:
         return json.load(fh)

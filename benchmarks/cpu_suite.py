@@ -26,6 +26,7 @@ from benchmarks.common import (
     median,
     rank_envs,
     read_json,
+    run_metrics,
     wait_for_idle,
     worker_cmd,
 )
@@ -357,20 +358,15 @@ class Runner:
         env["BENCH_PEAK_RSS_FILE"] = peaks
         steps = p.warmup_steps + p.measured_steps
 
-        def metrics() -> list[dict[str, Any]]:
-            path = out / "metrics.jsonl"
-            return (
-                [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
-            )
 
         self._go(
             what,
             [cmd],
             [env],
             reset=lambda: shutil.rmtree(out, ignore_errors=True),
-            finished=lambda: len(metrics()) == steps,
+            finished=lambda: len(run_metrics(out)) == steps,
         )
-        return metrics(), [int(Path(f"{peaks}.rank{r}").read_text()) for r in range(nproc)]
+        return run_metrics(out), [int(Path(f"{peaks}.rank{r}").read_text()) for r in range(nproc)]
 
 
 def run_cpu_suite(

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import REPO_ROOT, base_env, read_json, write_json
+from benchmarks.common import REPO_ROOT, base_env, read_json, run_metrics, write_json
 from benchmarks.cpu_suite import (
     QUICK_MODEL,
     SIZE_KEYS,
@@ -328,9 +328,6 @@ class DataRunner(Runner):
         peaks = f"{out}.peak-rss"
         env["BENCH_PEAK_RSS_FILE"] = peaks
 
-        def metrics() -> list[dict[str, Any]]:
-            path = out / "metrics.jsonl"
-            return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.is_file() else []
 
         def reset() -> None:
             shutil.rmtree(out, ignore_errors=True)
@@ -338,8 +335,8 @@ class DataRunner(Runner):
             if fresh_cache:
                 shutil.rmtree(cache_dir, ignore_errors=True)
 
-        result = self._go(what, [cmd], [env], reset=reset, finished=lambda: len(metrics()) == steps)
-        records = metrics()
+        result = self._go(what, [cmd], [env], reset=reset, finished=lambda: len(run_metrics(out)) == steps)
+        records = run_metrics(out)
         if len(records) != steps:
             raise RuntimeError(f"{what}: {len(records)} metrics records, expected {steps}:\n{result.log}")
         run = {

@@ -34,6 +34,7 @@ from benchmarks.common import (
     launch,
     median,
     read_json,
+    run_metrics,
     worker_cmd,
     write_json,
 )
@@ -308,13 +309,10 @@ class MoeRunner(Runner):
         peaks = f"{out}.peak-rss"
         env["BENCH_PEAK_RSS_FILE"] = peaks
 
-        def metrics() -> list[dict[str, Any]]:
-            path = out / "metrics.jsonl"
-            return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.is_file() else []
 
         result = self._go(what, [cmd], [env], reset=lambda: shutil.rmtree(out, ignore_errors=True),
-                          finished=lambda: len(metrics()) == steps)  # fmt: skip
-        records = metrics()
+                          finished=lambda: len(run_metrics(out)) == steps)  # fmt: skip
+        records = run_metrics(out)
         if len(records) != steps:
             raise RuntimeError(f"{what}: {len(records)} metrics records, expected {steps}:\n{result.log}")
         param_bytes = records[0]["param_bytes_per_rank"]

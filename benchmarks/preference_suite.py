@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import REPO_ROOT, base_env, median, read_json
+from benchmarks.common import REPO_ROOT, base_env, median, read_json, run_metrics
 from benchmarks.cpu_suite import (
     CpuPlan,
     LaunchSettings,
@@ -269,17 +269,14 @@ class PreferenceRunner(Runner):
         probe = f"{out}.steps"
         env["BENCH_STEP_RSS_FILE"] = probe
 
-        def metrics() -> list[dict[str, Any]]:
-            path = out / "metrics.jsonl"
-            return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.is_file() else []
 
         def reset() -> None:
             shutil.rmtree(out, ignore_errors=True)
             for r in range(p.nproc):
                 Path(f"{probe}.rank{r}.json").unlink(missing_ok=True)
 
-        result = self._go(what, [cmd], [env], reset=reset, finished=lambda: len(metrics()) == p.steps)
-        records = metrics()
+        result = self._go(what, [cmd], [env], reset=reset, finished=lambda: len(run_metrics(out)) == p.steps)
+        records = run_metrics(out)
         if len(records) != p.steps:
             raise RuntimeError(f"{what}: {len(records)} metrics records, expected {p.steps}:\n{result.log}")
         missing = [r for r in range(p.nproc) if not Path(f"{probe}.rank{r}.json").is_file()]

@@ -136,9 +136,8 @@ def chunked_loss_sum(
                        reduction, use_reentrant=False)
             for start in range(0, states.shape[0], chunk_tokens)
         ]  # fmt: skip
-        losses = states.new_zeros((0,) if per_row else (), dtype=torch.float32)
-        for part in parts:
-            losses = torch.cat([losses, part]) if per_row else losses + part
+        empty = states.new_zeros((0,) if per_row else (), dtype=torch.float32)
+        losses = torch.cat([empty, *parts]) if per_row else sum(parts, empty)
         losses = losses + 0.0 * states.sum()  # no label token here: backward must still reach every layer (FSDP)
     if not per_row:
         return losses
