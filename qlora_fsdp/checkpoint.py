@@ -1,15 +1,23 @@
-"""Saving and resuming: the LoRA adapter in PEFT's format, and atomic, resumable training checkpoints.
+"""Saving and resuming: the LoRA adapter in PEFT's format, and atomic checkpoints that resume on any world size.
 
 A checkpoint directory `checkpoint-STEP/` holds:
-- `adapter_model.safetensors` + `adapter_config.json`: the adapter gathered to rank 0, loadable by PEFT on its own,
-  with `qlora_manifest.json` (qlora_fsdp/manifest.py), so the after-training scripts take a checkpoint too;
-- `rank-R.pt` per rank: that rank's optimizer shard, RNG states and gradient-scaler state (the learning-rate
-  schedule is not saved: it is a function of the flags and the step, rebuilt on resume);
-  Optimizer state stays sharded (no gather, no extra memory), so a resume needs the same world size;
-- `trainer_state.json`, written last: step, data position, world size. Its presence marks a complete checkpoint.
+- `adapter_model.safetensors` + `adapter_config.json` (LoRA and DoRA): the adapter gathered to rank 0, loadable by
+  PEFT on its own, with `qlora_manifest.json` (qlora_fsdp/manifest.py), so the after-training scripts take a
+  checkpoint too;
+- `sharded/`: the trainable parameters and the optimizer state, written by torch.distributed.checkpoint (DCP) as
+  each rank holds them, with their global layout, so a resume on another number of ranks or another sharding
+  strategy reshards them as it loads. The quantized base is not in it: it is rebuilt from the model;
+- `rank-R.pt` per rank: RNG states and gradient-scaler state (restored when the world size is unchanged). The
+  learning-rate schedule is not saved: it is a function of the flags and the step, rebuilt on resume;
+- `trainer_state.json`, written last: step, data position (global samples of the epoch consumed), world size. Its
+  presence marks a complete checkpoint.
 
 All ranks write into `.checkpoint-STEP.tmp/`, which rank 0 renames into place only after every rank has finished,
-so a crash mid-write leaves the previous checkpoint intact and nothing that looks complete.
+so a crash mid-write leaves the previous checkpoint intact and nothing that looks complete. With --async_save the
+sharded state is copied to host memory and written by a background thread while training goes on; rank 0 marks the
+checkpoint complete between steps once DCP reports it whole.
+
+Checkpoints of format 1 (before `sharded/`: an optimizer shard in each `rank-R.pt`) resume at their own world size.
 """
 
 from __future__ import annotations
@@ -20,14 +28,19 @@ import os
 import random
 import secrets
 import shutil
-from dataclasses import asdict, dataclass, field
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from qlora_fsdp.distributed import DistEnv, broadcast_object
 from qlora_fsdp.errors import UserError
@@ -42,7 +55,10 @@ ADAPTER_CONFIG = "adapter_config.json"
 FULL_WEIGHTS = "model.safetensors"
 TRAINED_BLOCKS = "llama_pro_blocks.safetensors"
 TRAINER_STATE = "trainer_state.json"
+SHARDED = "sharded"
 CHECKPOINT_PREFIX = "checkpoint-"
+FORMAT = 2
+"""2: trainable state in DCP's `sharded/`, the data position in global samples. 1: per-rank optimizer shards."""
 
 
 @dataclass
@@ -53,13 +69,14 @@ class TrainState:
     """Optimizer steps done."""
     epoch: int = 0
     """Epoch of the next micro-batch."""
-    batch_in_epoch: int = 0
-    """Micro-batches of that epoch already consumed."""
+    samples_in_epoch: int = 0
+    """Samples of that epoch's global order already consumed, by all ranks together."""
     world_size: int = 1
     seed: int = 0
     """Seed of the data sampler and of the run."""
     settings: dict[str, Any] = field(default_factory=dict)
     """The flags a resume must share with the run that saved the checkpoint (data order, tensor shapes)."""
+    format: int = FORMAT
 
 
 def gather_adapter(model: ShardedModel, keys: dict[nn.Module, dict[str, str]]) -> dict[str, torch.Tensor]:
@@ -138,42 +155,117 @@ def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def save_checkpoint(
-    *,
-    model: ShardedModel,
-    peft_model: nn.Module,
-    keys: dict[nn.Module, dict[str, str]],
-    optimizer: torch.optim.Optimizer,
-    scaler: Any,
-    state: TrainState,
-    output_dir: Path,
-    total_limit: int,
-    env: DistEnv,
-    manifest: Manifest | None = None,
-) -> Path:
-    """Write `checkpoint-STEP/` atomically (see the module docstring); returns its path."""
-    final = output_dir / f"{CHECKPOINT_PREFIX}{state.step}"
-    tmp = output_dir / f".{CHECKPOINT_PREFIX}{state.step}.tmp"
-    if env.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier()
-    save_adapter(model, peft_model, keys, tmp, env=env, manifest=manifest)
-    per_rank = {
-        "optimizer": model.optimizer_state(optimizer),
-        "scaler": scaler.state_dict() if scaler is not None else None,
-        "rng": _rng_state(env.device),
-    }
-    torch.save(per_rank, tmp / f"rank-{env.rank}.pt")
-    dist.barrier()
-    if env.is_main:
-        _write_json_durably(tmp / TRAINER_STATE, asdict(state))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _prune(output_dir, total_limit)
-    dist.barrier()
-    return final
+def _sharded_state(model: ShardedModel, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The trainable parameters and the optimizer state as this rank holds them, under the model's own names (no
+    FSDP or checkpoint wrappers), which is what lets DCP load them onto another layout."""
+    options = StateDictOptions(ignore_frozen_params=model.state_dict_skips_frozen)
+    weights, optim = get_state_dict(model.module, optimizer, options=options)
+    trained = {name for group in optim["param_groups"] for name in group["params"]}
+    return {"model": {k: v for k, v in weights.items() if k in trained}, "optim": optim}
+
+
+@dataclass
+class _Pending:
+    """A checkpoint whose sharded state DCP is still writing."""
+
+    future: Future | None
+    tmp: Path
+    final: Path
+    state: TrainState
+    started: float
+
+
+class Checkpointer:
+    """Writes `checkpoint-STEP/` (see the module docstring), in the background with --async_save, and keeps the
+    newest `total_limit` complete ones (0: all), never deleting `keep` (the checkpoint this run resumed from)."""
+
+    def __init__(
+        self,
+        *,
+        model: ShardedModel,
+        optimizer: torch.optim.Optimizer,
+        scaler: Any,
+        adapter: tuple[nn.Module, dict[nn.Module, dict[str, str]], Manifest | None] | None,
+        output_dir: Path,
+        total_limit: int,
+        async_save: bool,
+        keep: Path | None,
+        env: DistEnv,
+        report: Callable[[str], None],
+    ) -> None:
+        self.model, self.optimizer, self.scaler, self.adapter = model, optimizer, scaler, adapter
+        self.output_dir, self.total_limit, self.keep, self.env, self.report = output_dir, total_limit, keep, env, report
+        # Background writes run their collectives beside training's, so on a group of their own; gloo, because DCP
+        # stages to host memory.
+        self.group = dist.new_group(backend="gloo") if async_save else None
+        self.pending: _Pending | None = None
+
+    def save(self, state: TrainState, *, wait: bool) -> Path:
+        """Checkpoint `state`: whole on return when `wait` or without --async_save, else once a later
+        `poll`/`wait` finds DCP done. A save in flight completes first: one at a time."""
+        started = time.perf_counter()  # training's stall includes waiting for the save before
+        self.wait()
+        final = self.output_dir / f"{CHECKPOINT_PREFIX}{state.step}"
+        tmp = self.output_dir / f".{CHECKPOINT_PREFIX}{state.step}.tmp"
+        if self.env.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        dist.barrier()
+        if self.adapter is not None:
+            peft_model, keys, manifest = self.adapter
+            save_adapter(self.model, peft_model, keys, tmp, env=self.env, manifest=manifest)
+        per_rank = {
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "rng": _rng_state(self.env.device),
+        }
+        torch.save(per_rank, tmp / f"rank-{self.env.rank}.pt")
+        sharded = _sharded_state(self.model, self.optimizer)
+        pending = _Pending(None, tmp, final, replace(state, settings=dict(state.settings)), started)
+        if self.group is None or wait:
+            dcp.save(sharded, checkpoint_id=tmp / SHARDED, process_group=self.group)
+            self._complete(pending)
+            dist.barrier()
+        else:
+            pending.future = dcp.async_save(sharded, checkpoint_id=tmp / SHARDED, process_group=self.group)
+            self.pending = pending
+            self.report(
+                f"checkpoint {final}: training goes on after {time.perf_counter() - started:.2f}s, "
+                "the rest is written in the background"
+            )
+        return final
+
+    def poll(self) -> None:
+        """Complete a background save that DCP has finished (between steps; no collective)."""
+        if self.pending is not None and self.pending.future is not None and self.pending.future.done():
+            self.wait()
+
+    def wait(self) -> None:
+        """Block until a save in flight is whole and marked complete."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.future.result()  # raises what the writer raised
+            self._complete(pending)
+
+    def _complete(self, pending: _Pending) -> None:
+        """Rank 0 marks the checkpoint complete and renames it into place. DCP's coordinator (rank 0) returns only
+        after every rank's files and the metadata are written."""
+        if not self.env.is_main:
+            return
+        _write_json_durably(pending.tmp / TRAINER_STATE, asdict(pending.state))
+        if pending.final.exists():
+            shutil.rmtree(pending.final)
+        os.replace(pending.tmp, pending.final)
+        self._prune()
+        self.report(f"checkpoint saved to {pending.final} in {time.perf_counter() - pending.started:.2f}s")
+
+    def _prune(self) -> None:
+        for stale in self.output_dir.glob(f".{CHECKPOINT_PREFIX}*.tmp"):
+            shutil.rmtree(stale, ignore_errors=True)
+        if self.total_limit > 0:
+            keep = self.keep.resolve() if self.keep is not None else None
+            for old in list_checkpoints(self.output_dir)[: -self.total_limit]:
+                if old.resolve() != keep:
+                    shutil.rmtree(old, ignore_errors=True)
 
 
 def _write_json_durably(path: Path, data: dict[str, Any]) -> None:
@@ -193,14 +285,6 @@ def list_checkpoints(output_dir: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def _prune(output_dir: Path, total_limit: int) -> None:
-    for stale in output_dir.glob(f".{CHECKPOINT_PREFIX}*.tmp"):
-        shutil.rmtree(stale, ignore_errors=True)
-    if total_limit > 0:
-        for old in list_checkpoints(output_dir)[:-total_limit]:
-            shutil.rmtree(old, ignore_errors=True)
-
-
 def resolve_resume(resume_from: str, output_dir: Path) -> Path | None:
     """The checkpoint to resume from: None for a fresh run, else a complete checkpoint directory."""
     if not resume_from:
@@ -215,24 +299,71 @@ def resolve_resume(resume_from: str, output_dir: Path) -> Path | None:
 
 
 def check_resume_compatible(
-    path: Path, settings: dict[str, Any], *, world_size: int, may_change: tuple[str, ...] = ()
+    path: Path,
+    settings: dict[str, Any],
+    *,
+    world_size: int,
+    may_change: tuple[str, ...] = (),
+    resharded: tuple[str, ...] = (),
 ) -> list[str]:
     """Refuse, before any heavy work, a resume whose data order or tensors could not match the checkpoint's.
 
-    Returns the changes of `may_change` settings ("--lr 0.01 -> 0.005"), which the caller applies and reports.
+    `resharded`: settings that change only how the saved state is laid out over ranks and steps (batch size,
+    sharding strategy), which checkpoints of format 2 may change like the world size. Returns the changes to report
+    ("--lr 0.01 -> 0.005", a new world size or global batch), which the caller applies.
     """
     state = read_train_state(path)
-    if state.world_size != world_size:
+    legacy = state.format < 2
+    if legacy and state.world_size != world_size:
         raise UserError(
-            f"--resume_from {path}: saved by {state.world_size} processes but this job has {world_size}; "
-            f"optimizer state is sharded per rank, so resume with --nproc_per_node/--nnodes giving {state.world_size}"
+            f"--resume_from {path}: saved by {state.world_size} processes but this job has {world_size}; this "
+            "checkpoint predates resharded checkpoints (its optimizer state is sharded per rank), so resume it with "
+            f"--nproc_per_node/--nnodes giving {state.world_size}"
         )
+    allowed = may_change if legacy else may_change + resharded
     # Settings a checkpoint of an older version did not record are taken as unchanged.
     changed = {k: f"--{k} {state.settings[k]!r} -> {v!r}" for k, v in settings.items() if state.settings.get(k, v) != v}
-    refused = [text for k, text in changed.items() if k not in may_change]
+    refused = [text for k, text in changed.items() if k not in allowed]
     if refused:
         raise UserError(f"--resume_from {path}: the checkpoint was made with other settings ({'; '.join(refused)})")
-    return [text for k, text in changed.items() if k in may_change]
+    notes = [text for k, text in changed.items() if k in allowed]
+    return notes if legacy else notes + _new_layout(path, state, settings, world_size)
+
+
+def _new_layout(path: Path, state: TrainState, settings: dict[str, Any], world_size: int) -> list[str]:
+    """What a resume on another world size or global batch changes, or the reason it cannot continue the data."""
+
+    def shape(ranks: int, flags: dict[str, Any]) -> tuple[int, int, str]:
+        batch, accumulation = flags.get("batch_size", 1), flags.get("gradient_accumulation_steps", 1)
+        text = f"{ranks} ranks x --batch_size {batch} x --gradient_accumulation_steps {accumulation}"
+        return ranks * batch, ranks * batch * accumulation, text
+
+    old_micro, old_global, old_text = shape(state.world_size, state.settings)
+    new_micro, new_global, new_text = shape(world_size, {**state.settings, **settings})
+    if settings.get("dataset_streaming") and (state.world_size, old_micro) != (world_size, new_micro):
+        raise UserError(
+            f"--resume_from {path}: --dataset_streaming deals rows to ranks by position, so a stream resumes only at "
+            f"its own shape; resume with {state.world_size} processes and --batch_size "
+            f"{state.settings.get('batch_size', 1)}"
+        )
+    if settings.get("group_by_length") and old_micro != new_micro:
+        raise UserError(
+            f"--resume_from {path}: --group_by_length orders rows in global batches of {old_micro} (world size x "
+            f"--batch_size), so it continues only with world size x --batch_size = {old_micro}"
+        )
+    notes = []
+    if world_size != state.world_size:
+        notes.append(
+            f"world size {state.world_size} -> {world_size} (trainable weights and optimizer state resharded; the "
+            "random state of dropout starts afresh)"
+        )
+    if new_global != old_global:
+        notes.append(
+            f"global batch {old_global} ({old_text}) -> {new_global} ({new_text}): the data goes on from sample "
+            f"{state.samples_in_epoch} of epoch {state.epoch} in the same order, but the steps no longer match the "
+            "saved run's"
+        )
+    return notes
 
 
 def model_identity(path: Path) -> str:
@@ -278,7 +409,12 @@ def output_dir_shared(output_dir: Path, env: DistEnv) -> bool:
 
 
 def read_train_state(path: Path) -> TrainState:
-    return TrainState(**json.loads((path / TRAINER_STATE).read_text()))
+    data = json.loads((path / TRAINER_STATE).read_text())
+    if "batch_in_epoch" in data:  # format 1 counted each rank's micro-batches
+        micro = data["world_size"] * data.get("settings", {}).get("batch_size", 1)
+        data["samples_in_epoch"] = data.pop("batch_in_epoch") * micro
+        data["format"] = 1
+    return TrainState(**data)
 
 
 def load_checkpoint(
@@ -290,13 +426,26 @@ def load_checkpoint(
     scaler: Any,
     env: DistEnv,
 ) -> TrainState:
-    """Restore everything `save_checkpoint` wrote (check_resume_compatible has vetted it)."""
+    """Restore everything a checkpoint holds (check_resume_compatible has vetted it), resharding its trainable state
+    onto this job's ranks. Per-rank RNG states apply only on the world size that saved them."""
     state = read_train_state(path)
-    load_adapter_into(model, keys, path)
+    if state.format < 2:
+        load_adapter_into(model, keys, path)
+    else:
+        sharded = _sharded_state(model, optimizer)
+        dcp.load(sharded, checkpoint_id=path / SHARDED)
+        options = StateDictOptions(ignore_frozen_params=model.state_dict_skips_frozen, strict=False)
+        set_state_dict(
+            model.module, optimizer, model_state_dict=sharded["model"], optim_state_dict=sharded["optim"],
+            options=options,
+        )  # fmt: skip
+    same_ranks = state.world_size == env.world_size
     # map_location cpu: RNG states must stay CPU tensors; the optimizer moves its state to the parameters.
-    per_rank = torch.load(path / f"rank-{env.rank}.pt", map_location="cpu", weights_only=True)
-    model.load_optimizer_state(optimizer, per_rank["optimizer"])
+    per_rank = torch.load(path / f"rank-{env.rank if same_ranks else 0}.pt", map_location="cpu", weights_only=True)
+    if state.format < 2:
+        model.load_optimizer_state(optimizer, per_rank["optimizer"])
     if scaler is not None and per_rank["scaler"] is not None:
         scaler.load_state_dict(per_rank["scaler"])
-    _set_rng_state(per_rank["rng"], env.device)
+    if same_ranks:
+        _set_rng_state(per_rank["rng"], env.device)
     return state

@@ -249,7 +249,9 @@ class OutputConfig:
     save_steps: int = 0
     """Write a resumable checkpoint every N optimizer steps to OUTPUT_DIR/checkpoint-N (0: never)."""
     save_total_limit: int = 0
-    """Keep only the newest K checkpoints (0: keep all)."""
+    """Keep only the newest K complete checkpoints (0: keep all); the one resumed from is never deleted."""
+    async_save: bool = False
+    """Write checkpoints in the background (DCP's async save): training stalls only to copy the state to host."""
     resume_from: str = ""
     """Resume from a checkpoint directory, or 'auto' for the newest complete one in --output_dir."""
     overwrite: bool = False

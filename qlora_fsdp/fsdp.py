@@ -90,6 +90,9 @@ def quant_compute_dtype(precision: Precision, requested: str) -> torch.dtype:
 class ShardedModel(ABC):
     """The sharded model and the few operations whose FSDP API differs between versions."""
 
+    state_dict_skips_frozen = True
+    """Whether torch's get_state_dict can leave the frozen parameters out (checkpoints hold the trainable ones)."""
+
     def __init__(self, module: nn.Module) -> None:
         self.module = module
         self.uncompiled: list[nn.Module] = []
@@ -128,11 +131,8 @@ class ShardedModel(ABC):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state dict as full CPU tensors on rank 0 (empty elsewhere), under the root's names."""
 
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
-        """This rank's optimizer state in a form torch.save/torch.load(weights_only=True) round-trips."""
-        return optimizer.state_dict()
-
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        """This rank's optimizer state, as a checkpoint of format 1 saved it (`optimizer.state_dict()`)."""
         optimizer.load_state_dict(state)
 
     @abstractmethod

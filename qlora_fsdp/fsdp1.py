@@ -124,6 +124,10 @@ class Fsdp1Sharder(Sharder):
 
 
 class Fsdp1Model(ShardedModel):
+    # get_state_dict's ignore_frozen_params looks for the quantized layers' weights, which FSDP1's sharded state
+    # dict leaves out (their modules are ignored): the checkpoint filters the trainable names itself.
+    state_dict_skips_frozen = False
+
     def __init__(self, module: FSDP, *, env: DistEnv) -> None:
         super().__init__(module)
         self.env = env

@@ -148,14 +148,6 @@ class Fsdp2Model(ShardedModel):
                 state[name] = full.cpu()
         return state
 
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
-        state = optimizer.state_dict()
-        state["state"] = {
-            index: {k: v.to_local() if isinstance(v, DTensor) else v for k, v in values.items()}
-            for index, values in state["state"].items()
-        }
-        return state
-
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
         optimizer.load_state_dict(state)
         # load_state_dict gives plain tensors; the optimizer's arithmetic needs them sharded like their parameter.

@@ -62,12 +62,15 @@ class Events:
     """What happens between steps, and when: evaluation, checkpoints, the end, a preemption, the profiler."""
 
     total_steps: int
-    checkpoint: Callable[[TrainState], Path]
+    checkpoint: Callable[[TrainState, bool], Path]
+    """Save a checkpoint of this state; True: whole before it returns (a preemption), else maybe in the background."""
     save_steps: int = 0
     run_eval: Callable[[int], None] | None = None
     eval_steps: int = 0
     preempted: _Flag | None = None
     profiler: _StepProfiler | None = None
+    between_steps: Callable[[], None] | None = None
+    """Called after every step (completes background checkpoints that have finished writing)."""
 
 
 def train_loop(
@@ -87,7 +90,7 @@ def train_loop(
     `events.run_eval(step)` runs after every `eval_steps`-th step (the caller evaluates at the end).
     """
     step.model.module.train()
-    batches = _micro_batches(loader, epoch=state.epoch, skip=state.batch_in_epoch)
+    batches = _micro_batches(loader, epoch=state.epoch, start=state.samples_in_epoch, world_size=step.env.world_size)
     result = TrainResult(state=state)
     start = time.perf_counter()
     while state.step < events.total_steps:
@@ -98,9 +101,9 @@ def train_loop(
         record, stop = _optimizer_step(
             step, [b for _, _, b in micro], number=state.step + 1, preempted=events.preempted
         )
-        last_epoch, last_index, _ = micro[-1]
+        last_epoch, consumed, _ = micro[-1]
         state.step += 1
-        state.epoch, state.batch_in_epoch = last_epoch, last_index + 1
+        state.epoch, state.samples_in_epoch = last_epoch, consumed
         result.losses.append(record["loss"])
         peak = peak_memory_bytes(step.env.device)
         elapsed = time.perf_counter() - step_start
@@ -120,14 +123,14 @@ def train_loop(
             events.profiler.after_step(state.step)
         step.model.compile_units()  # --compile: from the second step on
         if stop:
-            result.preempted_checkpoint = events.checkpoint(state)  # or TrainingStopped where none can be made
+            result.preempted_checkpoint = events.checkpoint(state, True)  # or TrainingStopped where none can be made
             break
+        if events.between_steps is not None:
+            events.between_steps()
         if events.run_eval is not None and events.eval_steps and state.step % events.eval_steps == 0:
             events.run_eval(state.step)
         if events.save_steps and state.step % events.save_steps == 0:
-            started = time.perf_counter()
-            path = events.checkpoint(state)
-            logger.message(f"checkpoint saved to {path} in {time.perf_counter() - started:.2f}s")
+            events.checkpoint(state, False)
     result.state = state
     return result
 
@@ -209,17 +212,26 @@ def _optimizer_step(
 
 
 def _micro_batches(
-    loader: torch.utils.data.DataLoader, *, epoch: int, skip: int
+    loader: torch.utils.data.DataLoader, *, epoch: int, start: int, world_size: int
 ) -> Iterator[tuple[int, int, dict[str, torch.Tensor]]]:
-    """(epoch, index in epoch, batch) forever from a data position; each epoch reshuffles via the sampler (a stream,
-    which has none, is one endless epoch)."""
+    """(epoch, global samples of that epoch consumed with this batch, batch) forever from a data position.
+
+    The sampler starts each epoch's shuffle at the position itself, so a resume reads nothing twice. A stream has
+    no sampler: it is one endless epoch whose first `start` samples are re-read and skipped.
+    """
+    per_batch = world_size * loader.batch_size
     while True:
-        if hasattr(loader.sampler, "set_epoch"):
-            loader.sampler.set_epoch(epoch)
+        sampler = loader.sampler
+        skip = 0
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch, start)
+        else:
+            skip = start // per_batch
         for index, batch in enumerate(loader):
             if index >= skip:
-                yield epoch, index, batch
-        epoch, skip = epoch + 1, 0
+                start += per_batch
+                yield epoch, start, batch
+        epoch, start = epoch + 1, 0
 
 
 class _Flag:

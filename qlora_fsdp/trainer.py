@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader
 
 from qlora_fsdp.checkpoint import (
     TRAINED_BLOCKS,
+    Checkpointer,
     TrainState,
     check_resume_compatible,
     list_checkpoints,
@@ -26,7 +27,6 @@ from qlora_fsdp.checkpoint import (
     remove_checkpoints,
     resolve_resume,
     save_adapter,
-    save_checkpoint,
     save_full_model,
     save_trained_blocks,
 )
@@ -137,8 +137,9 @@ def run(cfg: TrainConfig) -> TrainResult:
             if resume is None:
                 return None, []
             changed = check_resume_compatible(
-                resume, settings, world_size=env.world_size, may_change=MAY_CHANGE_ON_RESUME
-            )
+                resume, settings, world_size=env.world_size, may_change=MAY_CHANGE_ON_RESUME,
+                resharded=RESHARDED_ON_RESUME,
+            )  # fmt: skip
             return resume, changed
 
         # Decided once, on rank 0: ranks that looked at the files themselves could disagree (a lagging shared
@@ -152,16 +153,20 @@ def run(cfg: TrainConfig) -> TrainResult:
             teardown()
 
 
-# A resumed run must share these with its checkpoint: they fix the data order, the base weights and the layout and
-# meaning of the saved adapter and optimizer shards. Refused with the flag's name if they differ.
+# A resumed run must share these with its checkpoint: they fix the data order, the base weights and the meaning of
+# the saved trainable state. Refused with the flag's name if they differ.
 MUST_MATCH_ON_RESUME = (
-    "dataset", "dataset_samples", "context_length", "batch_size", "gradient_accumulation_steps", "seed",
+    "dataset", "dataset_samples", "context_length", "seed",
     "prompt_style", "train_on_inputs", "packing", "packing_split", "eval_split", "group_by_length",
     "dataset_streaming",
     "train_type", "quant", "bnb_quant_type", "bnb_double_quant", "hqq_bits",
     "hqq_group_size", "compute_dtype", "lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "precision",
-    "fsdp_version", "sharding_strategy", "shard_group_size", "optimizer", "chat_template",
-    "objective", "max_prompt_length",
+    "optimizer", "chat_template", "objective", "max_prompt_length",
+)  # fmt: skip
+# These shape how the state is laid out over ranks and steps, like the world size: a checkpoint of format 2 is
+# resharded onto new values (a format-1 checkpoint must match them). See checkpoint.check_resume_compatible.
+RESHARDED_ON_RESUME = (
+    "batch_size", "gradient_accumulation_steps", "sharding_strategy", "shard_group_size", "fsdp_version",
 )  # fmt: skip
 # These may change on resume (a lower learning rate, a longer run): the new values apply from the resumed step on,
 # as if the schedule had always been the new one, and the log names each change.
@@ -174,7 +179,7 @@ MAY_CHANGE_ON_RESUME = (
 def _settings(cfg: TrainConfig, model_path: Path, env: DistEnv) -> dict[str, object]:
     """What a checkpoint records of its run, for check_resume_compatible."""
     flags = cfg.to_dict()
-    settings = {k: flags[k] for k in MUST_MATCH_ON_RESUME + MAY_CHANGE_ON_RESUME}
+    settings = {k: flags[k] for k in MUST_MATCH_ON_RESUME + RESHARDED_ON_RESUME + MAY_CHANGE_ON_RESUME}
     settings["model"] = model_identity(model_path)
     if cfg.fsdp.sharding_strategy.startswith("hybrid"):
         # 0 means "a node": the shards' shapes follow the node size, which another job layout may change.
@@ -231,8 +236,14 @@ def _run(
     torch.manual_seed(cfg.optim.seed)
     tokenizer = load_tokenizer(model_path)
     loader, eval_loader = build_loaders(
-        cfg.data, cfg.eval, tokenizer, env, seed=cfg.optim.seed, fixed_shapes=cfg.fsdp.compile,
+        cfg.data,
+        cfg.eval,
+        tokenizer,
+        env,
+        seed=cfg.optim.seed,
+        fixed_shapes=cfg.fsdp.compile,
         pairs=cfg.objective.pairs,
+        accumulation=cfg.optim.gradient_accumulation_steps,
     )
     total_steps = cfg.optim.max_steps or _epoch_steps(cfg.optim, len(loader))  # a stream has no length
     attention = attention_implementation(packing=cfg.data.packing, device=env.device, dtype=precision.compute_dtype)
@@ -273,24 +284,20 @@ def _run(
     param_bytes = gather_ints(built.model.local_parameter_bytes(), env)
     logger.message(f"resident parameter bytes per rank after sharding: {param_bytes}")
 
-    def checkpoint(at: TrainState) -> Path:
-        if not adapters or not shared_output:
-            why = "this --train_type keeps no resumable checkpoints" if not adapters else (
-                f"--output_dir {output_dir} is not shared by every node, so no checkpoint could be completed"
-            )  # fmt: skip
-            raise TrainingStopped(f"stopped by a signal after step {at.step}; {why}")
-        return save_checkpoint(
-            model=built.model,
-            peft_model=built.unwrapped,
-            keys=built.keys,
-            optimizer=optimizer,
-            scaler=scaler,
-            state=at,
-            output_dir=output_dir,
-            total_limit=cfg.output.save_total_limit,
-            env=env,
-            manifest=built.manifest,
-        )
+    checkpointer = Checkpointer(
+        model=built.model, optimizer=optimizer, scaler=scaler,
+        adapter=(built.unwrapped, built.keys, built.manifest) if adapters else None,
+        output_dir=output_dir, total_limit=cfg.output.save_total_limit, async_save=cfg.output.async_save,
+        keep=resume, env=env, report=logger.message,
+    )  # fmt: skip
+
+    def checkpoint(at: TrainState, wait: bool) -> Path:
+        if not shared_output:
+            raise TrainingStopped(
+                f"stopped by a signal after step {at.step}; --output_dir {output_dir} is not shared by every node, "
+                "so no checkpoint could be completed"
+            )
+        return checkpointer.save(at, wait=wait)
 
     forward = Forward(env.device, precision, varlen=varlen)
     reference = None
@@ -342,9 +349,11 @@ def _run(
                 eval_steps=cfg.eval.eval_steps,
                 preempted=preempted,
                 profiler=profiler,
+                between_steps=checkpointer.poll,
             )
             static = {"param_bytes_per_rank": param_bytes, "trainable_parameters": built.trainable}
             result = train_loop(step, loader, state=state, events=events, logger=logger, static_fields=static)
+            checkpointer.wait()  # a background save still in flight, SIGTERM or not
         # --eval_steps 0, or a last step off its grid: evaluate the final weights.
         off_grid = not cfg.eval.eval_steps or result.state.step % cfg.eval.eval_steps
         if result.preempted_checkpoint is None and eval_loader is not None and off_grid:

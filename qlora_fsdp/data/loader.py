@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from qlora_fsdp.config import DataConfig, EvalConfig
 from qlora_fsdp.data.cache import PREFERENCE, CacheSpec, TokenizedCache, open_cache
@@ -48,34 +48,68 @@ def held_out(examples: int, fraction: float, *, seed: int) -> np.ndarray:
     return held
 
 
-class LengthGroupedSampler(Sampler[int]):
-    """A seeded shuffle whose global batches hold rows of similar length (--group_by_length).
+class GlobalOrderSampler(Sampler[int]):
+    """A seeded shuffle whose global order is the same at every world size, and which resumes at a global sample.
 
-    The global order depends on the seed, the epoch and the global batch (ranks x batch) only: the rows are
-    shuffled, cut into windows of GROUP_WINDOW global batches, each window sorted by length (longest first) and cut
-    into global batches, and the batches shuffled. Rank r takes the r-th slice of each global batch.
+    Epoch e's order is DistributedSampler's (torch.randperm seeded with seed + e), read in global micro-batches of
+    world_size x batch_size rows, rank r taking every world_size-th row from r on, and cut to whole optimizer steps
+    (`step_rows` = global micro-batch x accumulation), so an epoch's tail shorter than a step is left out.
+    `set_epoch(e, start)` positions it after `start` rows of that order (a resume, maybe at another world size).
     """
 
-    def __init__(self, lengths: np.ndarray, *, world_size: int, rank: int, batch_size: int, seed: int) -> None:
-        self.lengths, self.world_size, self.rank, self.batch_size = lengths, world_size, rank, batch_size
-        self.seed, self.epoch = seed, 0
+    def __init__(self, rows: int, *, world_size: int, rank: int, batch_size: int, accumulation: int, seed: int) -> None:
+        self.rows, self.world_size, self.rank, self.batch_size = rows, world_size, rank, batch_size
+        self.seed, self.epoch, self.start = seed, 0, 0
         self.global_batch = world_size * batch_size
-        self.usable = len(lengths) // self.global_batch * self.global_batch
+        self.step_rows = self.global_batch * accumulation
+        self.usable = rows // self.step_rows * self.step_rows
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        self.epoch, self.start = epoch, start
 
     def __len__(self) -> int:
+        """A whole epoch's rows for this rank, wherever the sampler is positioned (total steps count epochs)."""
         return self.usable // self.world_size
+
+    def _end(self) -> int:
+        """Where this epoch's reading stops: whole steps from `start` on."""
+        return self.start + max(0, self.rows - self.start) // self.step_rows * self.step_rows
+
+    def _order(self) -> np.ndarray:
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + self.epoch)
+        return torch.randperm(self.rows, generator=generator).numpy()
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._order()[self.start + self.rank : self._end() : self.world_size].tolist())
+
+
+class LengthGroupedSampler(GlobalOrderSampler):
+    """A seeded shuffle whose global batches hold rows of similar length (--group_by_length).
+
+    The global order depends on the seed, the epoch and the global micro-batch (ranks x batch) only: the rows are
+    shuffled, cut into windows of GROUP_WINDOW global batches, each window sorted by length (longest first) and cut
+    into global batches, and the batches shuffled. Rank r takes the r-th slice of each global batch. A resume
+    continues the order only at the same global micro-batch (check_resume_compatible refuses another).
+    """
+
+    def __init__(
+        self, lengths: np.ndarray, *, world_size: int, rank: int, batch_size: int, seed: int, accumulation: int = 1
+    ) -> None:
+        super().__init__(
+            len(lengths), world_size=world_size, rank=rank, batch_size=batch_size, accumulation=accumulation, seed=seed
+        )
+        self.lengths = lengths
 
     def __iter__(self) -> Iterator[int]:
         rng = np.random.default_rng([self.seed % 2**63, self.epoch])  # numpy refuses negative seeds
-        order = rng.permutation(len(self.lengths))[: self.usable]
+        order = rng.permutation(self.rows)[: self.usable]
         span = GROUP_WINDOW * self.global_batch
         windows = [order[s : s + span] for s in range(0, self.usable, span)]
         grouped = np.concatenate([w[np.argsort(-self.lengths[w], kind="stable")] for w in windows])
         batches = grouped.reshape(-1, self.global_batch)[rng.permutation(self.usable // self.global_batch)]
-        mine = batches[:, self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
+        lo = self.rank * self.batch_size
+        mine = batches[self.start // self.global_batch :, lo : lo + self.batch_size]
         return iter(mine.reshape(-1).tolist())
 
 
@@ -158,7 +192,11 @@ def _rows(
         chosen = np.flatnonzero(keep[cache.origin])
         raise all_dropped_error(int(keep.sum()), data.context_length, without_reply=cache.all_without_reply(chosen))
     rows, packed = build_rows(
-        cache.samples, indices, cache.lengths, context_length=data.context_length, packing=data.packing,
+        cache.samples,
+        indices,
+        cache.lengths,
+        context_length=data.context_length,
+        packing=data.packing,
         pairs=cache.samples.pairs,
     )
     if env.is_main:
@@ -187,12 +225,14 @@ def build_loaders(
     seed: int,
     fixed_shapes: bool = False,
     pairs: bool = False,
+    accumulation: int = 1,
 ) -> tuple[DataLoader, DataLoader | None]:
     """This rank's training loader (without the rows --eval_split holds out) and evaluation loader (None without
     --eval_dataset or --eval_split). The caller calls loader.sampler.set_epoch(epoch) so each epoch reshuffles.
 
     `fixed_shapes` (--compile) pads every batch to the context, as --pad_to_context does. `pairs`: the rows are
-    preference pairs, a batch of B pairs being 2B sequences (rows.collate).
+    preference pairs, a batch of B pairs being 2B sequences (rows.collate). `accumulation`
+    (--gradient_accumulation_steps) makes each epoch whole optimizer steps (GlobalOrderSampler).
     """
     if data.chat_template:
         load_chat_template(tokenizer, data.chat_template)
@@ -203,7 +243,7 @@ def build_loaders(
         cache, _ = dataset_cache(data.dataset, data.dataset_samples, data, tokenizer, env, pairs=pairs)
         held = held_out(cache.examples, ev.eval_split, seed=seed)
         rows = _rows(cache, ~held, data, "training rows", env)
-        train = DataLoader(rows, sampler=_sampler(rows, data, env, seed), drop_last=True,
+        train = DataLoader(rows, sampler=_sampler(rows, data, env, seed, accumulation), drop_last=True,
                            **_loader_kwargs(data, tokenizer, seed, fixed_shapes))  # fmt: skip
     evaluation = _eval_rows(data, ev, tokenizer, env, cache, held, pairs=pairs)
     if evaluation is None:
@@ -231,18 +271,21 @@ def _stream(data: DataConfig, tokenizer: Any, env: DistEnv) -> StreamRows:
     )
 
 
-def _sampler(rows: SampleRows | PackedRows | PairRows, data: DataConfig, env: DistEnv, seed: int) -> Sampler[int]:
-    needed = env.world_size * data.batch_size
+def _sampler(
+    rows: SampleRows | PackedRows | PairRows, data: DataConfig, env: DistEnv, seed: int, accumulation: int
+) -> GlobalOrderSampler:
+    needed = env.world_size * data.batch_size * accumulation
     if len(rows) < needed:
+        accumulated = f" x --gradient_accumulation_steps {accumulation}" if accumulation > 1 else ""
         raise UserError(
             f"--dataset {data.dataset} has {len(rows)} usable rows, fewer than the {needed} one step needs "
-            f"({env.world_size} ranks x --batch_size {data.batch_size}); use more data or a smaller --batch_size"
+            f"({env.world_size} ranks x --batch_size {data.batch_size}{accumulated}); use more data or a smaller "
+            "--batch_size"
         )
+    shape = {"world_size": env.world_size, "rank": env.rank, "batch_size": data.batch_size, "seed": seed}
     if data.group_by_length:
-        return LengthGroupedSampler(
-            rows.lengths, world_size=env.world_size, rank=env.rank, batch_size=data.batch_size, seed=seed
-        )
-    return DistributedSampler(rows, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=seed, drop_last=True)
+        return LengthGroupedSampler(rows.lengths, accumulation=accumulation, **shape)
+    return GlobalOrderSampler(len(rows), accumulation=accumulation, **shape)
 
 
 def _eval_rows(
