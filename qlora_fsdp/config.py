@@ -524,9 +524,13 @@ def _check_combinations(cfg: TrainConfig) -> list[str]:
     problems = []
     if cfg.lora.train_type == "full" and cfg.quant.quant != "none":
         problems.append("--train_type full trains every weight and needs --quant none")
-    adapters = cfg.lora.train_type in ("lora", "dora")
-    if not adapters and (cfg.output.save_steps or cfg.output.resume_from):
-        problems.append(f"--save_steps/--resume_from need --train_type lora or dora (not {cfg.lora.train_type})")
+    whole_units = cfg.lora.train_type in ("full", "llama_pro") and cfg.fsdp.gradient_checkpointing
+    if whole_units and cfg.fsdp.fsdp_version == 1 and (cfg.output.save_steps or cfg.output.resume_from):
+        # torch's FSDP.optim_state_dict_to_load misses the names inside a checkpoint-wrapped unit it flattened.
+        problems.append(
+            f"--save_steps/--resume_from with --train_type {cfg.lora.train_type} and --fsdp_version 1 cannot reload "
+            "the optimizer state of checkpoint-wrapped layers; use --fsdp_version 2 or --gradient_checkpointing false"
+        )
     if cfg.fsdp.packed_layout != "auto" and cfg.fsdp.fsdp_version == 1:
         problems.append("--packed_layout chooses FSDP2's layout; FSDP1 always views packed weights as float")
     if cfg.fsdp.compile and cfg.fsdp.fsdp_version == 1:

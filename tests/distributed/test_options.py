@@ -206,8 +206,12 @@ def test_accumulation_matches_larger_batch(two: dict) -> None:
         assert two["accum-2x1"][key] == pytest.approx(two["accum-1x2"][key], rel=1e-3)
 
 
-def _optimizer_state(two: dict, name: str) -> dict:
-    return torch.load(Path(two[name]["output_dir"]) / "checkpoint-5" / "rank-0.pt", weights_only=True)["optimizer"]
+def _optimizer_state(two: dict, name: str, tmp_path: Path) -> dict:
+    """The optimizer state of the run's checkpoint, as DCP wrote it (all ranks' shards joined)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(Path(two[name]["output_dir"]) / "checkpoint-5" / "sharded", tmp_path / "state.pt")
+    return torch.load(tmp_path / "state.pt", weights_only=False)["optim"]
 
 
 @pytest.mark.parametrize(
@@ -216,9 +220,9 @@ def _optimizer_state(two: dict, name: str) -> dict:
      ("adadelta", {"step", "square_avg", "acc_delta"}, None), ("sgd", set(), None)],
 )  # fmt: skip
 def test_the_optimizer_asked_for_is_the_one_that_ran(
-    two: dict, optimizer: str, state_keys: set, decoupled: bool | None
+    two: dict, optimizer: str, state_keys: set, decoupled: bool | None, tmp_path: Path
 ) -> None:
-    state = _optimizer_state(two, f"optimizer-{optimizer}")
+    state = _optimizer_state(two, f"optimizer-{optimizer}", tmp_path)
     kept = {k for s in state["state"].values() for k, v in s.items() if v is not None}
     assert kept == state_keys, kept
     group = state["param_groups"][0]

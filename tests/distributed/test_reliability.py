@@ -104,8 +104,9 @@ def test_sigkill_then_resume_matches_uninterrupted(
     assert [r["step"] for r in read_metrics(out)] == list(range(1, 13))
     deviation = max(abs(a - b) / abs(b) for a, b in zip(got, expected, strict=True))
     assert deviation <= 1e-4, f"resumed trajectory deviates by {deviation:.2e}: {got} vs {expected}"
-    # save_total_limit 2: only the two newest complete checkpoints remain, and no temporary directory.
-    assert [p.name for p in list_checkpoints(out)] == ["checkpoint-9", "checkpoint-12"]
+    # save_total_limit 2: the two newest complete checkpoints remain, and the one resumed from; no temporary directory.
+    kept = [int(p.name.split("-")[1]) for p in list_checkpoints(out)]
+    assert kept == sorted({resumed_from, 9, 12})
     assert not list(out.glob(".checkpoint-*"))
 
 
@@ -126,17 +127,9 @@ def test_checkpoint_is_self_contained_peft_adapter(three_steps: tuple[list[str],
     ckpt = out / "checkpoint-3"
     state = json.loads((ckpt / TRAINER_STATE).read_text())
     assert state["step"] == 3 and state["world_size"] == 2
-    assert {p.name for p in ckpt.iterdir()} >= {"adapter_model.safetensors", "rank-0.pt", "rank-1.pt"}
+    assert {p.name for p in ckpt.iterdir()} >= {"adapter_model.safetensors", "sharded", "rank-0.pt", "rank-1.pt"}
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), ckpt)
     assert any("lora_B" in n for n, _ in model.named_parameters())
-
-
-def test_resume_with_other_world_size_refuses(three_steps: tuple[list[str], Path]) -> None:
-    args, _ = three_steps
-    result = launch(REPO_ROOT / "train.py", [*args, "--resume_from", "auto"], nproc=1)
-    assert result.returncode != 0
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert errors and "saved by 2 processes but this job has 1" in errors[0]
 
 
 def test_sigterm_saves_checkpoint_and_exits_zero(tiny_model: Path, tmp_path: Path) -> None:

@@ -18,12 +18,16 @@ from qlora_fsdp.checkpoint import (
 from qlora_fsdp.errors import UserError
 
 
-def make_checkpoint(out: Path, step: int, *, complete: bool = True, **settings: object) -> Path:
+def make_checkpoint(out: Path, step: int, *, complete: bool = True, legacy: bool = False, **settings: object) -> Path:
+    """A checkpoint's trainer_state.json as 2 ranks wrote it; `legacy`: as format 1 did (micro-batches per rank)."""
     path = out / f"checkpoint-{step}"
     path.mkdir(parents=True)
     if complete:
-        state = TrainState(step=step, world_size=2, settings=dict(settings))
-        (path / TRAINER_STATE).write_text(json.dumps(asdict(state)))
+        state = asdict(TrainState(step=step, world_size=2, settings=dict(settings)))
+        if legacy:
+            del state["samples_in_epoch"], state["format"]
+            state["batch_in_epoch"] = 5
+        (path / TRAINER_STATE).write_text(json.dumps(state))
     return path
 
 
@@ -44,13 +48,44 @@ def test_resume_choice(tmp_path: Path) -> None:
         resolve_resume(str(incomplete), tmp_path)
 
 
-def test_resume_must_match_world_size_and_settings(tmp_path: Path) -> None:
+def test_resume_must_match_settings_but_reshards_onto_another_world_size(tmp_path: Path) -> None:
     ckpt = make_checkpoint(tmp_path, 3, batch_size=2, lora_rank=8, dataset="a.jsonl")
-    check_resume_compatible(ckpt, {"batch_size": 2, "lora_rank": 8, "dataset": "a.jsonl"}, world_size=2)
-    with pytest.raises(UserError, match="saved by 2 processes but this job has 4"):
-        check_resume_compatible(ckpt, {"batch_size": 2}, world_size=4)
+    assert check_resume_compatible(ckpt, {"batch_size": 2, "lora_rank": 8, "dataset": "a.jsonl"}, world_size=2) == []
+    changes = check_resume_compatible(ckpt, {"batch_size": 2}, world_size=4)
+    assert len(changes) == 2 and changes[0].startswith("world size 2 -> 4 (trainable weights and optimizer state")
+    assert changes[1].startswith("global batch 4 (2 ranks x --batch_size 2 x --gradient_accumulation_steps 1) -> 8")
+    # The same global batch on other ranks continues the data exactly: only the world size is reported.
+    assert len(check_resume_compatible(ckpt, {"batch_size": 1}, world_size=4, resharded=("batch_size",))) == 2
     with pytest.raises(UserError, match=r"--batch_size 2 -> 4; --lora_rank 8 -> 16"):
         check_resume_compatible(ckpt, {"batch_size": 4, "lora_rank": 16, "dataset": "a.jsonl"}, world_size=2)
+
+
+def test_a_format_1_checkpoint_resumes_only_at_its_world_size(tmp_path: Path) -> None:
+    from qlora_fsdp.checkpoint import read_train_state
+
+    ckpt = make_checkpoint(tmp_path, 3, legacy=True, batch_size=2)
+    state = read_train_state(ckpt)
+    assert (state.format, state.samples_in_epoch) == (1, 5 * 2 * 2)  # 5 micro-batches of 2 on each of 2 ranks
+    assert check_resume_compatible(ckpt, {"batch_size": 2}, world_size=2, resharded=("batch_size",)) == []
+    with pytest.raises(
+        UserError, match=r"saved by 2 processes but this job has 4; this checkpoint predates .* giving 2"
+    ):
+        check_resume_compatible(ckpt, {"batch_size": 2}, world_size=4)
+    with pytest.raises(UserError, match=r"--batch_size 2 -> 1"):  # its optimizer shards fix the layout
+        check_resume_compatible(ckpt, {"batch_size": 1}, world_size=2, resharded=("batch_size",))
+
+
+@pytest.mark.parametrize(
+    ("flags", "refused"),
+    [({"dataset_streaming": True}, "--dataset_streaming deals rows to ranks by position"),
+     ({"group_by_length": True}, "--group_by_length orders rows in global batches of 4")],
+)  # fmt: skip
+def test_orders_tied_to_the_ranks_refuse_another_layout(tmp_path: Path, flags: dict, refused: str) -> None:
+    ckpt = make_checkpoint(tmp_path, 3, batch_size=2, **flags)
+    with pytest.raises(UserError, match=refused):
+        check_resume_compatible(ckpt, {"batch_size": 2, **flags}, world_size=1, resharded=("batch_size",))
+    if "group_by_length" in flags:  # the same global micro-batch keeps the grouped order
+        assert check_resume_compatible(ckpt, {"batch_size": 4, **flags}, world_size=1, resharded=("batch_size",))
 
 
 def test_changes_that_may_happen_on_resume_are_returned_not_refused(tmp_path: Path) -> None:
@@ -79,20 +114,38 @@ def _settings(model: Path, **flags: object) -> dict[str, object]:
     ("flag", "value"),
     [("quant", "hqq"), ("hqq_bits", 3), ("hqq_group_size", 32), ("bnb_quant_type", "fp4"), ("bnb_double_quant", False),
      ("lora_alpha", 8.0), ("lora_dropout", 0.0), ("lora_target_modules", "q_proj"), ("lora_rank", 4),
-     ("train_type", "dora"), ("optimizer", "sgd"), ("fsdp_version", 1), ("precision", "fp32"),
-     ("compute_dtype", "fp32"), ("sharding_strategy", "shard_grad_op"), ("chat_template", "chatml.jinja"),
-     ("packing", True), ("eval_split", 0.1)],
+     ("train_type", "dora"), ("optimizer", "sgd"), ("precision", "fp32"),
+     ("compute_dtype", "fp32"), ("chat_template", "chatml.jinja"), ("packing", True), ("eval_split", 0.1)],
 )  # fmt: skip
 def test_a_resume_that_changes_the_base_adapters_or_shards_is_refused_naming_the_flag(
     tiny_model: Path, tmp_path: Path, flag: str, value: object
 ) -> None:
-    from qlora_fsdp.trainer import MAY_CHANGE_ON_RESUME
+    from qlora_fsdp.trainer import MAY_CHANGE_ON_RESUME, RESHARDED_ON_RESUME
 
     ckpt = make_checkpoint(tmp_path, 3, **_settings(tiny_model))
     with pytest.raises(UserError, match=rf"--{flag} \S+ -> "):
         check_resume_compatible(
-            ckpt, _settings(tiny_model, **{flag: value}), world_size=2, may_change=MAY_CHANGE_ON_RESUME
-        )
+            ckpt, _settings(tiny_model, **{flag: value}), world_size=2, may_change=MAY_CHANGE_ON_RESUME,
+            resharded=RESHARDED_ON_RESUME,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [("fsdp_version", 1), ("sharding_strategy", "shard_grad_op"), ("batch_size", 2),
+     ("gradient_accumulation_steps", 4)],
+)  # fmt: skip
+def test_layout_flags_reshard_a_format_2_checkpoint_but_not_a_format_1_one(
+    tiny_model: Path, tmp_path: Path, flag: str, value: object
+) -> None:
+    from qlora_fsdp.trainer import MAY_CHANGE_ON_RESUME, RESHARDED_ON_RESUME
+
+    rules = {"world_size": 2, "may_change": MAY_CHANGE_ON_RESUME, "resharded": RESHARDED_ON_RESUME}
+    new = _settings(tiny_model, **{flag: value})
+    changes = check_resume_compatible(make_checkpoint(tmp_path / "2", 3, **_settings(tiny_model)), new, **rules)
+    assert changes and changes[0].startswith(f"--{flag} ")
+    with pytest.raises(UserError, match=rf"--{flag} \S+ -> "):
+        check_resume_compatible(make_checkpoint(tmp_path / "1", 3, legacy=True, **_settings(tiny_model)), new, **rules)
 
 
 def test_a_resume_on_another_base_model_is_refused(tiny_model: Path, tmp_path: Path) -> None:
@@ -150,6 +203,7 @@ def test_hybrid_sharding_records_the_shard_group_it_really_used(tiny_model: Path
     cfg = build_config({"model": str(tiny_model), "sharding_strategy": "hybrid_shard"}).validate()
     two_nodes = _settings(cfg, tiny_model, DistEnv(0, 0, 8, 4, torch.device("cpu"), "gloo"))
     one_node = _settings(cfg, tiny_model, DistEnv(0, 0, 8, 8, torch.device("cpu"), "gloo"))
-    ckpt = make_checkpoint(tmp_path, 3, **two_nodes)
+    assert (two_nodes["shard_group_size"], one_node["shard_group_size"]) == (4, 8)
+    ckpt = make_checkpoint(tmp_path, 3, legacy=True, **two_nodes)
     with pytest.raises(UserError, match="--shard_group_size 4 -> 8"):
         check_resume_compatible(ckpt, one_node, world_size=2, may_change=MAY_CHANGE_ON_RESUME)

@@ -1,0 +1,78 @@
+"""The training sampler's global order: the same at every world size, cut into whole steps, and resumable at a
+global sample on another world size (what lets a checkpoint continue its data on other ranks)."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from torch.utils.data import DistributedSampler
+
+from qlora_fsdp.data.loader import GlobalOrderSampler, LengthGroupedSampler
+
+
+def _steps(
+    rows: int,
+    world_size: int,
+    batch_size: int,
+    *,
+    accumulation: int = 1,
+    epoch: int = 0,
+    start: int = 0,
+    lengths: np.ndarray | None = None,
+) -> list[list[int]]:
+    """Each optimizer step's rows over all ranks, in order, as the ranks' DataLoaders would batch them."""
+    per_rank = []
+    for rank in range(world_size):
+        shape = {"world_size": world_size, "rank": rank, "batch_size": batch_size, "seed": 5}
+        if lengths is None:
+            sampler = GlobalOrderSampler(rows, accumulation=accumulation, **shape)
+        else:
+            sampler = LengthGroupedSampler(lengths, accumulation=accumulation, **shape)
+        sampler.set_epoch(epoch, start)
+        order = list(sampler)
+        per_rank.append([order[i : i + batch_size] for i in range(0, len(order), batch_size)])
+    micro = [list(itertools.chain(*batches)) for batches in zip(*per_rank, strict=True)]
+    return [list(itertools.chain(*micro[i : i + accumulation])) for i in range(0, len(micro), accumulation)]
+
+
+def test_the_order_is_distributed_samplers_when_an_epoch_is_whole_steps() -> None:
+    """A run that never resumes sees the rows DistributedSampler(drop_last=True) gave it before."""
+    for rank in range(2):
+        ours = GlobalOrderSampler(96, world_size=2, rank=rank, batch_size=4, accumulation=3, seed=5)
+        theirs = DistributedSampler(range(96), num_replicas=2, rank=rank, shuffle=True, seed=5, drop_last=True)
+        for epoch in (0, 1):
+            ours.set_epoch(epoch)
+            theirs.set_epoch(epoch)
+            assert list(ours) == list(theirs)
+
+
+def test_every_world_size_sees_the_same_steps_and_an_epoch_is_whole_steps() -> None:
+    one = _steps(1003, 1, 8, accumulation=2)
+    assert [set(s) for s in _steps(1003, 2, 4, accumulation=2)] == [set(s) for s in one]
+    assert [set(s) for s in _steps(1003, 4, 2, accumulation=2)] == [set(s) for s in one]
+    seen = [i for s in one for i in s]
+    assert len(seen) == len(set(seen)) == 1003 // 16 * 16  # the tail shorter than a step is left out
+    assert len(GlobalOrderSampler(1003, world_size=2, rank=0, batch_size=4, accumulation=2, seed=5)) == 62 * 8
+    assert _steps(1003, 1, 8, accumulation=2, epoch=1) != one
+
+
+@pytest.mark.parametrize(("world_size", "batch_size"), [(4, 1), (1, 4), (2, 2)])
+def test_a_resume_on_other_ranks_takes_up_the_order_where_it_stopped(world_size: int, batch_size: int) -> None:
+    whole = _steps(100, 2, 2)
+    resumed = _steps(100, world_size, batch_size, start=3 * 4)
+    assert [set(s) for s in whole[:3] + resumed] == [set(s) for s in whole]
+
+
+def test_a_changed_global_batch_goes_on_with_the_unseen_rows_of_the_same_order() -> None:
+    whole = [i for s in _steps(100, 1, 4) for i in s]
+    resumed = _steps(100, 2, 3, start=3 * 4)  # 12 seen; steps of 6 from there
+    assert [set(s) for s in resumed] == [set(whole[12 + 6 * k : 18 + 6 * k]) for k in range((100 - 12) // 6)]
+
+
+def test_the_grouped_order_resumes_at_the_same_global_micro_batch() -> None:
+    lengths = np.random.default_rng(0).integers(10, 500, size=400)
+    whole = _steps(400, 2, 4, lengths=lengths)
+    resumed = _steps(400, 4, 2, lengths=lengths, start=5 * 8)
+    assert [set(s) for s in whole[:5] + resumed] == [set(s) for s in whole]
