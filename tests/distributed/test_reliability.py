@@ -232,3 +232,25 @@ def test_resume_with_another_learning_rate_applies_it_and_says_so(tiny_model: Pa
     lrs = [r["lr"] for r in read_metrics(out)]
     expected = [0.005 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - 1) / 5))) for step in (4, 5)]
     assert lrs[4:] == pytest.approx(expected, rel=1e-9)
+
+
+def test_full_fine_tuning_checkpoint_resumes_on_another_world_size(tiny_model: Path, tmp_path: Path) -> None:
+    """--train_type full checkpoints the whole model and its optimizer state in DCP's sharded form: 2 ranks x 2
+    resume as 1 rank x 4 on the uninterrupted trajectory (loss and gradient norm)."""
+    args = [
+        "--model", str(tiny_model), "--dataset", str(DATASET), "--train_type", "full", "--quant", "none",
+        "--precision", "fp32", "--context_length", "64", "--lr", "1e-3", "--lr_scheduler", "constant",
+        "--device", "cpu", "--log_to", "stdout", "--seed", "3", "--max_steps", "4", "--save_model", "false",
+    ]  # fmt: skip
+    reference = tmp_path / "reference"
+    train([*args, "--batch_size", "2", "--save_steps", "2", "--output_dir", str(reference)], nproc=2)
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    (reference / "checkpoint-2").rename(resumed / "checkpoint-2")
+    result = train([*args, "--batch_size", "4", "--output_dir", str(resumed), "--resume_from", "auto"], nproc=1)
+    assert "resumed with world size 2 -> 1" in result.stdout
+    want = {r["step"]: r for r in read_metrics(reference)}
+    got = {r["step"]: r for r in read_metrics(resumed)}
+    for step in (3, 4):
+        for key in ("loss", "grad_norm"):
+            assert got[step][key] == pytest.approx(want[step][key], rel=1e-4), (step, key)

@@ -432,8 +432,14 @@ def test_empty_yaml_value_keeps_the_default(tmp_path) -> None:
 @pytest.mark.parametrize(
     ("flags", "needle"),
     [
-        ({"train_type": "full", "quant": "none", "save_steps": 5}, "--save_steps/--resume_from need"),
-        ({"train_type": "llama_pro", "resume_from": "auto"}, "--save_steps/--resume_from need"),
+        (
+            {"train_type": "full", "quant": "none", "save_steps": 5, "fsdp_version": 1},
+            "cannot reload the optimizer state of checkpoint-wrapped layers; use --fsdp_version 2",
+        ),
+        (
+            {"train_type": "llama_pro", "resume_from": "auto", "fsdp_version": 1},
+            "cannot reload the optimizer state of checkpoint-wrapped layers; use --fsdp_version 2",
+        ),
         (
             {"train_type": "dora", "precision": "mp_bf16", "fsdp_version": 1},
             "--precision mp_bf16 with --train_type dora needs --fsdp_version 2",
@@ -450,6 +456,15 @@ def test_empty_yaml_value_keeps_the_default(tmp_path) -> None:
 def test_combinations_rejected_up_front(flags: dict, needle: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(needle)):
         build_config({"model": "m", **flags}).validate()
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [{"train_type": "full", "quant": "none"}, {"train_type": "llama_pro"},
+     {"train_type": "full", "quant": "none", "fsdp_version": 1, "gradient_checkpointing": False}],
+)  # fmt: skip
+def test_every_train_type_keeps_resumable_checkpoints(flags: dict) -> None:
+    build_config({"model": "m", "save_steps": 5, "resume_from": "auto", **flags}).validate()
 
 
 @pytest.mark.parametrize("precision", ["bf16", "bf16_autocast"])
