@@ -15,7 +15,7 @@ A checkpoint directory `checkpoint-STEP/` holds:
 All ranks write into `.checkpoint-STEP.tmp/`, which rank 0 renames into place only after every rank has finished,
 so a crash mid-write leaves the previous checkpoint intact and nothing that looks complete. With --async_save the
 sharded state is copied to host memory and written by a background thread while training goes on; rank 0 marks the
-checkpoint complete between steps once DCP reports it whole.
+checkpoint complete from the writer thread as soon as DCP reports it whole.
 
 Checkpoints of format 1 (before `sharded/`: an optimizer shard in each `rank-R.pt`) resume at their own world size.
 """
@@ -28,6 +28,7 @@ import os
 import random
 import secrets
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -40,6 +41,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from qlora_fsdp.distributed import DistEnv, broadcast_object
@@ -166,13 +168,15 @@ def _sharded_state(model: ShardedModel, optimizer: torch.optim.Optimizer) -> dic
 
 @dataclass
 class _Pending:
-    """A checkpoint whose sharded state DCP is still writing."""
+    """A checkpoint whose sharded state DCP is still writing; `done` is set once it is complete (or failed)."""
 
-    future: Future | None
     tmp: Path
     final: Path
     state: TrainState
     started: float
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+    message: str = ""
 
 
 class Checkpointer:
@@ -195,14 +199,18 @@ class Checkpointer:
     ) -> None:
         self.model, self.optimizer, self.scaler, self.adapter = model, optimizer, scaler, adapter
         self.output_dir, self.total_limit, self.keep, self.env, self.report = output_dir, total_limit, keep, env, report
-        # Background writes run their collectives beside training's, so on a group of their own; gloo, because DCP
-        # stages to host memory.
-        self.group = dist.new_group(backend="gloo") if async_save else None
+        self.group, self.stager = None, None
+        if async_save:
+            # Background writes run their collectives beside training's, so on a group of their own; gloo, because
+            # DCP stages to host memory. One stager for the run keeps its host buffers: staging then only copies.
+            self.group = dist.new_group(backend="gloo")
+            cuda = env.device.type == "cuda"
+            self.stager = DefaultStager(StagingOptions(cuda, False, False, cuda))
         self.pending: _Pending | None = None
 
     def save(self, state: TrainState, *, wait: bool) -> Path:
-        """Checkpoint `state`: whole on return when `wait` or without --async_save, else once a later
-        `poll`/`wait` finds DCP done. A save in flight completes first: one at a time."""
+        """Checkpoint `state`: whole on return when `wait` or without --async_save, else in the background, marked
+        complete as soon as DCP is done. A save in flight completes first: one at a time."""
         started = time.perf_counter()  # training's stall includes waiting for the save before
         self.wait()
         final = self.output_dir / f"{CHECKPOINT_PREFIX}{state.step}"
@@ -220,31 +228,50 @@ class Checkpointer:
         }
         torch.save(per_rank, tmp / f"rank-{self.env.rank}.pt")
         sharded = _sharded_state(self.model, self.optimizer)
-        pending = _Pending(None, tmp, final, replace(state, settings=dict(state.settings)), started)
-        if self.group is None or wait:
+        pending = _Pending(tmp, final, replace(state, settings=dict(state.settings)), started)
+        if self.stager is None or wait:
             dcp.save(sharded, checkpoint_id=tmp / SHARDED, process_group=self.group)
             self._complete(pending)
             dist.barrier()
-        else:
-            pending.future = dcp.async_save(sharded, checkpoint_id=tmp / SHARDED, process_group=self.group)
-            self.pending = pending
-            self.report(
-                f"checkpoint {final}: training goes on after {time.perf_counter() - started:.2f}s, "
-                "the rest is written in the background"
-            )
+            if pending.message:
+                self.report(pending.message)
+            return final
+        future = dcp.async_save(
+            sharded, checkpoint_id=tmp / SHARDED, process_group=self.group, async_stager=self.stager
+        )
+        self.pending = pending
+        future.add_done_callback(lambda written: self._finished(pending, written))
+        self.report(
+            f"checkpoint {final}: training goes on after {time.perf_counter() - started:.2f}s, "
+            "the rest is written in the background"
+        )
         return final
 
+    def _finished(self, pending: _Pending, written: Future) -> None:
+        """In DCP's writer thread, once it is done: mark the checkpoint complete without waiting for a step."""
+        try:
+            written.result()
+            self._complete(pending)
+        except BaseException as exc:  # handed to the training thread by wait()
+            pending.error = exc
+        finally:
+            pending.done.set()
+
     def poll(self) -> None:
-        """Complete a background save that DCP has finished (between steps; no collective)."""
-        if self.pending is not None and self.pending.future is not None and self.pending.future.done():
+        """Report a background save that has completed (between steps; no collective)."""
+        if self.pending is not None and self.pending.done.is_set():
             self.wait()
 
     def wait(self) -> None:
-        """Block until a save in flight is whole and marked complete."""
+        """Block until a save in flight is whole and marked complete; raise what its writer raised."""
         pending, self.pending = self.pending, None
-        if pending is not None:
-            pending.future.result()  # raises what the writer raised
-            self._complete(pending)
+        if pending is None:
+            return
+        pending.done.wait()
+        if pending.error is not None:
+            raise pending.error
+        if pending.message:
+            self.report(pending.message)
 
     def _complete(self, pending: _Pending) -> None:
         """Rank 0 marks the checkpoint complete and renames it into place. DCP's coordinator (rank 0) returns only
@@ -255,8 +282,8 @@ class Checkpointer:
         if pending.final.exists():
             shutil.rmtree(pending.final)
         os.replace(pending.tmp, pending.final)
+        pending.message = f"checkpoint saved to {pending.final} in {time.perf_counter() - pending.started:.2f}s"
         self._prune()
-        self.report(f"checkpoint saved to {pending.final} in {time.perf_counter() - pending.started:.2f}s")
 
     def _prune(self) -> None:
         for stale in self.output_dir.glob(f".{CHECKPOINT_PREFIX}*.tmp"):
