@@ -22,6 +22,7 @@ Checkpoints of format 1 (before `sharded/`: an optimizer shard in each `rank-R.p
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 import os
@@ -195,6 +196,7 @@ class Checkpointer:
         async_save: bool,
         keep: Path | None,
         env: DistEnv,
+        timeout_s: float,
         report: Callable[[str], None],
     ) -> None:
         self.model, self.optimizer, self.scaler, self.adapter = model, optimizer, scaler, adapter
@@ -203,7 +205,7 @@ class Checkpointer:
         if async_save:
             # Background writes run their collectives beside training's, so on a group of their own; gloo, because
             # DCP stages to host memory. One stager for the run keeps its host buffers: staging then only copies.
-            self.group = dist.new_group(backend="gloo")
+            self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
             cuda = env.device.type == "cuda"
             self.stager = DefaultStager(StagingOptions(cuda, False, False, cuda))
         self.pending: _Pending | None = None
@@ -258,20 +260,38 @@ class Checkpointer:
             pending.done.set()
 
     def poll(self) -> None:
-        """Report a background save that has completed (between steps; no collective)."""
-        if self.pending is not None and self.pending.done.is_set():
-            self.wait()
+        """Report a background save that has completed (between steps; no collective). A failed one is left for
+        `wait`, which every rank calls at the same point, so that all ranks stop together."""
+        pending = self.pending
+        if pending is not None and pending.done.is_set() and pending.error is None:
+            self.pending = None
+            if pending.message:
+                self.report(pending.message)
 
     def wait(self) -> None:
-        """Block until a save in flight is whole and marked complete; raise what its writer raised."""
+        """Block until a save in flight is whole and marked complete. A collective: with --async_save every rank
+        learns whether any rank's background write failed, and raises then."""
         pending, self.pending = self.pending, None
-        if pending is None:
+        error = None
+        if pending is not None:
+            pending.done.wait()
+            error = pending.error
+            if error is None and pending.message:
+                self.report(pending.message)
+        if self.stager is None:
             return
-        pending.done.wait()
-        if pending.error is not None:
-            raise pending.error
-        if pending.message:
-            self.report(pending.message)
+        failed = torch.tensor(float(error is not None), device=self.env.device)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if error is not None:
+            raise error
+        if failed.item():
+            raise RuntimeError("a background checkpoint write failed on another rank; its log says why")
+
+    def close(self) -> None:
+        """Wait for a save in flight, then free the staging buffers."""
+        self.wait()
+        if self.stager is not None:
+            self.stager.close()
 
     def _complete(self, pending: _Pending) -> None:
         """Rank 0 marks the checkpoint complete and renames it into place. DCP's coordinator (rank 0) returns only
@@ -283,15 +303,16 @@ class Checkpointer:
             shutil.rmtree(pending.final)
         os.replace(pending.tmp, pending.final)
         pending.message = f"checkpoint saved to {pending.final} in {time.perf_counter() - pending.started:.2f}s"
-        self._prune()
+        self._prune(pending.final)
 
-    def _prune(self) -> None:
+    def _prune(self, newest: Path) -> None:
+        """`newest`, just written, is kept even where checkpoints of a later step (an abandoned run) exist."""
         for stale in self.output_dir.glob(f".{CHECKPOINT_PREFIX}*.tmp"):
             shutil.rmtree(stale, ignore_errors=True)
         if self.total_limit > 0:
-            keep = self.keep.resolve() if self.keep is not None else None
+            keep = {path.resolve() for path in (self.keep, newest) if path is not None}
             for old in list_checkpoints(self.output_dir)[: -self.total_limit]:
-                if old.resolve() != keep:
+                if old.resolve() not in keep:
                     shutil.rmtree(old, ignore_errors=True)
 
 
@@ -475,4 +496,5 @@ def load_checkpoint(
         scaler.load_state_dict(per_rank["scaler"])
     if same_ranks:
         _set_rng_state(per_rank["rng"], env.device)
-    return state
+    # Checkpoints this run writes are of this format and this world size, whatever it resumed from.
+    return replace(state, world_size=env.world_size, format=FORMAT)

@@ -309,6 +309,13 @@ class TrainConfig:
     output: OutputConfig = field(default_factory=OutputConfig)
     dist: DistConfig = field(default_factory=DistConfig)
 
+    @property
+    def resumable(self) -> bool:
+        """Whether this run's checkpoints can be resumed. Not FSDP1 with whole checkpoint-wrapped layers trained:
+        torch's FSDP.optim_state_dict_to_load misses the names inside such a flattened unit."""
+        whole_layers = self.lora.train_type in ("full", "llama_pro") and self.fsdp.gradient_checkpointing
+        return not (whole_layers and self.fsdp.fsdp_version == 1)
+
     def validate(self) -> TrainConfig:
         """Check every option; raise one ConfigError listing all problems, each with its flag."""
         problems = [*_check_choices(self), *_check_ranges(self), *_check_combinations(self)]
@@ -524,9 +531,7 @@ def _check_combinations(cfg: TrainConfig) -> list[str]:
     problems = []
     if cfg.lora.train_type == "full" and cfg.quant.quant != "none":
         problems.append("--train_type full trains every weight and needs --quant none")
-    whole_units = cfg.lora.train_type in ("full", "llama_pro") and cfg.fsdp.gradient_checkpointing
-    if whole_units and cfg.fsdp.fsdp_version == 1 and (cfg.output.save_steps or cfg.output.resume_from):
-        # torch's FSDP.optim_state_dict_to_load misses the names inside a checkpoint-wrapped unit it flattened.
+    if not cfg.resumable and (cfg.output.save_steps or cfg.output.resume_from):
         problems.append(
             f"--save_steps/--resume_from with --train_type {cfg.lora.train_type} and --fsdp_version 1 cannot reload "
             "the optimizer state of checkpoint-wrapped layers; use --fsdp_version 2 or --gradient_checkpointing false"

@@ -245,7 +245,6 @@ def _run(
         pairs=cfg.objective.pairs,
         accumulation=cfg.optim.gradient_accumulation_steps,
     )
-    total_steps = cfg.optim.max_steps or _epoch_steps(cfg.optim, len(loader))  # a stream has no length
     attention = attention_implementation(packing=cfg.data.packing, device=env.device, dtype=precision.compute_dtype)
     varlen = attention == FLASH_ATTENTION
     built = _build_model(cfg, env, model_path, precision, attention=attention)
@@ -258,6 +257,7 @@ def _run(
     if resume is not None:
         state = load_checkpoint(resume, model=built.model, keys=built.keys, optimizer=optimizer, scaler=scaler, env=env)
         state.settings = settings
+    total_steps = _total_steps(cfg.optim, loader, state)
     # The schedule is a function of the flags and the step: rebuilt, not restored, so changed flags take effect.
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps, start_step=state.step)
     if env.is_main:
@@ -288,15 +288,15 @@ def _run(
         model=built.model, optimizer=optimizer, scaler=scaler,
         adapter=(built.unwrapped, built.keys, built.manifest) if adapters else None,
         output_dir=output_dir, total_limit=cfg.output.save_total_limit, async_save=cfg.output.async_save,
-        keep=resume, env=env, report=logger.message,
+        keep=resume, env=env, timeout_s=cfg.dist.dist_timeout_s, report=logger.message,
     )  # fmt: skip
 
     def checkpoint(at: TrainState, wait: bool) -> Path:
-        if not shared_output:
-            raise TrainingStopped(
-                f"stopped by a signal after step {at.step}; --output_dir {output_dir} is not shared by every node, "
-                "so no checkpoint could be completed"
-            )
+        if not shared_output or not cfg.resumable:
+            why = "this --train_type with --fsdp_version 1 keeps no resumable checkpoints" if shared_output else (
+                f"--output_dir {output_dir} is not shared by every node, so no checkpoint could be completed"
+            )  # fmt: skip
+            raise TrainingStopped(f"stopped by a signal after step {at.step}; {why}")
         return checkpointer.save(at, wait=wait)
 
     forward = Forward(env.device, precision, varlen=varlen)
@@ -353,7 +353,7 @@ def _run(
             )
             static = {"param_bytes_per_rank": param_bytes, "trainable_parameters": built.trainable}
             result = train_loop(step, loader, state=state, events=events, logger=logger, static_fields=static)
-            checkpointer.wait()  # a background save still in flight, SIGTERM or not
+            checkpointer.close()  # a background save still in flight completes, SIGTERM or not
         # --eval_steps 0, or a last step off its grid: evaluate the final weights.
         off_grid = not cfg.eval.eval_steps or result.state.step % cfg.eval.eval_steps
         if result.preempted_checkpoint is None and eval_loader is not None and off_grid:
@@ -465,11 +465,14 @@ def _save_final(built: _Built, output_dir: Path, *, env: DistEnv) -> str:
     return f"model saved to {output_dir.resolve()}"
 
 
-def _epoch_steps(cfg: OptimConfig, micro_batches_per_epoch: int) -> int:
-    steps = cfg.num_epochs * (micro_batches_per_epoch // cfg.gradient_accumulation_steps)
-    if steps < 1:
-        raise UserError(
-            f"--gradient_accumulation_steps {cfg.gradient_accumulation_steps} needs more batches per epoch than the "
-            f"dataset gives ({micro_batches_per_epoch}); lower it or use a larger dataset"
-        )
-    return steps
+def _total_steps(cfg: OptimConfig, loader: DataLoader, state: TrainState) -> int:
+    """--max_steps, else --num_epochs of whole steps. A resumed run adds to the steps done those left at its own
+    global batch, which may not be the checkpoint's: the rest of the current epoch, then whole epochs."""
+    if cfg.max_steps:
+        return cfg.max_steps
+    sampler = loader.sampler  # a GlobalOrderSampler: a stream needs --max_steps
+    per_epoch = sampler.rows // sampler.step_rows
+    if not state.step:
+        return cfg.num_epochs * per_epoch
+    left = (sampler.rows - state.samples_in_epoch) // sampler.step_rows
+    return state.step + max(0, left) + (cfg.num_epochs - 1 - state.epoch) * per_epoch

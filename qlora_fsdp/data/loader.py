@@ -103,13 +103,14 @@ class LengthGroupedSampler(GlobalOrderSampler):
 
     def __iter__(self) -> Iterator[int]:
         rng = np.random.default_rng([self.seed % 2**63, self.epoch])  # numpy refuses negative seeds
-        order = rng.permutation(self.rows)[: self.usable]
+        grouped_rows = self.rows // self.global_batch * self.global_batch  # the order ignores accumulation
+        order = rng.permutation(self.rows)[:grouped_rows]
         span = GROUP_WINDOW * self.global_batch
-        windows = [order[s : s + span] for s in range(0, self.usable, span)]
+        windows = [order[s : s + span] for s in range(0, grouped_rows, span)]
         grouped = np.concatenate([w[np.argsort(-self.lengths[w], kind="stable")] for w in windows])
-        batches = grouped.reshape(-1, self.global_batch)[rng.permutation(self.usable // self.global_batch)]
+        batches = grouped.reshape(-1, self.global_batch)[rng.permutation(grouped_rows // self.global_batch)]
         lo = self.rank * self.batch_size
-        mine = batches[self.start // self.global_batch :, lo : lo + self.batch_size]
+        mine = batches[self.start // self.global_batch : self._end() // self.global_batch, lo : lo + self.batch_size]
         return iter(mine.reshape(-1).tolist())
 
 
@@ -279,8 +280,8 @@ def _sampler(
         accumulated = f" x --gradient_accumulation_steps {accumulation}" if accumulation > 1 else ""
         raise UserError(
             f"--dataset {data.dataset} has {len(rows)} usable rows, fewer than the {needed} one step needs "
-            f"({env.world_size} ranks x --batch_size {data.batch_size}{accumulated}); use more data or a smaller "
-            "--batch_size"
+            f"({env.world_size} ranks x --batch_size {data.batch_size}{accumulated}); use more data, a smaller "
+            f"--batch_size{' or --gradient_accumulation_steps' if accumulated else ''}"
         )
     shape = {"world_size": env.world_size, "rank": env.rank, "batch_size": data.batch_size, "seed": seed}
     if data.group_by_length:

@@ -236,21 +236,27 @@ def test_resume_with_another_learning_rate_applies_it_and_says_so(tiny_model: Pa
 
 def test_full_fine_tuning_checkpoint_resumes_on_another_world_size(tiny_model: Path, tmp_path: Path) -> None:
     """--train_type full checkpoints the whole model and its optimizer state in DCP's sharded form: 2 ranks x 2
-    resume as 1 rank x 4 on the uninterrupted trajectory (loss and gradient norm)."""
+    resume as 1 rank x 4, whose own checkpoint resumes on 2 ranks again, on the uninterrupted trajectory."""
     args = [
         "--model", str(tiny_model), "--dataset", str(DATASET), "--train_type", "full", "--quant", "none",
         "--precision", "fp32", "--context_length", "64", "--lr", "1e-3", "--lr_scheduler", "constant",
-        "--device", "cpu", "--log_to", "stdout", "--seed", "3", "--max_steps", "4", "--save_model", "false",
+        "--device", "cpu", "--log_to", "stdout", "--seed", "3", "--save_model", "false", "--save_steps", "2",
     ]  # fmt: skip
     reference = tmp_path / "reference"
-    train([*args, "--batch_size", "2", "--save_steps", "2", "--output_dir", str(reference)], nproc=2)
+    train([*args, "--batch_size", "2", "--max_steps", "6", "--output_dir", str(reference)], nproc=2)
     resumed = tmp_path / "resumed"
     resumed.mkdir()
     (reference / "checkpoint-2").rename(resumed / "checkpoint-2")
-    result = train([*args, "--batch_size", "4", "--output_dir", str(resumed), "--resume_from", "auto"], nproc=1)
-    assert "resumed with world size 2 -> 1" in result.stdout
+    once = [*args, "--batch_size", "4", "--max_steps", "4", "--output_dir", str(resumed), "--resume_from", "auto"]
+    assert "resumed with world size 2 -> 1" in train(once, nproc=1).stdout
+    # A checkpoint written by a resumed run records its own world size, so it resumes (and reshards) in turn.
+    state = json.loads((resumed / "checkpoint-4" / TRAINER_STATE).read_text())
+    assert (state["world_size"], state["format"]) == (1, 2)
+    twice = [*args, "--batch_size", "2", "--max_steps", "6", "--output_dir", str(resumed), "--resume_from", "auto"]
+    assert "resumed with world size 1 -> 2" in train(twice, nproc=2).stdout
     want = {r["step"]: r for r in read_metrics(reference)}
     got = {r["step"]: r for r in read_metrics(resumed)}
-    for step in (3, 4):
+    assert sorted(got) == [3, 4, 5, 6]  # the checkpoint came without the metrics of steps 1-2
+    for step in (3, 4, 5, 6):
         for key in ("loss", "grad_norm"):
             assert got[step][key] == pytest.approx(want[step][key], rel=1e-4), (step, key)

@@ -76,3 +76,34 @@ def test_the_grouped_order_resumes_at_the_same_global_micro_batch() -> None:
     whole = _steps(400, 2, 4, lengths=lengths)
     resumed = _steps(400, 4, 2, lengths=lengths, start=5 * 8)
     assert [set(s) for s in whole[:5] + resumed] == [set(s) for s in whole]
+
+
+def test_the_grouped_order_does_not_depend_on_accumulation() -> None:
+    """Accumulation only cuts the epoch to whole steps: a checkpoint may change it and keep the order."""
+    lengths = np.random.default_rng(0).integers(10, 500, size=103)
+    plain = [i for s in _steps(103, 2, 2, lengths=lengths) for i in s]
+    accumulated = [i for s in _steps(103, 2, 2, accumulation=4, lengths=lengths) for i in s]
+    assert len(plain) == 100 and len(accumulated) == 96
+    assert accumulated == plain[:96]
+
+
+@pytest.mark.parametrize(("world_size", "left"), [(2, 250), (4, 125), (1, 500)])
+def test_a_resumed_epoch_run_counts_the_steps_left_at_its_own_global_batch(world_size: int, left: int) -> None:
+    """One epoch of 1000 rows at 2 ranks x 1 is 500 steps; resumed half-way on other ranks it still ends with the
+    epoch, however many steps that now takes."""
+    from types import SimpleNamespace
+
+    from qlora_fsdp.checkpoint import TrainState
+    from qlora_fsdp.config import OptimConfig
+    from qlora_fsdp.trainer import _total_steps
+
+    def loader(ranks: int) -> SimpleNamespace:
+        return SimpleNamespace(sampler=GlobalOrderSampler(1000, world_size=ranks, rank=0, batch_size=1,
+                                                          accumulation=1, seed=5))  # fmt: skip
+
+    cfg = OptimConfig(num_epochs=1)
+    assert _total_steps(cfg, loader(2), TrainState()) == 500
+    halfway = TrainState(step=250, epoch=0, samples_in_epoch=500, world_size=2)
+    assert _total_steps(cfg, loader(world_size), halfway) == 250 + left
+    two_epochs = OptimConfig(num_epochs=2)
+    assert _total_steps(two_epochs, loader(world_size), halfway) == 250 + left + 1000 // world_size
