@@ -358,7 +358,6 @@ class Runner:
         env["BENCH_PEAK_RSS_FILE"] = peaks
         steps = p.warmup_steps + p.measured_steps
 
-
         self._go(
             what,
             [cmd],

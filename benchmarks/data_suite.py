@@ -328,7 +328,6 @@ class DataRunner(Runner):
         peaks = f"{out}.peak-rss"
         env["BENCH_PEAK_RSS_FILE"] = peaks
 
-
         def reset() -> None:
             shutil.rmtree(out, ignore_errors=True)
             timing.unlink(missing_ok=True)

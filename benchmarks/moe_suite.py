@@ -309,7 +309,6 @@ class MoeRunner(Runner):
         peaks = f"{out}.peak-rss"
         env["BENCH_PEAK_RSS_FILE"] = peaks
 
-
         result = self._go(what, [cmd], [env], reset=lambda: shutil.rmtree(out, ignore_errors=True),
                           finished=lambda: len(run_metrics(out)) == steps)  # fmt: skip
         records = run_metrics(out)

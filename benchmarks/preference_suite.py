@@ -269,7 +269,6 @@ class PreferenceRunner(Runner):
         probe = f"{out}.steps"
         env["BENCH_STEP_RSS_FILE"] = probe
 
-
         def reset() -> None:
             shutil.rmtree(out, ignore_errors=True)
             for r in range(p.nproc):

@@ -9,6 +9,8 @@
         resident bytes per rank at 1, 2, 4 ranks against HF 4-bit; step time against a dense model, same active size)
     python benchmarks/run.py --suite cpu-preference [--out DIR] [--quick] [--objectives dpo,ipo,orpo,simpo]
         (preference objectives against SFT over the same tokens, 2 ranks: parameter bytes, step peak RSS, step time)
+    python benchmarks/run.py --suite cpu-checkpoint [--out DIR] [--quick]   (training's stall per save, --async_save
+        true against false, 2 ranks: a 483M full fine-tune and a LoRA case; stall seconds, write time, peak RSS, bytes)
     python benchmarks/run.py --suite gpu [--out DIR] [--dry-run] [--only tests,bnb,...] [--peak_flops 989e12]
         (benchmarks/gpu.sh wraps it: it installs the carried wheels first)
 
@@ -34,7 +36,17 @@ if str(REPO_ROOT) not in sys.path:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    suites = ("cpu", "cpu-large", "cpu-loss", "cpu-packing", "cpu-data", "cpu-moe", "cpu-preference", "gpu")
+    suites = (
+        "cpu",
+        "cpu-large",
+        "cpu-loss",
+        "cpu-packing",
+        "cpu-data",
+        "cpu-moe",
+        "cpu-preference",
+        "cpu-checkpoint",
+        "gpu",
+    )
     p.add_argument("--suite", required=True, choices=suites)
     p.add_argument("--out", type=Path, default=Path("results"), help="directory for results.json and results.md")
     p.add_argument("--model", type=Path, default=None, help="CPU suite: use this model directory instead of building")
@@ -98,6 +110,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error("--objectives is an option of --suite cpu-preference")
     if args.suite == "cpu-preference" and args.model is not None:
         p.error("--suite cpu-preference builds its own model (its size sets how much of a step is activations)")
+    if args.suite == "cpu-checkpoint" and args.model is not None:
+        p.error("--suite cpu-checkpoint builds its own models (a full fine-tune's and a LoRA case's)")
     if args.suite == "cpu-moe" and args.model is not None:
         p.error("--suite cpu-moe builds its own pair of models (an MoE and its dense twin); --model is not used")
     if args.model is not None and not (args.model / "config.json").is_file():
@@ -136,6 +150,10 @@ def main(argv: list[str] | None = None) -> int:
             from benchmarks.preference_suite import render_preference
 
             (args.out / "results.md").write_text(render_preference(results))
+        elif args.suite == "cpu-checkpoint":
+            from benchmarks.checkpoint_suite import render_checkpoint
+
+            (args.out / "results.md").write_text(render_checkpoint(results))
         else:
             (args.out / "results.md").write_text(render(results))
 
@@ -175,6 +193,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         results = run_preference_suite(suite_plan, cache=args.cache)
+        results["machine"] = machine_info()
+    elif args.suite == "cpu-checkpoint":
+        from benchmarks.checkpoint_suite import plan as checkpoint_plan
+        from benchmarks.checkpoint_suite import run_checkpoint_suite
+
+        try:
+            suite_plan = checkpoint_plan(quick=args.quick, threads=args.threads, reps=args.reps,
+                                         idle_wait_s=args.idle_wait, precision=args.precision)  # fmt: skip
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        results = run_checkpoint_suite(suite_plan, cache=args.cache)
         results["machine"] = machine_info()
     elif args.suite in ("cpu", "cpu-large", "cpu-loss", "cpu-packing"):
         from benchmarks.cpu_suite import plan, run_cpu_suite
