@@ -167,6 +167,19 @@ def _sharded_state(model: ShardedModel, optimizer: torch.optim.Optimizer) -> dic
     return {"model": {k: v for k, v in weights.items() if k in trained}, "optim": optim}
 
 
+def _reusable_stager(options: StagingOptions) -> DefaultStager | None:
+    """A stager that keeps its host buffers from one save to the next, so staging only copies; None where this
+    torch's cannot stage twice (torch 2.11's closes its copier after each stage), and DCP makes one per save."""
+    stager = DefaultStager(options)
+    try:
+        for _ in range(2):
+            stager.stage({"probe": torch.zeros(1)})
+    except KeyError:
+        stager.close()
+        return None
+    return stager
+
+
 @dataclass
 class _Pending:
     """A checkpoint whose sharded state DCP is still writing; `done` is set once it is complete (or failed)."""
@@ -201,13 +214,13 @@ class Checkpointer:
     ) -> None:
         self.model, self.optimizer, self.scaler, self.adapter = model, optimizer, scaler, adapter
         self.output_dir, self.total_limit, self.keep, self.env, self.report = output_dir, total_limit, keep, env, report
-        self.group, self.stager = None, None
+        self.async_save, self.group, self.stager = async_save, None, None
         if async_save:
             # Background writes run their collectives beside training's, so on a group of their own; gloo, because
-            # DCP stages to host memory. One stager for the run keeps its host buffers: staging then only copies.
+            # DCP stages to host memory.
             self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
             cuda = env.device.type == "cuda"
-            self.stager = DefaultStager(StagingOptions(cuda, False, False, cuda))
+            self.stager = _reusable_stager(StagingOptions(cuda, False, False, cuda))
         self.pending: _Pending | None = None
 
     def save(self, state: TrainState, *, wait: bool) -> Path:
@@ -231,7 +244,7 @@ class Checkpointer:
         torch.save(per_rank, tmp / f"rank-{self.env.rank}.pt")
         sharded = _sharded_state(self.model, self.optimizer)
         pending = _Pending(tmp, final, replace(state, settings=dict(state.settings)), started)
-        if self.stager is None or wait:
+        if not self.async_save or wait:
             dcp.save(sharded, checkpoint_id=tmp / SHARDED, process_group=self.group)
             self._complete(pending)
             dist.barrier()
@@ -278,7 +291,7 @@ class Checkpointer:
             error = pending.error
             if error is None and pending.message:
                 self.report(pending.message)
-        if self.stager is None:
+        if not self.async_save:
             return
         failed = torch.tensor(float(error is not None), device=self.env.device)
         dist.all_reduce(failed, op=dist.ReduceOp.MAX)
