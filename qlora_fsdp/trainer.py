@@ -471,8 +471,7 @@ def _total_steps(cfg: OptimConfig, loader: DataLoader, state: TrainState) -> int
     if cfg.max_steps:
         return cfg.max_steps
     sampler = loader.sampler  # a GlobalOrderSampler: a stream needs --max_steps
-    per_epoch = sampler.rows // sampler.step_rows
+    per_epoch = sampler.steps_from(0)
     if not state.step:
         return cfg.num_epochs * per_epoch
-    left = (sampler.rows - state.samples_in_epoch) // sampler.step_rows
-    return state.step + max(0, left) + (cfg.num_epochs - 1 - state.epoch) * per_epoch
+    return state.step + sampler.steps_from(state.samples_in_epoch) + (cfg.num_epochs - 1 - state.epoch) * per_epoch

@@ -71,9 +71,13 @@ class GlobalOrderSampler(Sampler[int]):
         """A whole epoch's rows for this rank, wherever the sampler is positioned (total steps count epochs)."""
         return self.usable // self.world_size
 
+    def steps_from(self, start: int) -> int:
+        """Whole optimizer steps an epoch holds after its first `start` rows."""
+        return max(0, self.rows - start) // self.step_rows
+
     def _end(self) -> int:
         """Where this epoch's reading stops: whole steps from `start` on."""
-        return self.start + max(0, self.rows - self.start) // self.step_rows * self.step_rows
+        return self.start + self.steps_from(self.start) * self.step_rows
 
     def _order(self) -> np.ndarray:
         generator = torch.Generator()
