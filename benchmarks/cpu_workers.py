@@ -51,8 +51,9 @@ def load_ours(args: dict[str, Any]) -> None:
     from benchmarks.measure import model_bytes, preimport
     from qlora_fsdp.config import FSDPConfig, ModelConfig, QuantConfig
     from qlora_fsdp.distributed import init_distributed
-    from qlora_fsdp.fsdp import PRECISIONS, make_sharder
+    from qlora_fsdp.fsdp import make_sharder
     from qlora_fsdp.model import build_skeleton, stream_weights
+    from qlora_fsdp.precision import PRECISIONS
     from qlora_fsdp.quant import make_backend
     from qlora_fsdp.quant.base import QuantizedLinear
 

@@ -23,7 +23,6 @@ Checkpoints of format 1 (before `sharded/`: an optimizer shard in each `rank-R.p
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 import os
 import random
@@ -425,20 +424,6 @@ def _new_layout(path: Path, state: TrainState, settings: dict[str, Any], world_s
             "saved run's"
         )
     return notes
-
-
-def model_identity(path: Path) -> str:
-    """A short digest of a model directory's config.json and the start of each weight file.
-
-    It tells another base model (even one with the same architecture) from this one, whatever the directory is
-    called now, without reading the weights.
-    """
-    digest = hashlib.sha256((path / "config.json").read_bytes())
-    for file in sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin")):
-        with open(file, "rb") as fh:
-            digest.update(fh.read(1 << 16))
-        digest.update(str(file.stat().st_size).encode())
-    return f"config and weights {digest.hexdigest()[:16]}"
 
 
 def remove_checkpoints(output_dir: Path) -> None:

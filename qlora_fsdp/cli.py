@@ -9,8 +9,10 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from qlora_fsdp.config import build_config, build_tool_config, option_docs, tool_flags
+from qlora_fsdp.config import build_config
 from qlora_fsdp.errors import UserError
+from qlora_fsdp.help import option_docs
+from qlora_fsdp.tool_config import build_tool_config, tool_flags
 
 
 def main(config: str | None = None, **flags: Any) -> None:

@@ -8,7 +8,6 @@ every problem at once, each with the flag that fixes it.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import os
 import types
 from dataclasses import dataclass, field, fields
@@ -318,7 +317,7 @@ class TrainConfig:
 
     def validate(self) -> TrainConfig:
         """Check every option; raise one ConfigError listing all problems, each with its flag."""
-        problems = [*_check_choices(self), *_check_ranges(self), *_check_combinations(self)]
+        problems = [*check_choices(self), *check_ranges(self), *_check_combinations(self)]
         if problems:
             raise ConfigError("; ".join(problems))
         return self
@@ -344,32 +343,7 @@ def _flag_types() -> dict[str, tuple[str, type]]:
 FLAGS = _flag_types()
 
 
-def field_docs(cls: type) -> dict[str, str]:
-    """{field: the docstring under it} of a config dataclass: the help text of its flags."""
-    import ast
-    import inspect
-
-    body = ast.parse(inspect.getsource(cls)).body[0].body  # type: ignore[attr-defined]
-    docs = {}
-    for stmt, nxt in itertools.pairwise(body):
-        if isinstance(stmt, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-            # One line: a wrapped docstring would break the README's option table.
-            docs[stmt.target.id] = " ".join(str(nxt.value.value).split())  # type: ignore[attr-defined]
-    return docs
-
-
-def option_docs() -> list[tuple[str, str, Any, str]]:
-    """(section, flag, default, one-line meaning) for every option, read from the field docstrings."""
-    rows = []
-    for section_name, cls in SECTIONS.items():
-        docs = field_docs(cls)
-        defaults = cls()
-        for f in fields(cls):
-            rows.append((section_name, f.name, getattr(defaults, f.name), docs.get(f.name, "")))
-    return rows
-
-
-def _coerce(flag: str, value: Any, typ: type) -> Any:
+def coerce(flag: str, value: Any, typ: type) -> Any:
     """Turn a YAML or command-line value into the field's type, or explain which flag is wrong."""
     if isinstance(typ, types.UnionType):  # `float | None`: unset unless given
         (typ,) = (t for t in typ.__args__ if t is not type(None))
@@ -418,7 +392,7 @@ def build_config(overrides: dict[str, Any], config_file: str | None = None) -> T
     cfg = TrainConfig()
     for flag, value in values.items():
         section_name, typ = FLAGS[flag]
-        setattr(getattr(cfg, section_name), flag, _coerce(flag, value, typ))
+        setattr(getattr(cfg, section_name), flag, coerce(flag, value, typ))
     return cfg
 
 
@@ -441,34 +415,34 @@ def _read_yaml(path: str) -> dict[str, Any]:
     return flat
 
 
-def _choice(flag: str, value: Any, allowed: tuple) -> list[str]:
+def choice(flag: str, value: Any, allowed: tuple) -> list[str]:
     if value in allowed:
         return []
     return [f"--{flag} {value!r} is not one of {', '.join(str(a) for a in allowed)}"]
 
 
-def _check_choices(cfg: TrainConfig) -> list[str]:
+def check_choices(cfg: TrainConfig) -> list[str]:
     return [
-        *_choice("quant", cfg.quant.quant, QUANT_BACKENDS),
-        *_choice("bnb_quant_type", cfg.quant.bnb_quant_type, ("nf4", "fp4")),
-        *_choice("hqq_bits", cfg.quant.hqq_bits, HQQ_BITS),
-        *_choice("compute_dtype", cfg.quant.compute_dtype, COMPUTE_DTYPES),
-        *_choice("train_type", cfg.lora.train_type, TRAIN_TYPES),
-        *_choice("precision", cfg.fsdp.precision, PRECISIONS),
-        *_choice("fsdp_version", cfg.fsdp.fsdp_version, FSDP_VERSIONS),
-        *_choice("packed_layout", cfg.fsdp.packed_layout, PACKED_LAYOUTS),
-        *_choice("sharding_strategy", cfg.fsdp.sharding_strategy, SHARDING_STRATEGIES),
-        *_choice("optimizer", cfg.optim.optimizer, OPTIMIZERS),
-        *_choice("lr_scheduler", cfg.optim.lr_scheduler, SCHEDULERS),
-        *_choice("log_to", cfg.output.log_to, LOG_TARGETS),
-        *_choice("device", cfg.dist.device, DEVICES),
-        *_choice("prompt_style", cfg.data.prompt_style, PROMPT_STYLES),
-        *_choice("nan_policy", cfg.optim.nan_policy, ("stop", "skip")),
-        *_choice("objective", cfg.objective.objective, OBJECTIVES),
+        *choice("quant", cfg.quant.quant, QUANT_BACKENDS),
+        *choice("bnb_quant_type", cfg.quant.bnb_quant_type, ("nf4", "fp4")),
+        *choice("hqq_bits", cfg.quant.hqq_bits, HQQ_BITS),
+        *choice("compute_dtype", cfg.quant.compute_dtype, COMPUTE_DTYPES),
+        *choice("train_type", cfg.lora.train_type, TRAIN_TYPES),
+        *choice("precision", cfg.fsdp.precision, PRECISIONS),
+        *choice("fsdp_version", cfg.fsdp.fsdp_version, FSDP_VERSIONS),
+        *choice("packed_layout", cfg.fsdp.packed_layout, PACKED_LAYOUTS),
+        *choice("sharding_strategy", cfg.fsdp.sharding_strategy, SHARDING_STRATEGIES),
+        *choice("optimizer", cfg.optim.optimizer, OPTIMIZERS),
+        *choice("lr_scheduler", cfg.optim.lr_scheduler, SCHEDULERS),
+        *choice("log_to", cfg.output.log_to, LOG_TARGETS),
+        *choice("device", cfg.dist.device, DEVICES),
+        *choice("prompt_style", cfg.data.prompt_style, PROMPT_STYLES),
+        *choice("nan_policy", cfg.optim.nan_policy, ("stop", "skip")),
+        *choice("objective", cfg.objective.objective, OBJECTIVES),
     ]
 
 
-def _check_ranges(cfg: TrainConfig) -> list[str]:
+def check_ranges(cfg: TrainConfig) -> list[str]:
     checks = [
         (not cfg.model.model, "--model is required (a local model directory or a hub id)"),
         (cfg.quant.hqq_group_size < 8 or cfg.quant.hqq_group_size % 8, "--hqq_group_size must be a multiple of 8"),
@@ -605,174 +579,5 @@ def replace(cfg: TrainConfig, **flags: Any) -> TrainConfig:
     out = dataclasses.replace(cfg, **{name: dataclasses.replace(getattr(cfg, name)) for name in SECTIONS})
     for flag, value in flags.items():
         section_name, typ = FLAGS[flag]
-        setattr(getattr(out, section_name), flag, _coerce(flag, value, typ))
+        setattr(getattr(out, section_name), flag, coerce(flag, value, typ))
     return out
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# After training: scripts/merge_adapter.py, export_quantized.py and generate.py
-# ---------------------------------------------------------------------------------------------------------------
-
-BUILD_FLAGS = (
-    "model", "trust_remote_code", "quant", "bnb_quant_type", "bnb_double_quant", "hqq_bits", "hqq_group_size",
-    "compute_dtype", "precision",
-)  # fmt: skip
-"""train.py flags that decide how the base model is built (quantization, dtypes). The after-training scripts take
-them with the same names, defaults and checks, so given the training run's values they rebuild what it trained."""
-MANIFEST_FILE = "qlora_manifest.json"
-"""What train.py writes beside the adapter (qlora_fsdp/manifest.py): the flags below, with digests of the base."""
-OUTPUT_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-BASE_WEIGHTS = ("original", "dequantized")
-GENERATE_PROMPT_STYLES = (*PROMPT_STYLES, "chat_template", "raw")
-
-
-@dataclass
-class MergeConfig:
-    """scripts/merge_adapter.py: fold a trained adapter into its base model."""
-
-    adapter: str = ""
-    """Adapter directory train.py wrote (adapter_model.safetensors + adapter_config.json); its qlora_manifest.json
-    supplies the quantization flags and, with --base_weights dequantized, the digests the base is checked against."""
-    output: str = ""
-    """Directory for the merged Hugging Face model (config, sharded safetensors + index, tokenizer)."""
-    dtype: str = "bf16"
-    """Dtype of the merged weights: bf16, fp16 or fp32."""
-    base_weights: str = "original"
-    """original: merge into the full-precision checkpoint; dequantized: into the base quantized and dequantized as
-    training did (--quant and its flags), the function the adapter was trained against."""
-    overwrite: bool = False
-    """Replace a model already in --output."""
-
-    def problems(self) -> list[str]:
-        return [
-            *_choice("dtype", self.dtype, tuple(OUTPUT_DTYPES)),
-            *_choice("base_weights", self.base_weights, BASE_WEIGHTS),
-            *(["--adapter is required (the directory train.py saved the adapter to)"] if not self.adapter else []),
-            *(["--output is required (a new directory for the merged model)"] if not self.output else []),
-        ]
-
-
-@dataclass
-class ExportConfig:
-    """scripts/export_quantized.py: write the base model quantized exactly as training quantized it."""
-
-    adapter: str = ""
-    """Adapter (or checkpoint) directory of the training run: its qlora_manifest.json supplies the quantization flags
-    and the digests every layer is checked against before anything is written (empty: the flags as given)."""
-    output: str = ""
-    """Directory for the quantized model (bnb: safetensors that from_pretrained loads in 4 bits; hqq: HQQ's
-    qmodel.pt that AutoHQQHFModel.from_quantized loads)."""
-    overwrite: bool = False
-    """Replace a model already in --output."""
-
-    def problems(self) -> list[str]:
-        return ["--output is required (a new directory for the quantized model)"] if not self.output else []
-
-
-@dataclass
-class GenerateConfig:
-    """scripts/generate.py: answer prompts with a merged model, an exported base + adapter, or base + adapter."""
-
-    adapter: str = ""
-    """Adapter directory to apply on top of --model (empty: none); its qlora_manifest.json supplies the quantization
-    flags, and the base quantized from --model is checked against its digests."""
-    prompt: str = ""
-    """The instruction to answer (or pass --chat)."""
-    chat: bool = False
-    """Read one instruction per line from standard input until end of input or 'exit'."""
-    max_new_tokens: int = 128
-    """Most tokens to generate per answer."""
-    prompt_style: str = "alpaca"
-    """How the prompt is framed: alpaca, guanaco or qna (as train.py's --prompt_style), chat_template (the
-    tokenizer's; --chat keeps the conversation) or raw (the text as is)."""
-    do_sample: bool = False
-    """Sample instead of greedy decoding."""
-    temperature: float = 1.0
-    """With --do_sample: softmax temperature."""
-    top_p: float = 1.0
-    """With --do_sample: nucleus sampling probability mass."""
-    top_k: int = 50
-    """With --do_sample: sample among the k most likely tokens (0: all)."""
-    seed: int = 0
-    """Seed for sampling."""
-
-    def problems(self) -> list[str]:
-        checks = [
-            (bool(self.prompt) == self.chat, "pass exactly one of --prompt TEXT or --chat"),
-            (self.max_new_tokens < 1, "--max_new_tokens must be >= 1"),
-            (self.temperature <= 0, "--temperature must be > 0"),
-            (not 0 < self.top_p <= 1, "--top_p must be in (0, 1]"),
-            (self.top_k < 0, "--top_k must be >= 0"),
-        ]
-        return [*_choice("prompt_style", self.prompt_style, GENERATE_PROMPT_STYLES), *(m for bad, m in checks if bad)]
-
-
-TOOL_DEFAULTS: dict[type, dict[str, Any]] = {GenerateConfig: {"quant": "none"}}
-"""Build flags whose default differs for a script: generate.py loads the model as stored unless told to quantize."""
-
-
-def tool_flags(tool: type) -> dict[str, tuple[type, Any, str]]:
-    """{flag: (type, default, help)} of a script: the BUILD_FLAGS, then its own options."""
-    out: dict[str, tuple[type, Any, str]] = {}
-    train_defaults = {flag: default for _, flag, default, _ in option_docs()}
-    train_docs = {flag: doc for _, flag, _, doc in option_docs()}
-    for flag in BUILD_FLAGS:
-        default = TOOL_DEFAULTS.get(tool, {}).get(flag, train_defaults[flag])
-        out[flag] = (FLAGS[flag][1], default, train_docs[flag])
-    hints, docs, defaults = get_type_hints(tool), field_docs(tool), tool()
-    for f in fields(tool):
-        out[f.name] = (hints[f.name], getattr(defaults, f.name), docs.get(f.name, ""))
-    return out
-
-
-def manifest_flags(quant: str) -> tuple[str, ...]:
-    """The flags that decide the quantized bytes, which the manifest records: --quant, the backend's own
-    --QUANT_* flags, --compute_dtype and --precision (which decides what compute dtype auto means)."""
-    own = tuple(f.name for f in fields(QuantConfig) if f.name.startswith(f"{quant}_"))
-    return ("quant", *own, "compute_dtype", "precision")
-
-
-def recorded_flags(directory: str) -> dict[str, Any]:
-    """The flags the manifest in an adapter directory records; empty where there is none (older adapters)."""
-    if not directory:
-        return {}
-    from qlora_fsdp.manifest import read_manifest  # torch and the backends: only where an adapter is given
-
-    manifest = read_manifest(directory)
-    return {} if manifest is None else {k: v for k, v in manifest.flags.items() if k in BUILD_FLAGS}
-
-
-def _contradictions(given: dict[str, Any], recorded: dict[str, Any]) -> list[str]:
-    """A flag given on the command line that differs from the one training recorded, with both values."""
-    problems = []
-    for flag, value in given.items():
-        if flag in recorded and _coerce(flag, value, FLAGS[flag][1]) != recorded[flag]:
-            problems.append(
-                f"--{flag} {value} contradicts the adapter's manifest ({recorded[flag]}): the base must be quantized "
-                f"as training quantized it; drop --{flag}"
-            )
-    return problems
-
-
-def build_tool_config(tool: type, values: dict[str, Any]) -> tuple[TrainConfig, Any]:
-    """The build flags as a TrainConfig and the script's own options, every problem reported at once.
-
-    Build flags not given come from the --adapter's manifest where it has one (then the script's defaults); one
-    that contradicts the manifest is a problem.
-    """
-    own = {f.name for f in fields(tool)}
-    unknown = sorted(k for k in values if k not in own and k not in BUILD_FLAGS)
-    if unknown:
-        raise ConfigError("unknown option(s): " + ", ".join(f"--{k}" for k in unknown) + " (--help lists them)")
-    options = tool()
-    hints = get_type_hints(tool)
-    for name, value in values.items():
-        if name in own:
-            setattr(options, name, _coerce(name, value, hints[name]))
-    given = {k: v for k, v in values.items() if k in BUILD_FLAGS}
-    recorded = recorded_flags(getattr(options, "adapter", ""))
-    cfg = build_config({**TOOL_DEFAULTS.get(tool, {}), **recorded, **given})
-    problems = [*_contradictions(given, recorded), *_check_choices(cfg), *_check_ranges(cfg), *options.problems()]
-    if problems:
-        raise ConfigError("; ".join(problems))
-    return cfg, options

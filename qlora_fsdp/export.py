@@ -29,10 +29,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from qlora_fsdp.config import MANIFEST_FILE, OUTPUT_DTYPES, ExportConfig, MergeConfig, ModelConfig, QuantConfig
+from qlora_fsdp.config import ModelConfig, QuantConfig
 from qlora_fsdp.errors import UserError
-from qlora_fsdp.fsdp import PRECISIONS, quant_compute_dtype
-from qlora_fsdp.manifest import intra_op_threads, read_manifest
+from qlora_fsdp.manifest import MANIFEST_FILE, intra_op_threads, read_manifest
 from qlora_fsdp.metrics import peak_memory_bytes
 from qlora_fsdp.model import (
     INDEX_FILE,
@@ -43,9 +42,11 @@ from qlora_fsdp.model import (
     resolve_model_path,
     stream_weights,
 )
+from qlora_fsdp.precision import PRECISIONS, quant_compute_dtype
 from qlora_fsdp.quant import QuantBackend, make_backend
 from qlora_fsdp.quant.base import QuantizedLinear
 from qlora_fsdp.quant.experts import FUSED, QuantizedExperts, fused_order, peft_wrapper_depth
+from qlora_fsdp.tool_config import OUTPUT_DTYPES, ExportConfig, MergeConfig
 
 SHARD_BYTES = 1 << 30
 """Largest output shard: what a merge or export holds in memory besides one layer and the embeddings."""

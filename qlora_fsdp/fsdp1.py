@@ -21,8 +21,9 @@ from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
 
 from qlora_fsdp.config import FSDPConfig
 from qlora_fsdp.distributed import DistEnv
-from qlora_fsdp.fsdp import PackedLayout, Precision, ShardedModel, Sharder, unwrapped
+from qlora_fsdp.fsdp import PackedLayout, ShardedModel, Sharder, unwrapped
 from qlora_fsdp.lora import is_trainable_leaf
+from qlora_fsdp.precision import Precision
 
 STRATEGIES = {
     "full_shard": ShardingStrategy.FULL_SHARD,

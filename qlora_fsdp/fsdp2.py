@@ -23,7 +23,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from qlora_fsdp.config import FSDPConfig
 from qlora_fsdp.distributed import DistEnv
 from qlora_fsdp.errors import UserError
-from qlora_fsdp.fsdp import PackedLayout, Precision, ShardedModel, Sharder
+from qlora_fsdp.fsdp import PackedLayout, ShardedModel, Sharder
+from qlora_fsdp.precision import Precision
 
 # shard_grad_op keeps gathered parameters from forward to backward (ZeRO-2); no_shard is a shard group of one.
 RESHARD_AFTER_FORWARD = {

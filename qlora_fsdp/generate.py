@@ -17,7 +17,7 @@ from typing import Any, TextIO
 import torch
 from torch import nn
 
-from qlora_fsdp.config import PROMPT_STYLES, GenerateConfig, TrainConfig
+from qlora_fsdp.config import PROMPT_STYLES, TrainConfig
 from qlora_fsdp.data.formats import format_prompt, missing_prefix, special_prefix
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.export import (
@@ -29,11 +29,12 @@ from qlora_fsdp.export import (
     training_backend,
     training_base,
 )
-from qlora_fsdp.fsdp import PRECISIONS, quant_compute_dtype
 from qlora_fsdp.lora import load_saved_adapter
 from qlora_fsdp.manifest import intra_op_threads, read_manifest
 from qlora_fsdp.model import build_skeleton, load_tokenizer, resolve_model_path, stream_weights
+from qlora_fsdp.precision import PRECISIONS, quant_compute_dtype
 from qlora_fsdp.quant.experts import QuantizedExperts
+from qlora_fsdp.tool_config import GenerateConfig
 
 EXIT_WORDS = ("exit", "quit")
 EXPORT_KINDS = {"hqq": "hqq", "bitsandbytes": "bnb"}

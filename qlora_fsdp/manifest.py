@@ -25,16 +25,25 @@ from typing import Any
 import torch
 from torch import nn
 
-from qlora_fsdp.checkpoint import model_identity
-from qlora_fsdp.config import MANIFEST_FILE, TrainConfig, manifest_flags
+from qlora_fsdp.config import QuantConfig, TrainConfig
 from qlora_fsdp.errors import UserError
+from qlora_fsdp.model import model_identity
 from qlora_fsdp.quant import QuantBackend
 from qlora_fsdp.quant.base import QuantizedLinear
 
+MANIFEST_FILE = "qlora_manifest.json"
+"""What train.py writes beside the adapter: the flags of `manifest_flags`, with digests of the base."""
 FORMAT = 1
 """Bumped when a field changes meaning; a reader refuses formats it does not know."""
 _CHUNK = 1 << 24
 """Bytes copied to the host at a time while hashing: bounds the extra memory a digest of a large layer takes."""
+
+
+def manifest_flags(quant: str) -> tuple[str, ...]:
+    """The flags that decide the quantized bytes, which the manifest records: --quant, the backend's own
+    --QUANT_* flags, --compute_dtype and --precision (which decides what compute dtype auto means)."""
+    own = tuple(f.name for f in fields(QuantConfig) if f.name.startswith(f"{quant}_"))
+    return ("quant", *own, "compute_dtype", "precision")
 
 
 def tensor_digest(tensor: torch.Tensor) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import hashlib
 import json
 import logging
 import os
@@ -558,3 +559,29 @@ def load_tokenizer(path: Path):
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def model_identity(path: Path) -> str:
+    """A short digest of a model directory's config.json and the start of each weight file.
+
+    It tells another base model (even one with the same architecture) from this one, whatever the directory is
+    called now, without reading the weights.
+    """
+    digest = hashlib.sha256((path / "config.json").read_bytes())
+    for file in sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin")):
+        with open(file, "rb") as fh:
+            digest.update(fh.read(1 << 16))
+        digest.update(str(file.stat().st_size).encode())
+    return f"config and weights {digest.hexdigest()[:16]}"
+
+
+FLASH_ATTENTION = "flash_attention_2"
+
+
+def attention_implementation(*, packing: bool, device: torch.device, dtype: torch.dtype) -> str:
+    """flash_attention_2 for packed rows on a GPU where flash-attn is installed (it needs bf16/fp16), else sdpa."""
+    if not packing or device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return "sdpa"
+    from transformers.utils import is_flash_attn_2_available
+
+    return FLASH_ATTENTION if is_flash_attn_2_available() else "sdpa"

@@ -22,7 +22,6 @@ from qlora_fsdp.checkpoint import (
     check_resume_compatible,
     list_checkpoints,
     load_checkpoint,
-    model_identity,
     output_dir_shared,
     remove_checkpoints,
     resolve_resume,
@@ -32,19 +31,10 @@ from qlora_fsdp.checkpoint import (
 )
 from qlora_fsdp.config import OptimConfig, OutputConfig, TrainConfig
 from qlora_fsdp.data.loader import build_loaders
-from qlora_fsdp.data.rows import FLASH_ATTENTION, attention_implementation
 from qlora_fsdp.distributed import DistEnv, broadcast_object, gather_ints, init_distributed, teardown
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.evaluate import evaluate
-from qlora_fsdp.fsdp import (
-    PRECISIONS,
-    PackedLayout,
-    Precision,
-    ShardedModel,
-    make_sharder,
-    quant_compute_dtype,
-    verify_packed,
-)
+from qlora_fsdp.fsdp import PackedLayout, ShardedModel, make_sharder, verify_packed
 from qlora_fsdp.loop import Events, Step, TrainingStopped, TrainResult, make_profiler, preemption_flag, train_loop
 from qlora_fsdp.lora import (
     adapter_keys,
@@ -58,15 +48,19 @@ from qlora_fsdp.loss import CausalLMLoss, RouterLoss, router_loss
 from qlora_fsdp.manifest import LayerDigests, Manifest, training_manifest
 from qlora_fsdp.metrics import METRICS_FILE, MetricsLogger
 from qlora_fsdp.model import (
+    FLASH_ATTENTION,
+    attention_implementation,
     build_skeleton,
     expanded_layer_prefixes,
     load_tokenizer,
+    model_identity,
     resolve_model_path,
     stream_weights,
 )
 from qlora_fsdp.objectives import Forward, make_objective
 from qlora_fsdp.objectives.reference import REFERENCE_FILE, reference_table
 from qlora_fsdp.optim import build_optimizer, build_scheduler
+from qlora_fsdp.precision import PRECISIONS, Precision, quant_compute_dtype
 from qlora_fsdp.quant import make_backend
 from qlora_fsdp.quant.base import QuantizedLinear
 

@@ -19,7 +19,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from qlora_fsdp.cli import run_tool  # after the sys.path set-up above
-from qlora_fsdp.config import ExportConfig, TrainConfig
+from qlora_fsdp.config import TrainConfig
+from qlora_fsdp.tool_config import ExportConfig
 
 
 def _export(cfg: TrainConfig, options: ExportConfig) -> None:

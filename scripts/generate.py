@@ -16,7 +16,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from qlora_fsdp.cli import run_tool  # after the sys.path set-up above
-from qlora_fsdp.config import GenerateConfig, TrainConfig
+from qlora_fsdp.config import TrainConfig
+from qlora_fsdp.tool_config import GenerateConfig
 
 
 def _generate(cfg: TrainConfig, options: GenerateConfig) -> None:

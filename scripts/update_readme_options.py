@@ -11,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from qlora_fsdp.config import option_docs
+from qlora_fsdp.help import option_docs
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 START, END = "<!-- options:start -->", "<!-- options:end -->"

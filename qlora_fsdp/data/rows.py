@@ -32,9 +32,6 @@ from qlora_fsdp.errors import UserError
 PAD_MULTIPLE = 8
 """Batches are padded to a multiple of this many tokens: tensor-core friendly, and fewer distinct shapes."""
 
-FLASH_ATTENTION = "flash_attention_2"
-
-
 def fit_sample(sample: Sample, context_length: int, *, split: bool) -> tuple[list[Sample], str, int]:
     """A sample as pieces no longer than the context, with something to learn: (pieces, "whole", "truncated"
     or "split", pieces dropped).
@@ -287,12 +284,3 @@ def model_inputs(batch: dict[str, torch.Tensor], device: torch.device, *, varlen
     if varlen:
         out = {k: None if v is None else v.reshape(1, -1) for k, v in out.items()}
     return out
-
-
-def attention_implementation(*, packing: bool, device: torch.device, dtype: torch.dtype) -> str:
-    """flash_attention_2 for packed rows on a GPU where flash-attn is installed (it needs bf16/fp16), else sdpa."""
-    if not packing or device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
-        return "sdpa"
-    from transformers.utils import is_flash_attn_2_available
-
-    return FLASH_ATTENTION if is_flash_attn_2_available() else "sdpa"

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from qlora_fsdp.data.rows import model_inputs
-from qlora_fsdp.fsdp import Precision
+from qlora_fsdp.precision import Precision
 
 
 @dataclass

@@ -1,25 +1,25 @@
-"""Quantization backends, found by module name: `--quant NAME` is `qlora_fsdp/quant/NAME.py`'s `BACKEND`.
+"""Quantization backends, listed in `BACKENDS`: `--quant NAME` is the `BACKEND` of the module listed for NAME.
 
-A new backend is one new file here (plus its own flags in config.py); each library is imported only when its
-backend is used.
+A new backend is one new file here, one entry below and its own flags in config.py; each library is imported only
+when its backend is used. `experts.py` is not a backend: it quantizes mixture-of-experts tensors with any of them.
 """
 
 from __future__ import annotations
 
 import importlib
-import pkgutil
 
 import torch
 
 from qlora_fsdp.config import QuantConfig
 from qlora_fsdp.quant.base import QuantBackend
 
-_NOT_BACKENDS = {"base", "experts"}
+BACKENDS = {"bnb": f"{__name__}.bnb", "hqq": f"{__name__}.hqq"}
+"""--quant name -> the module whose `BACKEND` it is (imported only when chosen)."""
 
 
 def backend_names() -> tuple[str, ...]:
-    """Every backend module in this package, without importing any quantization library."""
-    return tuple(sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name not in _NOT_BACKENDS))
+    """Every backend's --quant name, without importing any quantization library."""
+    return tuple(sorted(BACKENDS))
 
 
 def make_backend(
@@ -31,7 +31,7 @@ def make_backend(
     """
     if cfg.quant == "none":
         return None
-    cls = importlib.import_module(f"{__name__}.{cfg.quant}").BACKEND
+    cls = importlib.import_module(BACKENDS[cfg.quant]).BACKEND
     return cls.from_config(cfg, storage_dtype=storage_dtype, compute_dtype=compute_dtype, shard_state=shard_state)
 
 

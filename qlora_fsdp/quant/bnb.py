@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from qlora_fsdp.compat import all_gather_single
 from qlora_fsdp.config import QuantConfig
 from qlora_fsdp.distributed import DistEnv
 from qlora_fsdp.quant.base import QuantBackend, QuantizedLinear, QuantizedWeight
@@ -199,7 +200,7 @@ def _all_gather(part: torch.Tensor, size: int, *, total: int) -> torch.Tensor:
     padded = torch.zeros(size, dtype=part.dtype, device=part.device)
     padded[: part.numel()] = part
     out = torch.empty(size * dist.get_world_size(), dtype=part.dtype, device=part.device)
-    dist.all_gather_into_tensor(out, padded)
+    all_gather_single(out, padded)
     return out[:total]
 
 

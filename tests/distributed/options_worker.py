@@ -23,11 +23,11 @@ import torch.nn.functional as F
 from qlora_fsdp.config import PRECISIONS, TrainConfig, build_config
 from qlora_fsdp.data.loader import build_loaders
 from qlora_fsdp.distributed import DistEnv, init_distributed, teardown
-from qlora_fsdp.fsdp import PRECISIONS as MODES
-from qlora_fsdp.fsdp import quant_compute_dtype
 from qlora_fsdp.lora import init_adapters, inject_lora, lora_layers, prepare_full_finetune
 from qlora_fsdp.metrics import read_metrics
 from qlora_fsdp.model import build_skeleton, expanded_layer_prefixes, load_tokenizer, stream_weights
+from qlora_fsdp.precision import PRECISIONS as MODES
+from qlora_fsdp.precision import quant_compute_dtype
 from qlora_fsdp.quant import make_backend
 from qlora_fsdp.trainer import run
 

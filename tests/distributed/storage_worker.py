@@ -21,9 +21,10 @@ from safetensors.torch import load_file
 from qlora_fsdp.config import FSDPConfig, LoraConfig, ModelConfig, QuantConfig
 from qlora_fsdp.distributed import init_distributed
 from qlora_fsdp.errors import UserError
-from qlora_fsdp.fsdp import PRECISIONS, PackedWeightsChanged, Precision, make_sharder, verify_packed
+from qlora_fsdp.fsdp import PackedWeightsChanged, make_sharder, verify_packed
 from qlora_fsdp.lora import init_adapters, inject_lora, lora_layers
 from qlora_fsdp.model import build_skeleton, stream_weights
+from qlora_fsdp.precision import PRECISIONS, Precision
 from qlora_fsdp.quant import make_backend
 from qlora_fsdp.quant.base import QuantizedLinear
 

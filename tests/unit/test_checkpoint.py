@@ -151,7 +151,7 @@ def test_layout_flags_reshard_a_format_2_checkpoint_but_not_a_format_1_one(
 def test_a_resume_on_another_base_model_is_refused(tiny_model: Path, tmp_path: Path) -> None:
     import shutil
 
-    from qlora_fsdp.checkpoint import model_identity
+    from qlora_fsdp.model import model_identity
 
     # The same model under another name is the same model; other weights under the same name are not.
     renamed = tmp_path / "renamed"

@@ -19,9 +19,9 @@ from qlora_fsdp.config import (
     ConfigError,
     TrainConfig,
     build_config,
-    option_docs,
 )
 from qlora_fsdp.errors import UserError
+from qlora_fsdp.help import option_docs
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -397,8 +397,14 @@ def test_flag_names_are_unique_across_sections() -> None:
 
 
 def test_quant_choices_match_backend_modules() -> None:
+    import importlib
+
+    from qlora_fsdp.quant.base import QuantBackend
+
     assert set(config_module.QUANT_BACKENDS) - {"none"} == set(qlora_fsdp.quant.backend_names())
     assert "none" in config_module.QUANT_BACKENDS
+    for module in qlora_fsdp.quant.BACKENDS.values():
+        assert issubclass(importlib.import_module(module).BACKEND, QuantBackend), module
 
 
 def test_prompt_styles_match_data_module() -> None:

@@ -8,7 +8,8 @@ from torch import nn
 
 from qlora_fsdp.config import PRECISIONS as PRECISION_NAMES
 from qlora_fsdp.config import QuantConfig
-from qlora_fsdp.fsdp import PRECISIONS, PackedWeightsChanged, packed_digest, verify_packed
+from qlora_fsdp.fsdp import PackedWeightsChanged, packed_digest, verify_packed
+from qlora_fsdp.precision import PRECISIONS
 from qlora_fsdp.quant import make_backend
 
 

@@ -316,8 +316,8 @@ def test_merged_mixtral_loads_in_transformers_and_reproduces_base_plus_adapter(
     from peft import PeftModel
     from safetensors import safe_open
 
-    from qlora_fsdp.config import MergeConfig
     from qlora_fsdp.export import merge_adapter
+    from qlora_fsdp.tool_config import MergeConfig
 
     path = moe_models["mixtral"]
     skeleton, peft_model, keys = _adapted(path, "bnb")
@@ -348,8 +348,9 @@ def test_merged_mixtral_loads_in_transformers_and_reproduces_base_plus_adapter(
 
 def test_generate_applies_the_adapter_to_quantized_experts(moe_models: dict[str, Path], tmp_path: Path) -> None:
     """scripts/generate.py's model: the quantized base with the saved adapter, experts included."""
-    from qlora_fsdp.config import GenerateConfig, TrainConfig
+    from qlora_fsdp.config import TrainConfig
     from qlora_fsdp.generate import load_for_generation
+    from qlora_fsdp.tool_config import GenerateConfig
 
     path = moe_models["qwen2_moe"]
     _, peft_model, keys = _adapted(path, "hqq")
@@ -363,8 +364,8 @@ def test_generate_applies_the_adapter_to_quantized_experts(moe_models: dict[str,
 
 
 def test_export_refuses_moe_in_one_line(moe_models: dict[str, Path], tmp_path: Path) -> None:
-    from qlora_fsdp.config import ExportConfig
     from qlora_fsdp.export import export_quantized
+    from qlora_fsdp.tool_config import ExportConfig
 
     options = ExportConfig(output=str(tmp_path / "out"))
     with pytest.raises(UserError, match=r"routed experts.*merge the adapter instead"):

@@ -15,9 +15,9 @@ from transformers import AutoModelForCausalLM
 from qlora_fsdp.config import ObjectiveConfig
 from qlora_fsdp.data import IGNORE_INDEX
 from qlora_fsdp.data.rows import collate
-from qlora_fsdp.fsdp import PRECISIONS
 from qlora_fsdp.loss import CausalLMLoss
 from qlora_fsdp.objectives import Forward, combined_loss, make_objective
+from qlora_fsdp.precision import PRECISIONS
 
 
 @pytest.fixture(scope="module")

@@ -33,10 +33,10 @@ from trl.trainer.dpo_trainer import DataCollatorForPreference
 from qlora_fsdp.config import ObjectiveConfig
 from qlora_fsdp.data import IGNORE_INDEX
 from qlora_fsdp.data.rows import collate
-from qlora_fsdp.fsdp import PRECISIONS
 from qlora_fsdp.loss import CausalLMLoss
 from qlora_fsdp.objectives import Forward, PreferenceObjective, combined_loss, make_objective
 from qlora_fsdp.objectives.preference import DpoObjective
+from qlora_fsdp.precision import PRECISIONS
 
 CPU = torch.device("cpu")
 FP32 = Forward(CPU, PRECISIONS["fp32"])
