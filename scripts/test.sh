@@ -5,6 +5,12 @@ cd "$(dirname "$0")/.."
 bash scripts/install_cpu.sh
 VENV=${VENV:-.venv}
 "$VENV/bin/ruff" check .
+# --fast: the 5-minute tier while you work. Every in-process unit test (each module of qlora_fsdp/ is imported and
+# exercised there) and the 2-rank end-to-end training with bnb and HQQ under FSDP2, down to an adapter PEFT loads.
+if [ "${1:-}" = "--fast" ]; then
+    shift
+    set -- tests/unit tests/distributed/test_train_e2e.py -m "fast or not distributed" "$@"
+fi
 # Two workers, each taking whole test files (module fixtures build once): the multi-process tests leave cores idle
 # while processes start and ranks wait on each other, which the other worker fills. PYTEST_WORKERS=0: one process.
 # --no-loadscope-reorder: files go out in collection order, which tests/conftest.py starts with the longest ones

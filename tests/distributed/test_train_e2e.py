@@ -35,7 +35,12 @@ def run_two_ranks(quant: str, version: int, tiny_model: Path, tmp_path_factory: 
     return _RUNS[quant, version]
 
 
-@pytest.fixture(scope="module", params=RUNS, ids=[f"{q}-fsdp{v}" for q, v in RUNS])
+# The 5-minute tier (scripts/test.sh --fast) takes the default FSDP2 runs of both backends.
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param(r, marks=[pytest.mark.fast] if r[1] == 2 else []) for r in RUNS],
+    ids=[f"{q}-fsdp{v}" for q, v in RUNS],
+)
 def two_rank_run(request: pytest.FixtureRequest, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
     quant, version = request.param
     out, result = run_two_ranks(quant, version, tiny_model, tmp_path_factory)
