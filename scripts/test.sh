@@ -5,8 +5,8 @@ cd "$(dirname "$0")/.."
 bash scripts/install_cpu.sh
 VENV=${VENV:-.venv}
 "$VENV/bin/ruff" check .
-# --fast: the 5-minute tier while you work. Every in-process unit test (each module of qlora_fsdp/ is imported and
-# exercised there) and the 2-rank end-to-end training with bnb and HQQ under FSDP2, down to an adapter PEFT loads.
+# --fast: the quick tier while you work. Every in-process unit test and the 2-rank end-to-end training with bnb and
+# HQQ under FSDP2, down to an adapter PEFT loads (FSDP1 and the precomputed DPO reference are not in it yet).
 if [ "${1:-}" = "--fast" ]; then
     shift
     set -- tests/unit tests/distributed/test_train_e2e.py -m "fast or not distributed" "$@"
