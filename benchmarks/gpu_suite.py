@@ -122,13 +122,17 @@ def run_gpu_suite(
     p = _plan(dry_run, quick)
     min_start = MIN_START_S[kind]
     variants = [v for v in VARIANTS if v.name in only]
-    factor = 8 if CHECKPOINTING else 4
     results: dict[str, Any] = {
         "suite": "gpu",
         "dry_run": dry_run,
         "quick": quick,
         "plan": list(only),
-        "model": {"parameters": 0, "shards": p["model"]["num_shards"], "sizes": p["model"]},
+        "model": {
+            "parameters": 0,
+            "non_embedding_parameters": 0,
+            "shards": p["model"]["num_shards"],
+            "sizes": p["model"],
+        },
         "settings": {
             "device": p["device"],
             "shapes": f"batch {_shape(p['big'])}; the bnb-1x512 variant batch {_shape(p['small'])}",
@@ -136,9 +140,9 @@ def run_gpu_suite(
             "precision": "bf16 parameters, storage and compute; activation checkpointing on both sides",
             "quantization": "bnb nf4 + double quant (ours and peer), hqq 4-bit group 64 (ours)",
             "adapters": f"LoRA r{LORA['lora_rank']} alpha {LORA['lora_alpha']} on every linear but the head, dropout 0",
-            "mfu": f"{factor} x params x tokens/s / peak_flops ({peak_flops:.3g}): 4 = 2 forward + 2 backward to the "
-            "inputs (the base weights get no gradient); with activation checkpointing the harness counts 8, as "
-            "specified (an exact count of the recomputed forward would be 6)",
+            "mfu": f"PaLM's convention: tokens/s x (6 x non-embedding parameters + 12 x layers x hidden x sequence) / "
+            f"peak_flops ({peak_flops:.3g}); the input embedding is a lookup (the head is counted), and neither the "
+            "recomputed forward of activation checkpointing nor the frozen base's skipped weight gradients change it",
             "memory": "CUDA allocator peaks" if not dry_run else "dry run: peak RSS stands in for both memory figures",
             "peaks": "reset once the model is built, on both sides: loading and training peaks are separate rows",
             "peak_flops": peak_flops,
@@ -167,7 +171,8 @@ def run_gpu_suite(
         results["missing"] += missing or []
         results["rows"] = _rows(records, variants, p, peak_flops)
         results["details"] = {k: v for k, v in records.items() if k != "write_model"}
-        results["model"]["parameters"] = records.get("write_model", {}).get("parameters", 0)
+        for key in ("parameters", "non_embedding_parameters"):
+            results["model"][key] = records.get("write_model", {}).get(key, 0)
         gpu = next((r.get("device_name") for r in records.values() if r.get("device_name")), None)
         if gpu:
             results["machine"]["gpu"] = gpu
@@ -276,14 +281,21 @@ def _test_tier(work: Path, *, timeout_s: float) -> tuple[Launch, dict[str, Any]]
     return job, tier
 
 
+def palm_flops_per_token(non_embedding_parameters: int, *, layers: int, hidden: int, sequence: int) -> int:
+    """Training FLOPs a token costs by the PaLM paper's MFU convention (its appendix B): 6 per non-embedding
+    parameter (forward and backward matmuls) plus 12 x layers x hidden x sequence for attention's score and value
+    matmuls. Model FLOPs, not hardware FLOPs: recomputation is not counted, so MFU compares across checkpointing."""
+    return 6 * non_embedding_parameters + 12 * layers * hidden * sequence
+
+
 def _rows(
     records: dict[str, dict[str, Any]], variants: list[Variant], p: dict[str, Any], peak_flops: float
 ) -> list[dict[str, Any]]:
     """Rows for every variant that finished, each beside the peer at its shape."""
     if "peer" not in records:
         return []
-    params = records["write_model"]["parameters"]
-    factor = 8 if CHECKPOINTING else 4
+    params = records["write_model"]["non_embedding_parameters"]
+    sizes = p["model"]
     peer = records["peer"]
     by_shape = {(s["batch"], s["context"]): s for s in peer["shapes"]}
     rows = []
@@ -297,7 +309,9 @@ def _rows(
         }
         section = f"{v.label}, batch {_shape((o['batch'], o['context']))}"
         slug = v.name.replace("-", "_")
-        mfu = [[factor * params * t / peak_flops for t in side["tps"]] for side in (o, q)]
+        per_token = palm_flops_per_token(params, layers=sizes["num_layers"], hidden=sizes["hidden_size"],
+                                         sequence=o["context"])  # fmt: skip
+        mfu = [[per_token * t / peak_flops for t in side["tps"]] for side in (o, q)]
         rows += [
             row(section, f"tokens_per_s_{slug}", "tokens/s", "tokens/s", "higher", o["tps"], q["tps"], **kw),
             row(section, f"mfu_{slug}", "MFU", "fraction", "higher", *mfu, **kw),
@@ -417,6 +431,7 @@ def write_model(args: dict[str, Any]) -> None:
         args["result"],
         {
             "parameters": sum(t.numel() for t in state.values()),
+            "non_embedding_parameters": sum(t.numel() for k, t in state.items() if "embed_tokens" not in k),
             "generate_s": generated,
             "write_s": time.perf_counter() - start - generated,
         },

@@ -41,13 +41,15 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from torch import nn
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.staging import StagingOptions
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from qlora_fsdp.compat import reusable_stager
 from qlora_fsdp.distributed import DistEnv, broadcast_object
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.fsdp import ShardedModel
 from qlora_fsdp.loss import LM_PREFIX
+from qlora_fsdp.resume_rules import as_argument
 
 if TYPE_CHECKING:
     from qlora_fsdp.manifest import Manifest
@@ -77,7 +79,7 @@ class TrainState:
     seed: int = 0
     """Seed of the data sampler and of the run."""
     settings: dict[str, Any] = field(default_factory=dict)
-    """The flags a resume must share with the run that saved the checkpoint (data order, tensor shapes)."""
+    """The run's flags that a resume is checked against (resume_rules.RECORDED): must match, resharded or named."""
     format: int = FORMAT
 
 
@@ -166,19 +168,6 @@ def _sharded_state(model: ShardedModel, optimizer: torch.optim.Optimizer) -> dic
     return {"model": {k: v for k, v in weights.items() if k in trained}, "optim": optim}
 
 
-def _reusable_stager(options: StagingOptions) -> DefaultStager | None:
-    """A stager that keeps its host buffers from one save to the next, so staging only copies; None where this
-    torch's cannot stage twice (torch 2.11's closes its copier after each stage), and DCP makes one per save."""
-    stager = DefaultStager(options)
-    try:
-        for _ in range(2):
-            stager.stage({"probe": torch.zeros(1)})
-    except KeyError:
-        stager.close()
-        return None
-    return stager
-
-
 @dataclass
 class _Pending:
     """A checkpoint whose sharded state DCP is still writing; `done` is set once it is complete (or failed)."""
@@ -219,7 +208,7 @@ class Checkpointer:
             # DCP stages to host memory.
             self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
             cuda = env.device.type == "cuda"
-            self.stager = _reusable_stager(StagingOptions(cuda, False, False, cuda))
+            self.stager = reusable_stager(StagingOptions(cuda, False, False, cuda))
         self.pending: _Pending | None = None
 
     def save(self, state: TrainState, *, wait: bool) -> Path:
@@ -381,11 +370,17 @@ def check_resume_compatible(
             f"--nproc_per_node/--nnodes giving {state.world_size}"
         )
     allowed = may_change if legacy else may_change + resharded
-    # Settings a checkpoint of an older version did not record are taken as unchanged.
+    # Settings a checkpoint of an older version did not record are unknown, taken as unchanged (the trainer names
+    # the must-match ones it could not check: resume_rules.unrecorded).
     changed = {k: f"--{k} {state.settings[k]!r} -> {v!r}" for k, v in settings.items() if state.settings.get(k, v) != v}
-    refused = [text for k, text in changed.items() if k not in allowed]
+    refused = [k for k in changed if k not in allowed]
     if refused:
-        raise UserError(f"--resume_from {path}: the checkpoint was made with other settings ({'; '.join(refused)})")
+        saved = " ".join(as_argument(k, state.settings[k]) for k in refused)
+        raise UserError(
+            f"--resume_from {path}: the checkpoint was made with other settings "
+            f"({'; '.join(changed[k] for k in refused)}); to continue it, resume with {saved}, or start a new run in "
+            "another --output_dir"
+        )
     notes = [text for k, text in changed.items() if k in allowed]
     return notes if legacy else notes + _new_layout(path, state, settings, world_size)
 

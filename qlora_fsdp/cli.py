@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import warnings
 from collections.abc import Callable
 from typing import Any
 
+from qlora_fsdp.compat import quiet_peft_checkpointing_warning
 from qlora_fsdp.config import build_config
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.help import option_docs
@@ -45,6 +45,9 @@ def preprocess(config: str | None = None, **flags: Any) -> None:
         if cfg.data.dataset_streaming:
             raise UserError("--dataset_streaming true tokenizes --dataset as training reads it: there is no cache to "
                             "build (drop the flag to build one)")  # fmt: skip
+        if cfg.data.dataset_in_memory:
+            raise UserError("--dataset_in_memory true tokenizes --dataset on every rank when training starts: there "
+                            "is no cache to build (drop the flag to build one)")  # fmt: skip
         import torch
 
         from qlora_fsdp.data.loader import prepare_caches
@@ -64,8 +67,7 @@ def _quiet_known_noise() -> None:
     """Silence third-party messages that say nothing actionable to a user of this tool."""
     # bitsandbytes' optional CPU kernels package; the built-in CPU path is used instead.
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
-    # transformers renaming an attribute that PEFT reads.
-    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+    quiet_peft_checkpointing_warning()  # transformers renaming an attribute that PEFT reads
 
 
 def _help_text() -> str:

@@ -141,6 +141,9 @@ class DataConfig:
     cache, HF_DATASETS_CACHE/qlora-fsdp-tokenized)."""
     dataset_num_proc: int = 0
     """Processes that tokenize a dataset the first time (0: one per 5,000 rows, at most the CPUs and 16)."""
+    dataset_in_memory: bool = False
+    """Tokenize on every rank into memory and write no cache (needs no `datasets`; the synthetic dummy dataset
+    always is): for small datasets, or machines without `datasets`."""
     context_length: int = 512
     """Tokens per sample at most: longer samples are truncated (or split, with --packing_split)."""
     pad_to_context: bool = False
@@ -523,6 +526,7 @@ def _check_combinations(cfg: TrainConfig) -> list[str]:
             (not cfg.optim.max_steps, "--max_steps N (a stream has no length to count epochs by)"),
             (cfg.eval.eval_split, "--eval_dataset instead of --eval_split (holding rows out needs the whole dataset)"),
             (cfg.data.group_by_length, "no --group_by_length (grouping needs every row's length)"),
+            (cfg.data.dataset_in_memory, "no --dataset_in_memory (a stream is tokenized as it is read)"),
         ):
             if bad:
                 problems.append(f"--dataset_streaming true needs {flag}")

@@ -9,12 +9,13 @@ of its sources has been read, so no more than one layer's experts wait in memory
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+from qlora_fsdp.compat import convert_fused, converter_patterns, rename_source_key, weight_transforms
 
 
 @dataclass
@@ -30,12 +31,7 @@ class CheckpointNames:
     """Where each checkpoint tensor goes, decided from the names alone, before any tensor is read."""
 
     def __init__(self, model: nn.Module, checkpoint_names: Iterable[str], model_names: Iterable[str]) -> None:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, rename_source_key
-
-        transforms = get_model_conversion_mapping(model)
-        renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
-        converters = [t for t in transforms if isinstance(t, WeightConverter)]
+        renamings, converters = weight_transforms(model)
         present = dict.fromkeys(model_names, True)
         prefix = getattr(model, "base_model_prefix", None)
         self.model = model
@@ -58,7 +54,7 @@ class CheckpointNames:
         """Every model name the checkpoint will fill (a one-to-many conversion fills each of its targets)."""
         names = set(self.direct.values())
         for target, fused in self.fused.items():
-            patterns = fused.converter.target_patterns  # type: ignore[attr-defined]
+            patterns = converter_patterns(fused.converter)[1]
             names |= {target} | {target.replace(patterns[0], other) for other in patterns[1:] if patterns[0] in target}
         return names
 
@@ -68,7 +64,7 @@ class CheckpointNames:
         short = []
         for target, fused in self.fused.items():
             needed = count(target)
-            for pattern in fused.converter.source_patterns:  # type: ignore[attr-defined]
+            for pattern in converter_patterns(fused.converter)[0]:
                 found = sum(1 for p in fused.patterns.values() if p == pattern)
                 if needed is not None and found != needed:
                     short.append(f"{target}: {found} of {needed} tensors matching {pattern}")
@@ -83,10 +79,6 @@ class CheckpointNames:
         fused.arrived[name] = tensor
         if len(fused.arrived) < len(fused.patterns):
             return {}
-        from transformers.core_model_loading import dot_natural_key
-
         del self.fused[target]
-        converter = copy.deepcopy(fused.converter)
-        for source in sorted(fused.arrived, key=dot_natural_key):  # expert 2 before expert 10, as transformers
-            converter.add_tensor(target, source, fused.patterns[source], fused.arrived[source])
-        return converter.convert(target, model=self.model, config=getattr(self.model, "config", None))
+        sources = {name: (fused.patterns[name], tensor) for name, tensor in fused.arrived.items()}
+        return convert_fused(fused.converter, target, sources, self.model)

@@ -29,6 +29,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from qlora_fsdp.compat import revert_weight_conversion
 from qlora_fsdp.config import ModelConfig, QuantConfig
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.manifest import MANIFEST_FILE, intra_op_threads, read_manifest
@@ -427,13 +428,6 @@ def _merged_experts(module_name: str, module: nn.Module, adapter: Adapter) -> di
             merge_experts(weight.cpu(), adapter.experts[name], adapter.scaling) if name in adapter.experts else weight
         )
     return out
-
-
-def revert_weight_conversion(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """transformers' own reversal of its load-time conversion (fused experts back to per-expert tensors)."""
-    from transformers.core_model_loading import revert_weight_conversion as revert
-
-    return revert(model, tensors) if tensors else tensors
 
 
 def _bnb_quantization(backend: QuantBackend, skeleton: Skeleton) -> dict[str, Any]:

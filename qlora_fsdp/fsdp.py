@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
+from qlora_fsdp.compat import checkpoint_unwrapped, checkpoint_wrapped
 from qlora_fsdp.config import FSDPConfig
 from qlora_fsdp.distributed import DistEnv
 from qlora_fsdp.errors import UserError
@@ -132,8 +132,7 @@ class Sharder(ABC):
         self._remember(layer, prefix=f"{name}.")
         unit = layer
         if self.cfg.gradient_checkpointing:
-            impl = CheckpointImpl.REENTRANT if self.cfg.reentrant_checkpointing else CheckpointImpl.NO_REENTRANT
-            unit = checkpoint_wrapper(layer, checkpoint_impl=impl)
+            unit = checkpoint_wrapped(layer, reentrant=self.cfg.reentrant_checkpointing)
         parent_name, _, child = name.rpartition(".")
         sharded = self._shard(unit)
         self.units.append(sharded)
@@ -258,4 +257,4 @@ class PackedWeightsChanged(UserError):
 def unwrapped(modules: Iterable[nn.Module]) -> Iterator[nn.Module]:
     """The modules with activation-checkpoint wrappers taken off."""
     for module in modules:
-        yield getattr(module, "_checkpoint_wrapped_module", module)
+        yield checkpoint_unwrapped(module)

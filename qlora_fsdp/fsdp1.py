@@ -16,9 +16,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffload, FullStateDictConfig, MixedPrecision, ShardingStrategy, StateDictType
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from torch.distributed.fsdp._runtime_utils import _lazy_init
 from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
 
+from qlora_fsdp.compat import hybrid_shard_zero2, init_fsdp1_root
 from qlora_fsdp.config import FSDPConfig
 from qlora_fsdp.distributed import DistEnv
 from qlora_fsdp.fsdp import PackedLayout, ShardedModel, Sharder, unwrapped
@@ -30,8 +30,7 @@ STRATEGIES = {
     "shard_grad_op": ShardingStrategy.SHARD_GRAD_OP,
     "no_shard": ShardingStrategy.NO_SHARD,
     "hybrid_shard": ShardingStrategy.HYBRID_SHARD,
-    # FSDP1 names it privately; it is HYBRID_SHARD with SHARD_GRAD_OP inside each group.
-    "hybrid_shard_zero2": ShardingStrategy._HYBRID_SHARD_ZERO2,
+    "hybrid_shard_zero2": hybrid_shard_zero2(),  # HYBRID_SHARD, SHARD_GRAD_OP inside each group
 }
 
 
@@ -146,7 +145,7 @@ class Fsdp1Model(ShardedModel):
         resume loads adapters then) would make it a root, which the real root's first forward refuses. So the root
         is set up first (a no-op once it is).
         """
-        _lazy_init(self.module, self.module)
+        init_fsdp1_root(self.module)
         wanted = {id(m) for m in modules}
         for unit in FSDP.fsdp_modules(self.module):
             (inner,) = unwrapped([unit.module])

@@ -5,7 +5,7 @@ forward, one in backward, one reduce-scatter. On torch 2.12+ mixed precision ski
 packed bytes and state are uint8 parameters, sharded and gathered as bytes, never cast. Older FSDP2 cannot shard a
 uint8 parameter (it makes every sharded parameter require grad) and would cast it: there they are viewed as the
 dtype FSDP2 gathers in, which its mixed precision leaves alone (shared/FINDINGS.md). `Fsdp2Sharder.layout`
-decides which.
+decides which, as `compat.fsdp2_uint8_problem` finds this torch's FSDP2.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from qlora_fsdp.compat import fsdp2_uint8_problem
 from qlora_fsdp.config import FSDPConfig
 from qlora_fsdp.distributed import DistEnv
 from qlora_fsdp.errors import UserError
@@ -74,7 +75,7 @@ class Fsdp2Sharder(Sharder):
         gathered = mp[0] if mp is not None else self.precision.param_dtype
         if self.cfg.packed_layout == "float":
             return PackedLayout(gathered, state_sharded=True, why="--packed_layout float")
-        problem = _integer_parameter_problem(self.options["mesh"])
+        problem = fsdp2_uint8_problem(self.options["mesh"])
         if problem is None:
             return PackedLayout(torch.uint8, state_sharded=True, why=f"torch {torch.__version__}")
         if self.cfg.packed_layout == "uint8":
@@ -93,21 +94,6 @@ class Fsdp2Sharder(Sharder):
         # The root (embeddings, norm, head) is the last module forward uses and the first backward needs: keeping
         # it gathered saves one all-gather a step (2L+1 in all for L layers).
         return Fsdp2Model(fully_shard(model, **{**self.options, "reshard_after_forward": False}))
-
-
-def _integer_parameter_problem(mesh: DeviceMesh) -> str | None:
-    """Why this torch's FSDP2 cannot shard a uint8 parameter, or None if it can.
-
-    Before PyTorch 2.12 fully_shard made every sharded parameter require gradients, which a non-floating one cannot
-    (and would cast it under a mixed-precision policy). Probed on a meta parameter: no memory, no communication.
-    """
-    probe = nn.Module()
-    probe.packed = nn.Parameter(torch.empty(mesh.size(), dtype=torch.uint8, device="meta"), requires_grad=False)
-    try:
-        fully_shard(probe, mesh=mesh)
-    except RuntimeError as exc:
-        return str(exc).splitlines()[0]
-    return None
 
 
 def _full(param: torch.Tensor) -> torch.Tensor:

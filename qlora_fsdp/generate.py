@@ -17,6 +17,7 @@ from typing import Any, TextIO
 import torch
 from torch import nn
 
+from qlora_fsdp.attention import fix_latent_attention
 from qlora_fsdp.config import PROMPT_STYLES, TrainConfig
 from qlora_fsdp.data.formats import format_prompt, missing_prefix, special_prefix
 from qlora_fsdp.errors import UserError
@@ -78,6 +79,7 @@ def load_for_generation(cfg: TrainConfig, options: GenerateConfig) -> tuple[nn.M
             stream_weights(skeleton, backend=backend, device=quantize_on)
         base.check({name: skeleton.model.get_submodule(name) for name in skeleton.quantized})
         model = skeleton.model.to(device)
+    fix_latent_attention(model)  # padded prompts take the masked attention path (see qlora_fsdp/attention.py)
     if adapter is not None:
         from peft import PeftModel
 

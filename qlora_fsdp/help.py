@@ -1,4 +1,4 @@
-"""Help text of every flag, read from the docstring under each config field: `--help`, the README table, the scripts.
+"""Help text of every flag, read from the docstring under each config field: `--help`, docs/options.md, the scripts.
 
 Kept out of `config.py`: only `--help` and the docs need the source parsed.
 """
@@ -20,7 +20,7 @@ def field_docs(cls: type) -> dict[str, str]:
     docs = {}
     for stmt, nxt in itertools.pairwise(body):
         if isinstance(stmt, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-            # One line: a wrapped docstring would break the README's option table.
+            # One line: a wrapped docstring would break the option table of docs/options.md.
             docs[stmt.target.id] = " ".join(str(nxt.value.value).split())  # type: ignore[attr-defined]
     return docs
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from qlora_fsdp.checkpoint import TrainState
+from qlora_fsdp.compat import dump_cuda_memory_snapshot, start_cuda_memory_history
 from qlora_fsdp.config import OptimConfig, OutputConfig, profile_window
 from qlora_fsdp.data import IGNORE_INDEX
 from qlora_fsdp.distributed import DistEnv, gather_ints
@@ -290,7 +291,7 @@ class _StepProfiler:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-            torch.cuda.memory._record_memory_history(max_entries=100_000)
+            start_cuda_memory_history(max_entries=100_000)
         self._prof = torch.profiler.profile(activities=activities, record_shapes=True, profile_memory=True)
         self._prof.__enter__()
 
@@ -301,8 +302,7 @@ class _StepProfiler:
         self.out.mkdir(parents=True, exist_ok=True)
         self._prof.export_chrome_trace(str(self.out / f"trace-rank{self.rank}.json"))
         if self.device.type == "cuda":
-            torch.cuda.memory._dump_snapshot(str(self.out / f"memory-rank{self.rank}.pickle"))
-            torch.cuda.memory._record_memory_history(enabled=None)
+            dump_cuda_memory_snapshot(self.out / f"memory-rank{self.rank}.pickle")
         self._prof = None
 
     def close(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import zlib
 from collections.abc import Iterator
@@ -13,7 +14,9 @@ from torch import nn
 
 from qlora_fsdp.config import LoraConfig
 from qlora_fsdp.errors import UserError
-from qlora_fsdp.quant.experts import FUSED, ExpertAdapter, QuantizedExperts, router_gates
+from qlora_fsdp.quant.experts import FUSED, ExpertAdapter, QuantizedExperts, is_projection, router_gates
+
+log = logging.getLogger(__name__)
 
 
 def adapts_experts(spec: str) -> bool:
@@ -25,12 +28,14 @@ def adapts_experts(spec: str) -> bool:
 def target_modules(spec: str, model: nn.Module) -> list[str]:
     """`all`: the names of every linear layer (plain or quantized: both are nn.Linear) except the output head, the
     routing gates and the per-expert layers (adapted through their fused parameters instead); else the listed
-    names, less `experts`."""
+    names, less `experts`. A listed name that would put PEFT's LoRA on a router it cannot wrap is refused."""
+    gates = router_gates(model)
     if spec.strip() != "all":
-        return [name.strip() for name in spec.split(",") if name.strip() and name.strip() != "experts"]
+        names = [name.strip() for name in spec.split(",") if name.strip() and name.strip() != "experts"]
+        _refuse_routers(spec, names, gates, model)
+        return names
     head = model.get_output_embeddings()
     inside = tuple(f"{n}." for n, m in model.named_modules() if isinstance(m, QuantizedExperts))
-    gates = router_gates(model)
     adapted = [
         n
         for n, m in model.named_modules()
@@ -38,6 +43,20 @@ def target_modules(spec: str, model: nn.Module) -> list[str]:
     ]
     # PEFT matches names by their last part: one a gate shares with an adapted linear would adapt the gate too.
     return sorted({n.rpartition(".")[2] for n in adapted} - {g.rpartition(".")[2] for g in gates})
+
+
+def _refuse_routers(spec: str, names: list[str], gates: set[str], model: nn.Module) -> None:
+    """A listed name PEFT would match to a router that is more than a projection (PhiMoE's returns a tuple) fails
+    in the first forward, deep in PEFT; say so before anything is built."""
+    for gate in sorted(gates):
+        router = model.get_submodule(gate)
+        # PEFT matches a listed name against the whole qualified name or its last parts.
+        named = next((n for n in names if gate == n or gate.endswith(f".{n}")), None)
+        if named is not None and not is_projection(router):
+            raise UserError(
+                f"--lora_target_modules {spec}: {named} is a router ({gate}, {type(router).__name__}), which routes "
+                "tokens in full precision and cannot take an adapter; leave it out"
+            )
 
 
 def inject_lora(model: nn.Module, cfg: LoraConfig, *, dtype: torch.dtype) -> nn.Module:
@@ -59,6 +78,8 @@ def inject_lora(model: nn.Module, cfg: LoraConfig, *, dtype: torch.dtype) -> nn.
             "to adapt in --lora_target_modules without `experts`"
         )
     names = target_modules(cfg.lora_target_modules, model)
+    renamed = peft_renamed(cfg.lora_target_modules, names, model)
+    names = [n for n in names if n not in renamed]
     peft_config = PeftLoraConfig(
         r=cfg.lora_rank,
         lora_alpha=cfg.lora_alpha,
@@ -94,6 +115,44 @@ def inject_lora(model: nn.Module, cfg: LoraConfig, *, dtype: torch.dtype) -> nn.
         # dtype in forward, cast dtype in a checkpoint's recompute, which then refuses to run. FSDP casts inputs.
         layer.cast_input_dtype_enabled = False
     return peft_model
+
+
+def peft_renamed(spec: str, names: list[str], model: nn.Module) -> set[str]:
+    """Of `names`, those PEFT itself rewrites before adapting `model`, left out of `all` (a warning says so) and
+    refused when listed.
+
+    On transformers 5, PEFT reads the pre-5 names of routed experts' linears (`gate_proj`, `up_proj`, `down_proj`
+    on the architectures transformers converts like Qwen2-MoE: DeepSeek-V2, OLMoE, Qwen3-MoE, ...) as the fused
+    experts' parameters, whatever module they name, with twice the rank. A dense MLP or shared expert with those
+    names (DeepSeek-V2's) then gets no adapter in training, and its saved adapter would not load in PEFT. Asked
+    of PEFT's own conversion, one name at a time, so this follows whatever PEFT version runs.
+    """
+    try:
+        from peft import LoraConfig as PeftLoraConfig
+        from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+    except ImportError:  # a PEFT without the conversion rewrites nothing
+        return set()
+    renamed = set()
+    for name in names:
+        probe = PeftLoraConfig(r=8, target_modules=[name], task_type="CAUSAL_LM")
+        try:
+            convert_peft_config_for_transformers(probe, model=model, conversions=None)
+        except ValueError:  # a fused pair named in part: PEFT would refuse it
+            renamed.add(name)
+            continue
+        if name not in set(probe.target_modules or ()):
+            renamed.add(name)
+    if not renamed:
+        return renamed
+    model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+    why = (
+        f"on {model_type}, PEFT reads {', '.join(sorted(renamed))} as the routed experts' names from before "
+        "transformers 5 and would put their adapters on the experts"
+    )
+    if spec.strip() != "all":
+        raise UserError(f"--lora_target_modules {spec}: {why}; leave them out (name `experts` to adapt the experts)")
+    log.warning("--lora_target_modules all: %s, so the linears named so are not adapted", why)
+    return renamed
 
 
 def peft_lora_layers(module: nn.Module) -> list[nn.Module]:

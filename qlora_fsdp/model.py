@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from qlora_fsdp.attention import fix_latent_attention
+from qlora_fsdp.compat import no_split_modules
 from qlora_fsdp.config import ModelConfig
 from qlora_fsdp.conversion import CheckpointNames
 from qlora_fsdp.distributed import DistEnv
@@ -199,6 +201,7 @@ def meta_model(path: Path, *, dtype: torch.dtype, trust_remote_code: bool, atten
             model = AutoModelForCausalLM.from_config(
                 config, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="eager"
             )
+    fix_latent_attention(model)
     if getattr(config, "tie_word_embeddings", False):
         # Tying inside _params_on_meta made two meta copies; one parameter with two owners, filled once.
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
@@ -207,7 +210,7 @@ def meta_model(path: Path, *, dtype: torch.dtype, trust_remote_code: bool, atten
 
 def decoder_layer_classes(model: nn.Module) -> tuple[type[nn.Module], ...]:
     """The repeated block classes named by the model's `_no_split_modules` (not hard-coded to Llama)."""
-    names = set(getattr(model, "_no_split_modules", None) or [])
+    names = set(no_split_modules(model))
     classes = {type(m) for m in model.modules() if type(m).__name__ in names}
     if not classes:
         raise UserError(

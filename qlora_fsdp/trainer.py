@@ -23,6 +23,7 @@ from qlora_fsdp.checkpoint import (
     list_checkpoints,
     load_checkpoint,
     output_dir_shared,
+    read_train_state,
     remove_checkpoints,
     resolve_resume,
     save_adapter,
@@ -63,6 +64,14 @@ from qlora_fsdp.optim import build_optimizer, build_scheduler
 from qlora_fsdp.precision import PRECISIONS, Precision, quant_compute_dtype
 from qlora_fsdp.quant import make_backend
 from qlora_fsdp.quant.base import QuantizedLinear
+from qlora_fsdp.resume_rules import (
+    MAY_CHANGE,
+    RESHARDED,
+    recorded_settings,
+    resumed_message,
+    unrecorded,
+    unrecorded_message,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -127,19 +136,23 @@ def run(cfg: TrainConfig) -> TrainResult:
         settings = _settings(cfg, model_path, env)
 
         def choose_resume() -> tuple[Path | None, list[str]]:
+            """The checkpoint to resume from and the lines the log owes the user about it."""
             resume = resolve_resume(cfg.output.resume_from, output_dir)
             if resume is None:
                 return None, []
             changed = check_resume_compatible(
-                resume, settings, world_size=env.world_size, may_change=MAY_CHANGE_ON_RESUME,
-                resharded=RESHARDED_ON_RESUME,
-            )  # fmt: skip
-            return resume, changed
+                resume, settings, world_size=env.world_size, may_change=MAY_CHANGE, resharded=RESHARDED
+            )
+            state = read_train_state(resume)
+            lines = [f"resumed from {resume} at step {state.step}"]
+            lines += [resumed_message(change, state.step) for change in changed]
+            unchecked = unrecorded(state.settings, settings)
+            return resume, lines + ([unrecorded_message(resume, unchecked)] if unchecked else [])
 
         # Decided once, on rank 0: ranks that looked at the files themselves could disagree (a lagging shared
         # filesystem) and one refusing alone would leave the others waiting in a collective.
-        resume, changed = _on_rank0(choose_resume, env)
-        result = _run(cfg, env, model_path, resume, changed=changed, shared_output=shared, settings=settings)
+        resume, resumed = _on_rank0(choose_resume, env)
+        result = _run(cfg, env, model_path, resume, resumed=resumed, shared_output=shared, settings=settings)
         dist.barrier()  # every rank is done with the model before any leaves the group
         return result
     finally:
@@ -147,34 +160,10 @@ def run(cfg: TrainConfig) -> TrainResult:
             teardown()
 
 
-# A resumed run must share these with its checkpoint: they fix the data order, the base weights and the meaning of
-# the saved trainable state. Refused with the flag's name if they differ.
-MUST_MATCH_ON_RESUME = (
-    "dataset", "dataset_samples", "context_length", "seed",
-    "prompt_style", "train_on_inputs", "packing", "packing_split", "eval_split", "group_by_length",
-    "dataset_streaming",
-    "train_type", "quant", "bnb_quant_type", "bnb_double_quant", "hqq_bits",
-    "hqq_group_size", "compute_dtype", "lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "precision",
-    "optimizer", "chat_template", "objective", "max_prompt_length",
-)  # fmt: skip
-# These shape how the state is laid out over ranks and steps, like the world size: a checkpoint of format 2 is
-# resharded onto new values (a format-1 checkpoint must match them). See checkpoint.check_resume_compatible.
-RESHARDED_ON_RESUME = (
-    "batch_size", "gradient_accumulation_steps", "sharding_strategy", "shard_group_size", "fsdp_version",
-)  # fmt: skip
-# These may change on resume (a lower learning rate, a longer run): the new values apply from the resumed step on,
-# as if the schedule had always been the new one, and the log names each change.
-MAY_CHANGE_ON_RESUME = (
-    "lr", "wd", "lr_scheduler", "warmup_ratio", "cosine_min_lr_ratio", "max_steps", "num_epochs", "grad_norm",
-    "beta", "label_smoothing", "simpo_gamma", "orpo_lambda",
-)  # fmt: skip
-
-
 def _settings(cfg: TrainConfig, model_path: Path, env: DistEnv) -> dict[str, object]:
     """What a checkpoint records of its run, for check_resume_compatible."""
-    flags = cfg.to_dict()
-    settings = {k: flags[k] for k in MUST_MATCH_ON_RESUME + RESHARDED_ON_RESUME + MAY_CHANGE_ON_RESUME}
-    settings["model"] = model_identity(model_path)
+    settings = recorded_settings(cfg)
+    settings["model"] = model_identity(model_path)  # the base itself, whatever its directory is called now
     if cfg.fsdp.sharding_strategy.startswith("hybrid"):
         # 0 means "a node": the shards' shapes follow the node size, which another job layout may change.
         settings["shard_group_size"] = cfg.fsdp.shard_group_size or env.local_world_size
@@ -222,7 +211,7 @@ def _run(
     model_path: Path,
     resume: Path | None,
     *,
-    changed: list[str],
+    resumed: list[str],
     shared_output: bool,
     settings: dict[str, object],
 ) -> TrainResult:
@@ -268,10 +257,8 @@ def _run(
         resume_step=state.step if resume is not None else None,
     )
     profiler = make_profiler(cfg.output, output_dir, env) if cfg.output.profile else None
-    if resume is not None:
-        logger.message(f"resumed from {resume} at step {state.step}")
-        for change in changed:
-            logger.message(f"resumed with {change}: applied from step {state.step + 1} on")
+    for line in resumed:
+        logger.message(line)
     logger.message(f"trainable parameters: {built.trainable:,}")
     if built.layout is not None:
         logger.message(built.layout.describe())

@@ -1,26 +1,29 @@
 #!/usr/bin/env bash
-# The stack of the lent GPU machine and of many clusters (torch 2.11.0 + transformers 5.17.0), on the CPU: a focused
-# set of the suite in a second venv (scripts/install_torch211.sh). There FSDP2 cannot shard uint8 parameters, so the
-# default command takes the float-view layout; the losses must equal those of the CPU suite's torch (.venv).
+# The stack of the lent GPU machine and of many clusters (Python 3.12, torch 2.11.0, transformers 5.17.0), on the
+# CPU: a focused set of the suite in a second venv (scripts/install_torch211.sh). There FSDP2 cannot shard uint8
+# parameters, so the default command takes the float-view layout; the losses must equal those of the CPU suite's
+# torch (.venv). Then the tests marked gpu_machine: the GPU suite's dry run, whole plan, in a venv holding only what
+# that machine has plus the wheels carried to it (scripts/install_gpu_machine.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install_torch211.sh
+bash scripts/install_gpu_machine.sh
 VENV=${VENV_TORCH211:-.venv-torch211}
-"$VENV/bin/python" -c 'import torch, transformers; print(f"torch {torch.__version__}, transformers {transformers.__version__}")'
-# 2-rank bnb and HQQ training under both FSDP versions; storage integrity; exact resume; after training (unit and
-# SmolLM2 end to end); the GPU suite's dry run; the default command against the CPU suite's torch; mixture-of-experts
+"$VENV/bin/python" -c 'import sys, torch, transformers
+print(f"Python {sys.version.split()[0]}, torch {torch.__version__}, transformers {transformers.__version__}")'
+# 2-rank bnb and HQQ training under both FSDP versions; storage integrity; exact resume; after training (merge,
+# export and generate against PEFT and the training-time model; SmolLM2's end-to-end runs stay in the CPU suite, as
+# the losses here equal that suite's); the default command against the CPU suite's torch; mixture-of-experts
 # loading, quantization, adapters and merge (transformers 5.17's conversion mapping); DPO and IPO across ranks (a
-# second forward with the adapters off, inside the same FSDP units); DCP checkpoints resumed on other world sizes and
-# FSDP versions, and torch 2.11's async save.
+# second forward with the adapters off, inside the same FSDP units); DCP checkpoints resumed on other world sizes
+# and FSDP versions, and torch 2.11's async save.
 export QLORA_REFERENCE_PYTHON="$PWD/${VENV_CPU:-.venv}/bin/python"
+export QLORA_GPU_PYTHON="$PWD/${VENV_GPU_MACHINE:-.venv-gpu-machine}/bin/python"
 "$VENV/bin/python" -m pytest -q -n "${PYTEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder \
-    tests/distributed/test_after_training_bnb.py \
-    tests/distributed/test_after_training_hqq.py \
     tests/distributed/test_train_e2e.py \
     tests/distributed/test_packed_layout.py \
     tests/distributed/test_storage_integrity.py \
     "tests/distributed/test_reliability.py::test_sigkill_then_resume_matches_uninterrupted" \
-    tests/benchmarks/test_harness.py::test_gpu_script_dry_run \
     "tests/distributed/test_preference.py::test_ranks_times_batch_is_one_rank_with_the_whole_batch[dpo]" \
     "tests/distributed/test_preference.py::test_ranks_times_batch_is_one_rank_with_the_whole_batch[ipo]" \
     tests/unit/test_preference_objectives.py \
@@ -28,4 +31,5 @@ export QLORA_REFERENCE_PYTHON="$PWD/${VENV_CPU:-.venv}/bin/python"
     "tests/distributed/test_elastic_resume.py::test_async_save_writes_what_a_synchronous_save_writes" \
     "tests/distributed/test_elastic_resume.py::test_dcp_async_save_writes_the_state_as_it_was_when_called" \
     tests/unit/test_global_order.py \
-    tests/unit/test_export.py tests/unit/test_quant.py tests/unit/test_fsdp.py tests/unit/test_moe.py "$@"
+    tests/unit/test_export.py tests/unit/test_quant.py tests/unit/test_fsdp.py tests/unit/test_moe.py \
+    tests/benchmarks/test_harness.py::test_gpu_script_dry_run "$@"

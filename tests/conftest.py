@@ -3,41 +3,106 @@
 from __future__ import annotations
 
 import json
+import multiprocessing.process
 import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
+from qlora_fsdp.compat import fsdp2_uint8_problem
 from scripts.make_tiny_model import build_tiny_model
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DATASET = REPO_ROOT / "data" / "alpaca_tiny.jsonl"
 TORCHRUN = Path(sys.executable).with_name("torchrun")
-# FSDP2 of torch 2.12+ shards uint8 parameters; older ones get the float view by default (qlora_fsdp/fsdp2.py).
-UINT8_FSDP2 = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 12)
+# Whether this torch's FSDP2 shards uint8 parameters (2.12+), as the trainer asks; older ones get the float view by
+# default (qlora_fsdp/fsdp2.py).
+UINT8_FSDP2 = fsdp2_uint8_problem() is None
 # Tokenized caches of a test session stay in a directory of its own (launched CLIs inherit it), not the user's.
 os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="qlora-test-datasets-"))
 
 
-# The longest test files (several multi-process launches each) first: pytest-xdist hands whole files to its workers
-# in collection order, so a long file collected last would run alone at the end while the other worker idles.
+# The longest test files (several multi-process launches each) first, longest first, as measured in a whole run
+# (tests/unit/test_layout.py checks that each exists): pytest-xdist hands whole files to its workers in collection
+# order, so a long file collected last would run alone at the end while the other worker idles.
 LONG_FILES = (
-    "test_options.py", "test_options_fsdp1.py", "test_after_training_bnb.py", "test_after_training_hqq.py",
-    "test_harness.py", "test_packing_eval.py", "test_data_scale.py", "test_reliability.py", "test_chat_training.py",
-    "test_train_e2e.py", "test_moe_e2e.py",
+    "test_after_training_bnb.py", "test_options.py", "test_after_training_hqq.py", "test_reliability.py",
+    "test_packing_eval.py", "test_options_fsdp1.py", "test_harness.py", "test_elastic_resume.py",
+    "test_preference_smollm2.py", "test_data_scale.py", "test_moe_e2e.py", "test_chat_training.py",
+    "test_train_e2e.py", "test_moe_families_e2e.py",
 )  # fmt: skip
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    gpu_dir = REPO_ROOT / "tests" / "gpu"
+    stray = [item.nodeid for item in items if item.get_closest_marker("gpu") and gpu_dir not in item.path.parents]
+    if stray:  # the GPU tier (benchmarks/gpu.sh) collects tests/gpu alone: a gpu test elsewhere would never run
+        raise pytest.UsageError(f"gpu-marked tests outside tests/gpu: {', '.join(stray)}")
+    for item in items:
+        if "smollm2" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.smollm2)
+
     def rank(item: pytest.Item) -> int:
         name = item.path.name
         return LONG_FILES.index(name) if name in LONG_FILES else len(LONG_FILES)
 
     items.sort(key=rank)  # stable: the order within a file, and of the other files, stays
+
+
+_launched: list[str] = []
+
+
+def _audit(event: str, args: tuple) -> None:
+    """Records the processes a test starts: forks (datasets' and multiprocessing's workers) and commands run from
+    the repository (the CLI, scripts, benchmarks, torchrun). A library's own tool call (inductor asking the C++
+    compiler) is not the test's doing."""
+    if event in ("os.fork", "os.forkpty"):
+        _launched.append(event)
+    elif event == "subprocess.Popen":
+        _executable, argv, cwd, _env = args
+        words = [str(a) for a in (argv if isinstance(argv, (list, tuple)) else [argv])]
+        program = Path(words[0]).name
+        ours = [w for w in words[1:] if str(REPO_ROOT) in w and sys.prefix not in w]  # the venv's are not ours
+        from_repo = str(cwd) == str(REPO_ROOT) or bool(ours)
+        if program == "torchrun" or (program.startswith(("python", "bash")) and from_repo):
+            _launched.append(f"{event}: {' '.join(words)[:100]}")
+
+
+sys.addaudithook(_audit)
+
+
+def _started_processes() -> int:
+    """multiprocessing's count of Process objects created so far (its spawn start method raises no audit event)."""
+    counter = multiprocessing.process._process_counter  # type: ignore[attr-defined]
+    return int(repr(counter).removeprefix("count(").removesuffix(")"))
+
+
+_BEFORE = pytest.StashKey[tuple[int, int]]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    item.stash[_BEFORE] = (len(_launched), _started_processes())
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    """A test that starts a process (in its fixtures too) must be marked `distributed`, whatever file it is in:
+    the tiers select by marker, so an unmarked launcher would slip into the 5-minute tier."""
+    outcome = yield
+    report = outcome.get_result()
+    if call.when != "teardown" or report.failed or item.get_closest_marker("distributed") or _BEFORE not in item.stash:
+        return
+    before, processes = item.stash[_BEFORE]
+    launched = _launched[before:] or (["multiprocessing"] if _started_processes() > processes else [])
+    if launched:
+        report.outcome = "failed"
+        report.longrepr = f"started a process ({launched[0]}) without @pytest.mark.distributed"
 
 
 @pytest.fixture(scope="session")

@@ -10,12 +10,24 @@ from pathlib import Path
 import torch
 
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+"""Built for every parametrized MoE test (the `moe_models` fixture)."""
+MORE_FAMILIES = ("phimoe", "deepseek_v2", "olmoe")
+"""Built only by the tests that name them, which keeps the parametrized suites' cost: PhiMoE (its router an
+nn.Linear subclass returning a tuple), DeepSeek-V2 (latent attention with shared experts), OLMoE."""
 
 
 def moe_config(family: str, *, vocab_size: int, hidden: int = 64, layers: int = 2, experts: int = 8, top_k: int = 2,
                intermediate: int = 256, **extra):  # fmt: skip
-    """A config of `family`; Qwen2-MoE gets a shared expert (and its gate), Qwen3-MoE none."""
-    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+    """A config of `family`; Qwen2-MoE gets a shared expert (and its gate), Qwen3-MoE none; DeepSeek-V2 a dense
+    first layer, a shared expert and latent attention; PhiMoE routes to 2 experts whatever `top_k` says."""
+    from transformers import (
+        DeepseekV2Config,
+        MixtralConfig,
+        OlmoeConfig,
+        PhimoeConfig,
+        Qwen2MoeConfig,
+        Qwen3MoeConfig,
+    )
 
     common = dict(
         vocab_size=vocab_size,
@@ -46,6 +58,29 @@ def moe_config(family: str, *, vocab_size: int, hidden: int = 64, layers: int = 
             moe_intermediate_size=intermediate,
             num_experts=experts,
             head_dim=hidden // 4,
+        )
+    if family == "phimoe":
+        # No jitter: the routing is then sparsemixer's alone (its Gumbel sampling while training).
+        return PhimoeConfig(
+            **common, intermediate_size=intermediate, num_local_experts=experts, router_jitter_noise=0.0
+        )
+    if family == "olmoe":
+        return OlmoeConfig(**common, intermediate_size=intermediate, num_experts=experts)
+    if family == "deepseek_v2":
+        head = hidden // 4
+        return DeepseekV2Config(
+            **common,
+            intermediate_size=intermediate,
+            moe_intermediate_size=intermediate,
+            n_routed_experts=experts,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            q_lora_rank=None,
+            kv_lora_rank=hidden // 2,
+            qk_nope_head_dim=head // 2,
+            qk_rope_head_dim=head // 2,
+            head_dim=head // 2,
+            v_head_dim=head,
         )
     raise ValueError(f"unknown family {family}")
 

@@ -7,6 +7,9 @@ flags that cut or mask samples. A build is written beside its final place and re
 concurrent builders (the nodes of a job on a shared disk, two jobs) wait for one build and reuse it, and a killed
 build leaves only a directory the next builder removes.
 
+`tokenize_in_memory` makes the same rows in this process without `datasets`, writing nothing: the synthetic
+dataset always, every dataset with --dataset_in_memory (the GPU machine has no `datasets`).
+
 Each cache row is one sample as it will be trained (at most --context_length tokens): input_ids, labels and its
 length, with the example it came from. A preference pair's row holds both sides (its rejected side in
 rejected_input_ids and rejected_labels; its length is both together). Rows with nothing to learn are kept with
@@ -17,6 +20,7 @@ rows are read (rows.py), so a packed and an unpacked run share one cache.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -252,7 +256,7 @@ def _build(spec: CacheSpec, tokenizer: Any, work: Path, num_proc: int) -> dict[s
         "sources": dict(zip(names, per_source.tolist(), strict=True)),
         "examples": len(records),
         "pairs": spec.pairs,
-        **asdict(_stats(rows, len(records))),
+        **asdict(_stats(_counts(rows), len(records))),
         "bytes": sum(f.stat().st_size for f in (work / "rows").rglob("*") if f.is_file()),
         "build_s": round(time.perf_counter() - started, 2),
         "processes": procs,
@@ -263,14 +267,17 @@ def _build(spec: CacheSpec, tokenizer: Any, work: Path, num_proc: int) -> dict[s
     return summary
 
 
-def _column(rows: Any, name: str) -> np.ndarray:
-    return rows.data.column(name).to_numpy()
+_COUNTS = ("length", "label_tokens", "source_row", "cut")
+"""The per-row numbers the statistics need, held as arrays whatever holds the token lists."""
 
 
-def _stats(rows: Any, examples: int, keep: np.ndarray | None = None) -> FitStats:
+def _counts(rows: Any) -> dict[str, np.ndarray]:
+    return {name: rows.data.column(name).to_numpy() for name in _COUNTS}
+
+
+def _stats(counts: dict[str, np.ndarray], examples: int, keep: np.ndarray | None = None) -> FitStats:
     """FitStats of the cache's rows whose example is in `keep` (a boolean mask over examples; None: all)."""
-    length, cut, origin = _column(rows, "length"), _column(rows, "cut"), _column(rows, "source_row")
-    label_tokens = _column(rows, "label_tokens")
+    length, cut, origin, label_tokens = (counts[k] for k in ("length", "cut", "source_row", "label_tokens"))
     chosen = np.ones(len(length), dtype=bool) if keep is None else keep[origin]
     valid = chosen & (length > 0)
     return FitStats(
@@ -308,39 +315,63 @@ class ArrowSamples(Sequence):
         return (sample, (row["rejected_input_ids"], row["rejected_labels"])) if self.pairs else sample
 
 
+class MemorySamples(Sequence):
+    """ArrowSamples' rows held in lists: what tokenize_in_memory made."""
+
+    def __init__(self, columns: dict[str, list[Any]], *, pairs: bool) -> None:
+        self.pairs = pairs
+        self._columns = columns
+
+    def __len__(self) -> int:
+        return len(self._columns["input_ids"])
+
+    def __getitem__(self, index: int) -> Any:
+        c = self._columns
+        sample = c["input_ids"][index], c["labels"][index]
+        return (sample, (c["rejected_input_ids"][index], c["rejected_labels"][index])) if self.pairs else sample
+
+
 @dataclass
 class TokenizedCache:
-    """An opened cache: its samples, their lengths and examples, and what its build counted."""
+    """An opened cache (or rows tokenized in memory): its samples, their lengths and examples, and what its build
+    counted."""
 
-    path: Path
-    samples: ArrowSamples
-    lengths: np.ndarray
-    """Tokens per row (0: nothing to learn, never served)."""
-    origin: np.ndarray
-    """The example (index over all sources) each row came from."""
+    path: Path | None
+    """None: held in memory, nothing on disk."""
+    samples: ArrowSamples | MemorySamples
+    counts: dict[str, np.ndarray]
+    """Per row: length, label_tokens, source_row, cut."""
     summary: dict[str, Any]
-    rows: Any
-    """The datasets.Dataset itself."""
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Tokens per row (0: nothing to learn, never served)."""
+        return self.counts["length"]
+
+    @property
+    def origin(self) -> np.ndarray:
+        """The example (index over all sources) each row came from."""
+        return self.counts["source_row"]
 
     @property
     def examples(self) -> int:
         return int(self.summary["examples"])
 
     def stats(self, keep: np.ndarray | None = None) -> FitStats:
-        return _stats(self.rows, self.examples, keep)
+        return _stats(self.counts, self.examples, keep)
 
     def all_without_reply(self, indices: np.ndarray) -> bool:
         """Whether every row at `indices` is a conversation with no assistant turn (for the all-dropped error)."""
-        return bool((_column(self.rows, "cut")[indices] == _CUT["no_reply"]).all())
+        return bool((self.counts["cut"][indices] == _CUT["no_reply"]).all())
 
     def describe(self, built: bool) -> str:
         s = self.summary
         origin = ", ".join(f"{name}: {n}" for name, n in s["sources"].items())
+        rows = f"{s['examples']} examples ({origin}), {s['samples']} samples, {s['tokens']} tokens"
+        if self.path is None:
+            return f"tokenized in memory in {s['build_s']} s: {rows}"
         how = f"built in {s['build_s']} s with {s['processes']} process(es)" if built else "reused"
-        return (
-            f"tokenized cache {how} at {self.path}: {s['examples']} examples ({origin}), {s['samples']} samples, "
-            f"{s['tokens']} tokens, {s['bytes'] / 2**20:.1f} MiB"
-        )
+        return f"tokenized cache {how} at {self.path}: {rows}, {s['bytes'] / 2**20:.1f} MiB"
 
 
 def _load(path: Path) -> TokenizedCache:
@@ -348,8 +379,32 @@ def _load(path: Path) -> TokenizedCache:
 
     rows = datasets.load_from_disk(str(path / "rows"))
     summary = json.loads((path / "summary.json").read_text())
-    samples = ArrowSamples(rows, pairs=summary.get("pairs", False))
-    return TokenizedCache(path, samples, _column(rows, "length"), _column(rows, "source_row"), summary, rows)
+    return TokenizedCache(path, ArrowSamples(rows, pairs=summary.get("pairs", False)), _counts(rows), summary)
+
+
+def tokenize_in_memory(spec: CacheSpec, tokenizer: Any, *, batch_size: int = 256) -> TokenizedCache:
+    """The rows a cache of `spec` would hold, tokenized in this process by the same encoding and held in memory."""
+    started = time.perf_counter()
+    names = tuple(source_names(spec.dataset))
+    columns: dict[str, list[Any]] = {k: [] for k in _ROW_COLUMNS}
+    per_source = [0] * len(names)
+    records = _records(names, spec.dataset_samples, spec.prompt_style, spec.pairs)
+    while chunk := list(itertools.islice(records, batch_size)):
+        for record in chunk:
+            per_source[record["source"]] += 1
+        encoded = _encode({k: [r[k] for r in chunk] for k in chunk[0]}, tokenizer, spec)
+        for k, values in encoded.items():
+            columns[k] += values
+    counts = {k: np.asarray(columns.pop(k), dtype=np.int64) for k in _COUNTS}
+    examples = sum(per_source)
+    summary = {
+        "sources": dict(zip(names, per_source, strict=True)),
+        "examples": examples,
+        "pairs": spec.pairs,
+        **asdict(_stats(counts, examples)),
+        "build_s": round(time.perf_counter() - started, 2),
+    }
+    return TokenizedCache(None, MemorySamples(columns, pairs=spec.pairs), counts, summary)
 
 
 def _stale(build: Path, *, max_age_s: float = 24 * 3600) -> bool:

@@ -19,10 +19,11 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from qlora_fsdp.config import DataConfig, EvalConfig
-from qlora_fsdp.data.cache import PREFERENCE, CacheSpec, TokenizedCache, open_cache
+from qlora_fsdp.data.cache import PREFERENCE, CacheSpec, TokenizedCache, open_cache, tokenize_in_memory
 from qlora_fsdp.data.chat import load_chat_template
 from qlora_fsdp.data.formats import IGNORE_INDEX, pad_token_id
 from qlora_fsdp.data.rows import PackedRows, PairRows, SampleRows, all_dropped_error, build_rows, collate
+from qlora_fsdp.data.sources import synthetic
 from qlora_fsdp.data.stream import StreamRows
 from qlora_fsdp.distributed import DistEnv, leaders_first
 from qlora_fsdp.errors import UserError
@@ -148,7 +149,8 @@ def dataset_cache(
     dataset: str, samples: int, data: DataConfig, tokenizer: Any, env: DistEnv, *, pairs: bool = False
 ) -> tuple[TokenizedCache, bool]:
     """The tokenized cache of one dataset (--dataset or --eval_dataset) under the data flags (of preference
-    pairs with `pairs`), built by each node's local rank 0 if no one has built it, and logged on rank 0."""
+    pairs with `pairs`), built by each node's local rank 0 if no one has built it, and logged on rank 0. A
+    synthetic dataset, or any with --dataset_in_memory, is tokenized on every rank into memory instead."""
     spec = CacheSpec(
         dataset=dataset,
         dataset_samples=samples,
@@ -163,7 +165,10 @@ def dataset_cache(
     def work() -> tuple[TokenizedCache, bool]:
         return open_cache(spec, tokenizer, cache_dir=data.dataset_cache_dir, num_proc=data.dataset_num_proc)
 
-    cache, built = leaders_first(work, env)
+    if data.dataset_in_memory or synthetic(dataset):
+        cache, built = tokenize_in_memory(spec, tokenizer), True
+    else:
+        cache, built = leaders_first(work, env)
     if env.is_main:
         logger.info("dataset %s: %s", dataset, cache.describe(built))
     return cache, built

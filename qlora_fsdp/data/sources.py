@@ -146,6 +146,8 @@ def _hub_dataset(name: str, repo: str, split: str, *, streaming: bool = False) -
 class _Hub:
     """A hub dataset (its first `limit` rows; 0: all) whose rows are passed on through `convert` (None skips one)."""
 
+    synthetic = False
+
     def __init__(
         self, repo: str, split: str, convert: Callable[[dict[str, Any], str], Any] | None = None, *, limit: int = 0
     ) -> None:
@@ -213,6 +215,7 @@ _DUMMY_TEXT = (
 class _Dummy:
     """Synthetic long alpaca rows for memory tests: the same every call, so runs (and ranks) agree without a hub."""
 
+    synthetic = True
     ROWS = 512
     WORDS_PER_ROW = 3000  # > 2048 tokens with any common tokenizer, so every row fills a 2048 context
 
@@ -257,6 +260,11 @@ def check_source(name: str) -> None:
     """A one-line UserError now for a source that names no dataset or file (a hub dataset is checked when read)."""
     if name not in NAMED_DATASETS:
         _local_path(name)
+
+
+def synthetic(dataset: str) -> bool:
+    """Whether every source of `dataset` is generated here (nothing read, so nothing worth caching on disk)."""
+    return all(getattr(NAMED_DATASETS.get(name), "synthetic", False) for name in source_names(dataset))
 
 
 def source_identity(name: str) -> dict[str, Any]:

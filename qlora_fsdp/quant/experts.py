@@ -20,7 +20,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from qlora_fsdp.compat import default_experts_gating, experts_flags
 from qlora_fsdp.errors import UserError
+from qlora_fsdp.quant.base import QuantizedLinear
 
 FUSED = {"gate_up_proj": "gate_up", "down_proj": "down"}
 """transformers' fused parameter -> the ModuleList of per-expert layers that holds it here."""
@@ -53,20 +55,18 @@ def peft_wrapper_depth(order: list[str], targeted: list[str], name: str) -> int:
 
 def layout_problem(module: nn.Module) -> str | None:
     """Why `module`'s fused experts cannot be split into per-expert layers here, or None when they can."""
-    from transformers.integrations.moe import _default_apply_gate
-
     shapes = {n: tuple(p.shape) for n, p in module.named_parameters(recurse=False)}
     if set(shapes) != set(FUSED):
         return f"parameters {sorted(shapes)}"
-    flags = {
+    split = {
         "is_concatenated": True, "is_transposed": False, "has_bias": False, "has_gate": True,
         "has_post_expert_norm": False,
     }  # fmt: skip
-    # A flag older transformers lacks (has_post_expert_norm before 5.2x) has its default meaning.
-    wrong = [f"{k}={getattr(module, k)}" for k, v in flags.items() if getattr(module, k, v) is not v]
+    flags = experts_flags(module)  # a flag this transformers does not set has its default meaning
+    wrong = [f"{k}={flags[k]}" for k, v in split.items() if flags[k] is not v]
     if wrong:
         return ", ".join(wrong)
-    if getattr(type(module), "_apply_gate", None) is not _default_apply_gate or not hasattr(module, "act_fn"):
+    if not default_experts_gating(module) or not hasattr(module, "act_fn"):
         return "its own gating function"
     experts, two_inter, hidden = shapes["gate_up_proj"]
     if shapes["down_proj"] != (experts, hidden, two_inter // 2) or two_inter % 2:
@@ -198,11 +198,30 @@ def expert_adapters(module: nn.Module) -> list[ExpertAdapter]:
 
 
 def router_gates(model: nn.Module) -> set[str]:
-    """Linears that route or gate tokens beside routed experts (`shared_expert_gate`, a router kept as a linear
-    `gate`): never quantized or adapted, as the model computes them. A dense model has none."""
+    """The linears that route or gate tokens beside routed experts: never quantized or adapted, so the model routes
+    as it was trained to. A dense model has none.
+
+    Found by what they are, not by their class: a linear child of the module that holds the routed experts which
+    either computes more than its projection (a subclass with its own forward, as PhiMoE's router, which returns
+    logits, weights and expert indices: PEFT's LoRA cannot wrap it) or is named as a gate (Qwen2-MoE's plain
+    `shared_expert_gate`). A plain linear beside the experts that projects (NemotronH's latent projections, say)
+    stays an ordinary layer. Routers that are not linears (Mixtral's, DeepSeek-V2's) are never touched anyway."""
     gates = set()
     for name, module in model.named_modules():
         if any(has_fused_experts(m) or isinstance(m, QuantizedExperts) for m in module.children()):
             prefix = f"{name}." if name else ""
-            gates |= {prefix + n for n, m in module.named_children() if isinstance(m, nn.Linear) and n.endswith("gate")}
+            gates |= {prefix + n for n, m in module.named_children() if routes(n, m)}
     return gates
+
+
+def routes(name: str, module: nn.Module) -> bool:
+    """Whether `module`, a child named `name` of the module holding the routed experts, is a router or gate."""
+    return isinstance(module, nn.Linear) and (not is_projection(module) or name.endswith("gate"))
+
+
+def is_projection(module: nn.Module) -> bool:
+    """A linear whose forward is the projection alone (nn.Linear's own, or a quantized one's), which is what PEFT's
+    LoRA wraps; a subclass with a forward of its own may return anything (PhiMoE's router: a tuple)."""
+    return isinstance(module, QuantizedLinear) or (
+        isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+    )

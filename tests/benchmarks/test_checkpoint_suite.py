@@ -16,8 +16,6 @@ import pytest
 
 from benchmarks.checkpoint_suite import CASES, STALL_BAR, analyse, check_plan, parse_saves, plan
 
-pytestmark = pytest.mark.distributed
-
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ROW_FIELDS = ("section", "key", "figure", "unit", "better", "ours", "peer", "ratio", "runs")
 FIGURES = ("stall_logged_s", "stall_steps_s", "write_s", "step_s", "peak_rss_bytes", "rss_rise_bytes",
@@ -28,6 +26,8 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(REPO_ROOT), "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "offline"}
 
 
+@pytest.mark.distributed
+@pytest.mark.benchmark
 def test_checkpoint_suite_quick(tmp_path: Path) -> None:
     out = tmp_path / "results"
     cmd = [sys.executable, "benchmarks/run.py", "--suite", "cpu-checkpoint", "--quick", "--out", str(out)]
@@ -116,6 +116,7 @@ def _run(log: str, *, async_save: bool, seconds: list[float], between: list[floa
             "saves": parse_saves(log, async_save=async_save, expected=[2, 4])}  # fmt: skip
 
 
+@pytest.mark.distributed
 def test_stalls_from_the_log_and_the_step_times() -> None:
     """The logged stall is the save's own line; the step-time stall is the time between two steps at the save's
     boundary (and where an async save was marked complete) less the quiet boundaries' median, whatever each step's

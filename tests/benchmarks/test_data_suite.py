@@ -15,8 +15,6 @@ import pytest
 
 from benchmarks.data_suite import FIELD_TOKENS, _cache_line, ensure_dataset, plan
 
-pytestmark = pytest.mark.distributed
-
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ROW_FIELDS = ("section", "key", "figure", "unit", "better", "ours", "peer", "ratio", "runs")
 KEYS = {
@@ -50,6 +48,8 @@ def _positive(obj: Any, where: str) -> None:
         assert obj > 0 and math.isfinite(obj), f"{where} = {obj}"
 
 
+@pytest.mark.distributed
+@pytest.mark.benchmark
 def test_data_suite_quick(tmp_path: Path, tiny_model: Path) -> None:
     out = tmp_path / "results"
     cmd = [sys.executable, "benchmarks/run.py", "--suite", "cpu-data", "--quick", "--model", str(tiny_model)]
@@ -118,6 +118,7 @@ def test_synthetic_dataset_is_deterministic(tiny_model: Path, tmp_path: Path) ->
     assert FIELD_TOKENS[0] - 5 <= tokens["min"] < 60 and 340 < tokens["max"] <= FIELD_TOKENS[1] + 10
 
 
+@pytest.mark.distributed
 def test_first_step_wrapper_times_the_first_record(tmp_path: Path) -> None:
     """The wrapper reports when the first line appeared (not when the command ended) and passes its status on."""
     metrics, result = tmp_path / "metrics.jsonl", tmp_path / "timing.json"

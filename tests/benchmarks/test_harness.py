@@ -2,8 +2,9 @@
 
 `python benchmarks/run.py --suite cpu --quick` (small model, one repetition) and `bash benchmarks/gpu.sh OUT
 --dry-run` (the GPU suite's code on the CPU with tiny shapes) are the commands users run; nothing is mocked.
-The whole GPU plan, --compile included, runs in CI's torch 2.11 venv (scripts/gpu_dry_run.sh); here every plan item
-but --compile (inductor takes minutes on a CPU; tests/distributed covers --compile).
+The dry run takes the whole GPU plan, --compile included, with the Python that QLORA_GPU_PYTHON names: .ci/run
+names a venv holding exactly the GPU machine's packages plus the carried wheels (scripts/install_gpu_machine.sh), so
+a module that machine lacks fails here. Without it, this venv's Python.
 """
 
 from __future__ import annotations
@@ -21,8 +22,6 @@ import pytest
 from benchmarks.gpu_suite import NAMES, parse_only
 from benchmarks.report import fmt, render
 from benchmarks.rows import behind, row
-
-pytestmark = pytest.mark.distributed
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ROW_FIELDS = ("section", "key", "figure", "unit", "better", "ours", "peer", "ratio", "runs")
@@ -52,13 +51,12 @@ CPU_KEYS = {
         for fmt_ in ("bnb_nf4_dq", "bnb_nf4", "bnb_fp4_dq", "hqq_4bit", "hqq_3bit", "hqq_2bit")
     ),
 }  # fmt: skip
-GPU_DRY_PLAN = ("tests", "bnb", "hqq", "whole-logits", "fsdp1", "bnb-1x512")
 GPU_DRY_KEYS = {
     f"{metric}_{run}"
     for metric in (
         "tokens_per_s", "mfu", "peak_reserved", "peak_allocated", "load_peak_reserved", "load_peak_allocated", "load_s"
     )
-    for run in ("bnb", "hqq", "whole_logits", "fsdp1", "bnb_1x512")
+    for run in ("bnb", "hqq", "compile", "whole_logits", "fsdp1", "bnb_1x512")
 }  # fmt: skip
 
 
@@ -104,6 +102,8 @@ def _check_rows(results: dict[str, Any], expected: set[str]) -> None:
     assert results["wall_time_s"] > 0
 
 
+@pytest.mark.distributed
+@pytest.mark.benchmark
 def test_cpu_suite_quick(tmp_path: Path) -> None:
     out = tmp_path / "results"
     cmd = [sys.executable, "benchmarks/run.py", "--suite", "cpu", "--quick", "--out", str(out)]
@@ -140,14 +140,17 @@ def test_cpu_suite_quick(tmp_path: Path) -> None:
         assert r["figure"] in report, r["key"]
 
 
+@pytest.mark.distributed
+@pytest.mark.benchmark
+@pytest.mark.gpu_machine
 def test_gpu_script_dry_run(tmp_path: Path) -> None:
     out = tmp_path / "gpu"
-    cmd = ["bash", "benchmarks/gpu.sh", str(out), "--dry-run", "--only", ",".join(GPU_DRY_PLAN)]
-    _run(cmd, timeout=900, env={**_env(), "PYTHON": sys.executable})
+    cmd = ["bash", "benchmarks/gpu.sh", str(out), "--dry-run"]
+    _run(cmd, timeout=1200, env={**_env(), "PYTHON": os.environ.get("QLORA_GPU_PYTHON", sys.executable)})
 
     results = json.loads((out / "results.json").read_text())
     assert results["suite"] == "gpu" and results["dry_run"] is True and not results["errors"]
-    assert results["plan"] == list(GPU_DRY_PLAN) and not results["missing"]
+    assert results["plan"] == list(NAMES) and not results["missing"]
     _check_rows(results, GPU_DRY_KEYS)
     _positive_numbers(results["details"], "details")
     assert results["model"]["parameters"] > 0
@@ -155,12 +158,17 @@ def test_gpu_script_dry_run(tmp_path: Path) -> None:
     tier = results["tests"]
     assert tier["skipped"] > 0 and not tier["failed"] and not tier["passed"] and not tier["causes"], tier
     by_key = {r["key"]: r for r in results["rows"]}
-    # MFU is 8 x params x tokens/s / peak (activation checkpointing on), for both sides.
-    params, peak = results["model"]["parameters"], results["settings"]["peak_flops"]
-    for key in ("bnb", "hqq", "bnb_1x512"):
+    # MFU by PaLM's convention, counted by hand for the dry model (hidden 128, 2 layers, MLP 256, 4 heads of 32, 2 KV
+    # heads, vocab 512, untied): a layer holds q, o 128x128, k, v 128x64, gate, up, down 128x256 and two norms of
+    # 128, so 2 x 147,712 + the final norm 128 + the head 512 x 128 = 361,088 non-embedding parameters; at a
+    # sequence of 96, 6 x 361,088 + 12 x 2 x 128 x 96 = 2,461,440 FLOPs a token (64: 2,363,136).
+    assert results["model"]["non_embedding_parameters"] == 361_088
+    peak = results["settings"]["peak_flops"]
+    big = ("bnb", "hqq", "compile", "whole_logits", "fsdp1")
+    for key, per_token in (*((k, 2_461_440) for k in big), ("bnb_1x512", 2_363_136)):
         tps, mfu = by_key[f"tokens_per_s_{key}"], by_key[f"mfu_{key}"]
         for side in ("ours", "peer"):
-            assert mfu[side] == pytest.approx(8 * params * tps[side] / peak, rel=1e-9)
+            assert mfu[side] == pytest.approx(per_token * tps[side] / peak, rel=1e-9)
     # Each variant is compared at its own shape: the peer's batch 1 row is not its batch 2 row.
     assert by_key["tokens_per_s_bnb_1x512"]["runs"]["peer"] != by_key["tokens_per_s_bnb"]["runs"]["peer"]
     report = (out / "results.md").read_text()
@@ -170,6 +178,7 @@ def test_gpu_script_dry_run(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     ("code", "cause"),
     [
@@ -186,6 +195,14 @@ def test_gpu_failure_cause_is_the_last_error_line(code: str, cause: str) -> None
     noise = "import atexit; atexit.register(print, 'teardown noise after the error')"  # the log's last line
     job = launch([[sys.executable, "-c", f"{noise}\n{code}"]], [base_env(1)], timeout_s=60)
     assert failure_cause(job) == f"{cause} (exit status {job.returncode})" and job.returncode in (1, 2)
+
+
+def test_palm_flops_per_token_of_llama2_7b() -> None:
+    """Llama-2-7B holds 6,738,415,616 parameters, 32,000 x 4,096 of them in the input embedding: by PaLM's
+    convention a token of a 2,048-token sequence costs 6 x 6,607,343,616 + 12 x 32 x 4,096 x 2,048 FLOPs."""
+    from benchmarks.gpu_suite import palm_flops_per_token
+
+    assert palm_flops_per_token(6_607_343_616, layers=32, hidden=4096, sequence=2048) == 42_865_287_168
 
 
 def test_gpu_plan_names() -> None:

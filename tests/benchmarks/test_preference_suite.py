@@ -15,8 +15,6 @@ import pytest
 
 from benchmarks.preference_suite import OBJECTIVES, PEAKS, check_plan, plan, write_datasets
 
-pytestmark = pytest.mark.distributed
-
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ROW_FIELDS = ("section", "key", "figure", "unit", "better", "ours", "peer", "ratio", "runs")
 FIGURES = ("param_bytes_per_rank", "rss_peak_growth_bytes", "tensor_peak_bytes", "peak_rss_bytes", "step_time_s")
@@ -26,6 +24,8 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(REPO_ROOT), "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "offline"}
 
 
+@pytest.mark.distributed
+@pytest.mark.benchmark
 def test_preference_suite_quick(tmp_path: Path) -> None:
     out = tmp_path / "results"
     cmd = [sys.executable, "benchmarks/run.py", "--suite", "cpu-preference", "--quick", "--out", str(out)]

@@ -96,6 +96,7 @@ def test_bad_flags(script, args, needles, tiny_model: Path, adapter: Path, tmp_p
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.distributed
 def test_a_real_launch_prints_one_line(tiny_model: Path, tmp_path: Path) -> None:
     """The same through the interpreter: nothing else on stderr, status 2."""
     out = tmp_path / "out"

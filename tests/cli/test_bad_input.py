@@ -9,6 +9,8 @@ import pytest
 
 from tests.conftest import DATASET, launch
 
+pytestmark = pytest.mark.distributed  # every test here runs the CLI or a script in a process
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -15,6 +15,8 @@ from transformers import AutoTokenizer
 
 from tests.conftest import train
 
+pytestmark = pytest.mark.distributed  # every test here runs the CLI or a script in a process
+
 REPLY = "The answer is always forty-two."
 WORDS = (
     "apple river stone cloud green seven window garden music paper silver orange winter candle forest bridge yellow "

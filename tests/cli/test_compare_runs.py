@@ -16,6 +16,8 @@ import pytest
 from qlora_fsdp.metrics import read_metrics
 from tests.conftest import DATASET, REPO_ROOT, train, worker_env
 
+pytestmark = pytest.mark.distributed  # every test here runs the CLI or a script in a process
+
 SCRIPT = REPO_ROOT / "scripts" / "compare_runs.py"
 STEPS = 3
 COMMON = [

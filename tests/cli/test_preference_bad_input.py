@@ -11,6 +11,8 @@ import pytest
 from tests.cli.test_bad_input import assert_one_line_error, run_cli
 from tests.conftest import DATASET, REPO_ROOT
 
+pytestmark = pytest.mark.distributed  # every test here runs the CLI or a script in a process
+
 PAIRS = REPO_ROOT / "data" / "preference_tiny.jsonl"
 
 

@@ -1,7 +1,8 @@
 """Worker for test_options: many short trainings in one torchrun job (imports and process group paid once).
 
-python options_worker.py MODEL_DIR PRO_MODEL_DIR TIED_MODEL_DIR ODD_MODEL_DIR OUT_DIR SUITE FSDP_VERSION
-(SUITE: two | four). Rank 0 writes OUT_DIR/results.json: {scenario: {"losses", "grad_norms", ..., "error"}}.
+python options_worker.py MODEL_DIR PRO_MODEL_DIR TIED_MODEL_DIR ODD_MODEL_DIR OUT_DIR SUITE FSDP_VERSION [NAMES]
+(SUITE: two | four; NAMES: comma-separated scenarios to run, default all). Rank 0 writes OUT_DIR/results.json:
+{scenario: {"losses", "grad_norms", ..., "error"}}.
 
 Besides what each run logs, rank 0 computes a reference for the first step of every fp32 run: the same first
 global batch through the same model built without any sharding, in this one process, with PyTorch's own cross
@@ -173,6 +174,9 @@ def main() -> None:
         scenarios = two_rank_scenarios(model, pro_model, tied_model, odd_model, version)
     else:
         scenarios = four_rank_scenarios(model)
+    if len(sys.argv) > 8:
+        names = sys.argv[8].split(",")
+        scenarios = {name: scenarios[name] for name in names}  # a KeyError names a scenario that does not exist
     results = {}
     for name, flags in scenarios.items():
         run_dir = out / name

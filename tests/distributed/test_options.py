@@ -52,8 +52,21 @@ def odd_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
-def _suite(name: str, nproc: int, models: list[Path], out: Path, version: int) -> dict[str, dict]:
-    return run_worker(WORKER, [*map(str, models), str(out), name, str(version)], nproc=nproc, out=out)
+SCENARIOS: tuple[str, ...] | None = None
+"""The two-rank scenarios this module runs (None: every one); test_options_fsdp1.py takes fewer."""
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """`scenario` takes the referenced scenarios that the collecting module runs."""
+    if "scenario" in metafunc.fixturenames:
+        runs = metafunc.module.SCENARIOS
+        metafunc.parametrize("scenario", [s for s in REFERENCED if runs is None or s in runs])
+
+
+def _suite(name: str, nproc: int, models: list[Path], out: Path, version: int,
+           names: tuple[str, ...] | None = None) -> dict[str, dict]:  # fmt: skip
+    args = [*map(str, models), str(out), name, str(version), *([",".join(names)] if names else [])]
+    return run_worker(WORKER, args, nproc=nproc, out=out)
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +81,11 @@ def models(tiny_model: Path, pro_model: Path, tied_model: Path, odd_model: Path)
 
 
 @pytest.fixture(scope="module")
-def two(models: list[Path], tmp_path_factory: pytest.TempPathFactory, version: int) -> dict[str, dict]:
-    return _suite("two", 2, models, tmp_path_factory.mktemp(f"options-two-v{version}"), version)
+def two(
+    models: list[Path], tmp_path_factory: pytest.TempPathFactory, version: int, request: pytest.FixtureRequest
+) -> dict[str, dict]:
+    out = tmp_path_factory.mktemp(f"options-two-v{version}")
+    return _suite("two", 2, models, out, version, request.module.SCENARIOS)
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +112,6 @@ REFERENCED = [name for name in (
 )]  # fmt: skip
 
 
-@pytest.mark.parametrize("scenario", REFERENCED)
 def test_first_step_equals_the_unsharded_computation(two: dict, scenario: str) -> None:
     """Loss and gradient norm of step 1 on 2 ranks = the same batch through the unsharded model in one process."""
     r = two[scenario]

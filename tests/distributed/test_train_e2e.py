@@ -55,6 +55,15 @@ def test_loss_falls(two_rank_run) -> None:
     assert last < first, f"loss did not fall: first 5 mean {first:.4f}, last 5 mean {last:.4f}"
 
 
+def test_the_run_prints_no_warning_and_no_line_twice(two_rank_run) -> None:
+    """What the user reads of a 2-rank run: no warning from anyone (ours or a library's, on any rank), and each
+    line once (rank 0 alone speaks)."""
+    _, _, _, result = two_rank_run
+    lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
+    assert not [line for line in lines if "warn" in line.lower()], lines
+    assert len(lines) == len(set(lines)), [line for line in lines if lines.count(line) > 1]
+
+
 def test_metrics_records_have_required_fields(two_rank_run) -> None:
     _, _, out, _ = two_rank_run
     records = read_metrics(out)

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from qlora_fsdp.config import QuantConfig
+from qlora_fsdp.manifest import layer_digests
 from qlora_fsdp.quant import make_backend
 from qlora_fsdp.quant.base import QuantizedLinear, QuantizedWeight
 
@@ -61,3 +62,10 @@ def test_quantized_layer_on_cuda_computes_what_the_cpu_does(quant: str, compute:
     torch.testing.assert_close(out_cuda, out_cpu, **TOLERANCE[compute])
     torch.testing.assert_close(grad_cuda, grad_cpu, **TOLERANCE[compute])
     assert out_cpu.abs().mean() > 0.1 and grad_cpu.abs().mean() > 0.1  # figures worth comparing
+
+
+@pytest.mark.parametrize("quant", ["bnb", "hqq"])
+def test_digests_are_the_same_on_cuda(quant: str) -> None:
+    """The manifest's layer digests hash bytes: a layer moved to CUDA digests as it does on the CPU."""
+    cpu, cuda = pair(quant, torch.float32)
+    assert layer_digests(cuda) == layer_digests(cpu)

@@ -8,13 +8,14 @@ import json
 import multiprocessing as mp
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
 
-from qlora_fsdp.data.cache import CacheSpec, cache_key, open_cache
+from qlora_fsdp.data.cache import PREFERENCE, CacheSpec, cache_key, open_cache, tokenize_in_memory
 from qlora_fsdp.data.formats import load_examples
 from qlora_fsdp.data.rows import fit_examples
 from qlora_fsdp.errors import UserError
@@ -41,7 +42,7 @@ def _copy(tmp_path: Path, rows: int = 0) -> Path:
     return path
 
 
-@pytest.mark.parametrize("num_proc", [1, 2])
+@pytest.mark.parametrize("num_proc", [1, pytest.param(2, marks=pytest.mark.distributed)])
 def test_cached_samples_are_the_in_memory_ones(tmp_path: Path, tokenizer, num_proc: int) -> None:
     """Through datasets.map, in one process or two, the rows are exactly fit_examples' samples, in order, with the
     same counts (context 64 truncates some alpaca rows and drops a few whose prompt fills it)."""
@@ -54,6 +55,27 @@ def test_cached_samples_are_the_in_memory_ones(tmp_path: Path, tokenizer, num_pr
     assert served == expected
     assert cache.stats() == stats
     assert cache.summary["processes"] == num_proc
+
+
+@pytest.mark.parametrize(
+    ("dataset", "changes"),
+    [("alpaca_tiny.jsonl", {}), ("preference_tiny.jsonl", {"objective": PREFERENCE, "max_prompt_length": 24})],
+    ids=["sft", "pairs"],
+)
+def test_rows_tokenized_in_memory_are_the_cached_rows(tmp_path: Path, tokenizer, monkeypatch, dataset: str,
+                                                       changes: dict) -> None:  # fmt: skip
+    """--dataset_in_memory: the same samples, counts and statistics as the Arrow cache, and `datasets` never
+    imported (the GPU machine has none)."""
+    spec = _spec(REPO_ROOT / "data" / dataset, **changes)
+    cached, _ = open_cache(spec, tokenizer, cache_dir=tmp_path)
+    monkeypatch.setitem(sys.modules, "datasets", None)  # an import of it now raises ImportError
+    held = tokenize_in_memory(spec, tokenizer, batch_size=7)  # batches that do not divide the rows
+    assert held.path is None and len(held.samples) == len(cached.samples) > 0
+    assert [held.samples[i] for i in range(len(held.samples))] == [cached.samples[i] for i in range(len(held.samples))]
+    for name, values in cached.counts.items():
+        assert held.counts[name].tolist() == values.tolist(), name
+    assert held.stats() == cached.stats() and held.examples == cached.examples
+    assert "tokenized in memory" in held.describe(True)
 
 
 def test_a_second_open_reuses_the_cache(tmp_path: Path, tokenizer) -> None:
@@ -138,6 +160,7 @@ def _open_in_process(model: str, spec: CacheSpec, cache_dir: str, start, out) ->
     out.put((built, str(cache.path), cache.summary["samples"]))
 
 
+@pytest.mark.distributed
 def test_two_builders_at_once_share_one_build(tmp_path: Path, tiny_model: Path) -> None:
     """Two processes (two jobs, or two nodes on one disk) released together: one builds, the other waits on the
     lock and reuses it; one cache directory, nothing half-written left."""
@@ -166,6 +189,7 @@ def _build_forever(model: str, spec: CacheSpec, cache_dir: str) -> None:
     open_cache(spec, tok, cache_dir=cache_dir)
 
 
+@pytest.mark.distributed
 def test_a_killed_build_leaves_no_cache_and_the_next_builds_a_whole_one(tmp_path: Path, tiny_model: Path) -> None:
     big = tmp_path / "big.jsonl"
     big.write_text(ALPACA.read_text() * 40)

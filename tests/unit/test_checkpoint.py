@@ -120,14 +120,13 @@ def _settings(model: Path, **flags: object) -> dict[str, object]:
 def test_a_resume_that_changes_the_base_adapters_or_shards_is_refused_naming_the_flag(
     tiny_model: Path, tmp_path: Path, flag: str, value: object
 ) -> None:
-    from qlora_fsdp.trainer import MAY_CHANGE_ON_RESUME, RESHARDED_ON_RESUME
+    from qlora_fsdp.resume_rules import MAY_CHANGE, RESHARDED
 
     ckpt = make_checkpoint(tmp_path, 3, **_settings(tiny_model))
     with pytest.raises(UserError, match=rf"--{flag} \S+ -> "):
         check_resume_compatible(
-            ckpt, _settings(tiny_model, **{flag: value}), world_size=2, may_change=MAY_CHANGE_ON_RESUME,
-            resharded=RESHARDED_ON_RESUME,
-        )  # fmt: skip
+            ckpt, _settings(tiny_model, **{flag: value}), world_size=2, may_change=MAY_CHANGE, resharded=RESHARDED
+        )
 
 
 @pytest.mark.parametrize(
@@ -138,9 +137,9 @@ def test_a_resume_that_changes_the_base_adapters_or_shards_is_refused_naming_the
 def test_layout_flags_reshard_a_format_2_checkpoint_but_not_a_format_1_one(
     tiny_model: Path, tmp_path: Path, flag: str, value: object
 ) -> None:
-    from qlora_fsdp.trainer import MAY_CHANGE_ON_RESUME, RESHARDED_ON_RESUME
+    from qlora_fsdp.resume_rules import MAY_CHANGE, RESHARDED
 
-    rules = {"world_size": 2, "may_change": MAY_CHANGE_ON_RESUME, "resharded": RESHARDED_ON_RESUME}
+    rules = {"world_size": 2, "may_change": MAY_CHANGE, "resharded": RESHARDED}
     new = _settings(tiny_model, **{flag: value})
     changes = check_resume_compatible(make_checkpoint(tmp_path / "2", 3, **_settings(tiny_model)), new, **rules)
     assert changes and changes[0].startswith(f"--{flag} ")
@@ -169,14 +168,16 @@ def test_a_resume_on_another_base_model_is_refused(tiny_model: Path, tmp_path: P
         check_resume_compatible(ckpt, {"model": model_identity(other)}, world_size=2)
 
 
-@pytest.mark.parametrize(("flag", "value"), [("lr", 0.001), ("max_steps", 99), ("lr_scheduler", "cosine"), ("wd", 0.1)])
-def test_schedule_flags_may_change_on_resume(tiny_model: Path, tmp_path: Path, flag: str, value: object) -> None:
-    from qlora_fsdp.trainer import MAY_CHANGE_ON_RESUME
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [("lr", 0.001), ("max_steps", 99), ("lr_scheduler", "cosine"), ("wd", 0.1), ("loss_chunk_tokens", 0),
+     ("pad_to_context", True), ("save_steps", 5)],
+)  # fmt: skip
+def test_schedule_and_speed_flags_may_change(tiny_model: Path, tmp_path: Path, flag: str, value: object) -> None:
+    from qlora_fsdp.resume_rules import MAY_CHANGE
 
     ckpt = make_checkpoint(tmp_path, 3, **_settings(tiny_model))
-    changes = check_resume_compatible(
-        ckpt, _settings(tiny_model, **{flag: value}), world_size=2, may_change=MAY_CHANGE_ON_RESUME
-    )
+    changes = check_resume_compatible(ckpt, _settings(tiny_model, **{flag: value}), world_size=2, may_change=MAY_CHANGE)
     assert len(changes) == 1 and changes[0].startswith(f"--{flag} ")
 
 
@@ -198,7 +199,8 @@ def test_hybrid_sharding_records_the_shard_group_it_really_used(tiny_model: Path
 
     from qlora_fsdp.config import build_config
     from qlora_fsdp.distributed import DistEnv
-    from qlora_fsdp.trainer import MAY_CHANGE_ON_RESUME, _settings
+    from qlora_fsdp.resume_rules import MAY_CHANGE
+    from qlora_fsdp.trainer import _settings
 
     cfg = build_config({"model": str(tiny_model), "sharding_strategy": "hybrid_shard"}).validate()
     two_nodes = _settings(cfg, tiny_model, DistEnv(0, 0, 8, 4, torch.device("cpu"), "gloo"))
@@ -206,4 +208,4 @@ def test_hybrid_sharding_records_the_shard_group_it_really_used(tiny_model: Path
     assert (two_nodes["shard_group_size"], one_node["shard_group_size"]) == (4, 8)
     ckpt = make_checkpoint(tmp_path, 3, legacy=True, **two_nodes)
     with pytest.raises(UserError, match="--shard_group_size 4 -> 8"):
-        check_resume_compatible(ckpt, one_node, world_size=2, may_change=MAY_CHANGE_ON_RESUME)
+        check_resume_compatible(ckpt, one_node, world_size=2, may_change=MAY_CHANGE)

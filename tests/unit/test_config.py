@@ -411,6 +411,7 @@ def test_prompt_styles_match_data_module() -> None:
     assert tuple(config_module.PROMPT_STYLES) == tuple(qlora_fsdp.data.formats.PROMPT_STYLES)
 
 
+@pytest.mark.distributed
 def test_train_py_help_lists_every_flag() -> None:
     result = subprocess.run(
         [sys.executable, "train.py", "--help"],

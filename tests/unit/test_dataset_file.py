@@ -63,6 +63,7 @@ def test_rows_are_correct_for_checkable_tasks(rows: list[dict]) -> None:
     assert checked >= 30
 
 
+@pytest.mark.distributed
 def test_regenerating_reproduces_file_byte_for_byte(tmp_path: Path) -> None:
     out = tmp_path / "regen.jsonl"
     subprocess.run(
@@ -83,6 +84,7 @@ def test_regenerating_reproduces_file_byte_for_byte(tmp_path: Path) -> None:
     assert out.read_bytes() == DATA.read_bytes()
 
 
+@pytest.mark.distributed
 def test_regenerating_the_preference_pairs_reproduces_their_file(tmp_path: Path) -> None:
     out = tmp_path / "pairs.jsonl"
     script = str(REPO_ROOT / "scripts" / "make_dataset.py")

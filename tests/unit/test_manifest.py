@@ -44,13 +44,6 @@ def test_digests_follow_the_bytes_not_the_storage_layout(quant: str) -> None:
     assert layer_digests(as_bytes)["packed"] != digests["packed"]
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_digests_are_the_same_on_cuda() -> None:
-    layer = _layer("hqq", torch.uint8, torch.randn(64, 64))
-    assert layer_digests(layer.to("cuda")) == layer_digests(layer.to("cpu"))
-
-
 def test_the_manifest_records_flags_environment_and_every_quantized_layer(tiny_model: Path, tmp_path: Path) -> None:
     trained = Trained(tiny_model, tmp_path, quant="hqq", manifest=True)
     manifest = read_manifest(trained.adapter)

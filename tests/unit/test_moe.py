@@ -257,6 +257,7 @@ def test_unsupported_layout_is_refused_in_one_line() -> None:
     assert "_TransposedExperts (block.experts)" in message and "supported:" in message and "\n" not in message
 
 
+@pytest.mark.distributed
 def test_cli_refuses_an_unsupported_moe_before_reading_weights(tiny_model: Path, tmp_path: Path) -> None:
     """GPT-OSS keeps its experts transposed with biases: train.py names the class and exits 2 without reading a
     weight (the checkpoint's tensor data is garbage past its header, which any read would trip over)."""

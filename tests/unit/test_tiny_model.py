@@ -146,6 +146,7 @@ def test_tied_embeddings_omit_lm_head(tmp_path: Path) -> None:
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
 
 
+@pytest.mark.distributed
 def test_bad_size_exits_nonzero_with_one_line_error(tmp_path: Path) -> None:
     out = tmp_path / "bad"
     script = REPO_ROOT / "scripts" / "make_tiny_model.py"

@@ -1,0 +1,141 @@
+"""The MoE families outside the parametrized suites (tests/moe_models.py MORE_FAMILIES), in process: PhiMoE's
+router (an nn.Linear subclass whose forward returns a tuple) stays full precision and unadapted, DeepSeek-V2's
+latent attention runs with a padding mask, and each family's adapter config builds the same keys in PEFT on
+transformers' own model."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from qlora_fsdp.attention import fix_latent_attention
+from qlora_fsdp.config import LoraConfig, ModelConfig, QuantConfig
+from qlora_fsdp.errors import UserError
+from qlora_fsdp.lora import adapter_keys, inject_lora, lora_layers, peft_lora_layers
+from qlora_fsdp.model import build_skeleton, stream_weights
+from qlora_fsdp.quant import make_backend
+from qlora_fsdp.quant.base import QuantizedLinear
+from qlora_fsdp.quant.experts import ExpertAdapter, QuantizedExperts, router_gates
+from tests.moe_models import MORE_FAMILIES, build_moe_model, moe_config
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("more-moe")
+    return {f: build_moe_model(f, root / f, tokenizer_from=tiny_model, seed=i) for i, f in enumerate(MORE_FAMILIES)}
+
+
+def skeleton_of(path: Path, *, quant: str = "bnb"):
+    backend = make_backend(QuantConfig(quant=quant), storage_dtype=torch.uint8, compute_dtype=torch.float32)
+    return build_skeleton(ModelConfig(model=str(path)), backend=backend, param_dtype=torch.float32), backend
+
+
+def test_phimoe_router_is_neither_quantized_nor_adapted(families: dict[str, Path]) -> None:
+    """`all` adapts attention and the routed experts, not the router; the router keeps transformers' class and
+    full-precision weight; a training forward and backward run and reach every adapter (the issue: PEFT's LoRA on
+    the router got its tuple and failed at step 1)."""
+    skeleton, backend = skeleton_of(families["phimoe"])
+    model = skeleton.model
+    routers = sorted(router_gates(model))
+    assert routers == [f"model.layers.{i}.mlp.router" for i in range(2)]
+    for name in routers:
+        router = model.get_submodule(name)
+        assert isinstance(router, nn.Linear) and not isinstance(router, QuantizedLinear), type(router)
+        assert name not in skeleton.quantized
+    assert all(isinstance(m, QuantizedLinear) for m in model.get_submodule("model.layers.0.mlp.experts").gate_up)
+
+    peft_model = inject_lora(model, LoraConfig(lora_rank=4, lora_alpha=8, lora_dropout=0.0), dtype=torch.float32)
+    lora = {id(m) for m in peft_lora_layers(peft_model)}
+    wrapped = {n.replace("base_model.model.", "", 1) for n, m in peft_model.named_modules() if id(m) in lora}
+    assert wrapped == {f"model.layers.{i}.self_attn.{p}_proj" for i in range(2) for p in "qkvo"}
+    assert len([m for m in peft_model.modules() if isinstance(m, ExpertAdapter)]) == 2 * 2
+    assert sorted(peft_model.peft_config["default"].target_modules) == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    for name in routers:  # the model's own router, unwrapped, frozen
+        router = peft_model.base_model.model.get_submodule(name)
+        assert type(router).__name__ == "PhimoeTopKRouter" and not router.weight.requires_grad
+
+    stream_weights(skeleton, backend=backend, device=CPU)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for layer in lora_layers(peft_model):
+            for param in layer.parameters():
+                if param.requires_grad:
+                    param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=generator)
+    loss = peft_model.train()(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids).loss
+    loss.backward()
+    trainable = [p for p in peft_model.parameters() if p.requires_grad]
+    assert trainable and all(p.grad is not None and p.grad.abs().sum() > 0 for p in trainable)
+
+
+def test_a_listed_router_is_refused(families: dict[str, Path]) -> None:
+    skeleton, _ = skeleton_of(families["phimoe"])
+    with pytest.raises(UserError, match=r"router is a router \(model.layers.0.mlp.router, PhimoeTopKRouter\)"):
+        inject_lora(skeleton.model, LoraConfig(lora_target_modules="q_proj,router"), dtype=torch.float32)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_latent_attention_with_padding_computes_what_unmasked_rows_do(attention: str) -> None:
+    """transformers' DeepSeek-V2 with fewer KV heads than query heads in its config repeats its already per-head
+    latent keys on every masked (or eager) path; corrected, a padded batch's rows give the logits each row gives
+    alone without a mask (the path transformers itself runs)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = moe_config("deepseek_v2", vocab_size=64)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attention).eval()
+    attentions = [m for m in model.modules() if type(m).__name__ == "DeepseekV2Attention"]
+    assert [m.num_key_value_groups for m in attentions] == [2, 2]  # the config's 4 query / 2 KV heads
+    assert len(fix_latent_attention(model)) == 2 and {m.num_key_value_groups for m in attentions} == {1}
+    ids = torch.randint(3, 64, (2, 12))
+    mask = torch.ones_like(ids)
+    mask[1, 8:] = 0
+    with torch.no_grad():
+        batch = model(input_ids=ids, attention_mask=mask).logits
+        first = model(input_ids=ids[:1]).logits
+        second = model(input_ids=ids[1:, :8]).logits
+    torch.testing.assert_close(batch[:1], first, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(batch[1:, :8], second, rtol=1e-5, atol=1e-5)
+    assert fix_latent_attention(model) == []  # nothing left to correct; a dense model has nothing either
+
+
+def test_names_peft_reads_as_experts_are_not_adapted(
+    families: dict[str, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    """DeepSeek-V2's dense MLP and shared experts (gate_proj, up_proj, down_proj) are names PEFT converts to the
+    routed experts' parameters on transformers 5: `all` leaves them out and says so; listing one is refused."""
+    skeleton, _ = skeleton_of(families["deepseek_v2"])
+    with caplog.at_level(logging.WARNING, logger="qlora_fsdp.lora"):
+        peft_model = inject_lora(skeleton.model, LoraConfig(lora_rank=4, lora_alpha=8), dtype=torch.float32)
+    assert "PEFT reads down_proj, gate_proj, up_proj" in caplog.text
+    config = peft_model.peft_config["default"]
+    assert sorted(config.target_modules) == ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "q_proj"]
+    assert not config.rank_pattern and not config.alpha_pattern  # PEFT's doubled rank would not fit the experts'
+    skeleton, _ = skeleton_of(families["deepseek_v2"])
+    with pytest.raises(UserError, match="PEFT reads down_proj as the routed experts' names"):
+        inject_lora(skeleton.model, LoraConfig(lora_target_modules="q_proj,down_proj,experts"), dtype=torch.float32)
+
+
+@pytest.mark.parametrize("family", MORE_FAMILIES)
+def test_adapter_config_builds_the_same_keys_in_peft(families: dict[str, Path], family: str) -> None:
+    """PEFT, given the adapter config training records, adapts transformers' own model under exactly the keys
+    training saves (routers, and names PEFT would move, left out on both sides)."""
+    from peft import get_peft_model, get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    skeleton, _ = skeleton_of(families[family])
+    peft_model = inject_lora(
+        skeleton.model, LoraConfig(lora_rank=4, lora_alpha=8, lora_dropout=0.0), dtype=torch.float32
+    )
+    saved = {key for names in adapter_keys(peft_model).values() for key in names.values()}
+    assert any(".experts." in key for key in saved)
+    assert not [m for m in skeleton.model.modules() if isinstance(m, QuantizedExperts) and m.gate_up_adapter is None]
+    reference = AutoModelForCausalLM.from_pretrained(families[family], dtype=torch.float32)
+    theirs = get_peft_model(reference, peft_model.peft_config["default"])
+    assert set(get_peft_model_state_dict(theirs)) == saved
