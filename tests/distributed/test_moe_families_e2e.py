@@ -18,16 +18,12 @@ from qlora_fsdp.data.rows import fit_examples
 from qlora_fsdp.metrics import read_metrics
 from qlora_fsdp.model import load_tokenizer
 from tests.conftest import train
+from tests.distributed.test_moe_e2e import ROWS  # two rows that 2 ranks x batch 1 take whole every step
 from tests.moe_models import build_moe_model
 
 pytestmark = pytest.mark.distributed
 
 STEPS, CONTEXT = 6, 96
-ROWS = [
-    {"instruction": "Write a sentence about the animal and the color.", "input": "ant, white",
-     "output": "The ant is white."},
-    {"instruction": "Repeat the word 5 times.", "input": "bat", "output": "bat bat bat bat bat"},
-]  # fmt: skip
 COMMON = [
     "--precision", "fp32", "--context_length", str(CONTEXT), "--lr", "0.01", "--lora_rank", "8", "--lora_alpha", "16",
     "--lora_dropout", "0", "--lora_target_modules", "all", "--lr_scheduler", "constant", "--device", "cpu",
