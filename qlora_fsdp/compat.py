@@ -242,6 +242,27 @@ def default_experts_gating(module: nn.Module) -> bool:
     return getattr(type(module), "_apply_gate", None) is _default_apply_gate
 
 
+# ----------------------------------------------------------------------------------------------------------- PEFT
+
+
+def peft_rewrites_target(name: str, model: nn.Module) -> bool:
+    """Whether PEFT, before adapting `model`, rewrites (or refuses) the LoRA target `name`: on transformers 5 it reads
+    the pre-5 names of routed experts' linears as the fused experts. Asked of PEFT's own config conversion,
+    `peft.utils.transformers_weight_conversion.convert_peft_config_for_transformers` (internal; peft 0.21.2), on a
+    one-target config; a PEFT without it rewrites nothing."""
+    try:
+        from peft import LoraConfig
+        from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+    except ImportError:
+        return False
+    probe = LoraConfig(r=8, target_modules=[name], task_type="CAUSAL_LM")
+    try:
+        convert_peft_config_for_transformers(probe, model=model, conversions=None)
+    except ValueError:  # a fused pair named in part: PEFT would refuse it
+        return True
+    return name not in set(probe.target_modules or ())
+
+
 def quiet_peft_checkpointing_warning() -> None:
     """Silence the FutureWarning transformers 5.24.0 raises on every read of `is_gradient_checkpointing` (renamed
     `is_activation_checkpointing`; 5.17.0 has no warning), which PEFT 0.21.2 reads while wrapping a model: nothing a

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from qlora_fsdp.compat import peft_rewrites_target
 from qlora_fsdp.config import LoraConfig
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.quant.experts import FUSED, ExpertAdapter, QuantizedExperts, is_projection, router_gates
@@ -127,21 +128,7 @@ def peft_renamed(spec: str, names: list[str], model: nn.Module) -> set[str]:
     names (DeepSeek-V2's) then gets no adapter in training, and its saved adapter would not load in PEFT. Asked
     of PEFT's own conversion, one name at a time, so this follows whatever PEFT version runs.
     """
-    try:
-        from peft import LoraConfig as PeftLoraConfig
-        from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
-    except ImportError:  # a PEFT without the conversion rewrites nothing
-        return set()
-    renamed = set()
-    for name in names:
-        probe = PeftLoraConfig(r=8, target_modules=[name], task_type="CAUSAL_LM")
-        try:
-            convert_peft_config_for_transformers(probe, model=model, conversions=None)
-        except ValueError:  # a fused pair named in part: PEFT would refuse it
-            renamed.add(name)
-            continue
-        if name not in set(probe.target_modules or ()):
-            renamed.add(name)
+    renamed = {name for name in names if peft_rewrites_target(name, model)}
     if not renamed:
         return renamed
     model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)

@@ -298,13 +298,14 @@ def _stats(counts: dict[str, np.ndarray], examples: int, keep: np.ndarray | None
 # ---------------------------------------------------------------------------------------------------------------
 
 
-class ArrowSamples(Sequence):
-    """The cache's (input_ids, labels) by row index, read from the memory-mapped Arrow files as they are asked for;
-    a pair's ((chosen ids, labels), (rejected ids, labels)) with `pairs`."""
+class Samples(Sequence):
+    """The cache's (input_ids, labels) by row index, a pair's ((chosen ids, labels), (rejected ids, labels)) with
+    `pairs`. `rows[i]` is a row's dict: read from the memory-mapped Arrow files as it is asked for (`arrow_samples`),
+    or held in memory (tokenize_in_memory)."""
 
-    def __init__(self, rows: Any, *, pairs: bool = False) -> None:
+    def __init__(self, rows: Sequence[dict[str, Any]], *, pairs: bool = False) -> None:
         self.pairs = pairs
-        self._rows = rows.select_columns(list(_ROW_COLUMNS[: 4 if pairs else 2]))
+        self._rows = rows
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -315,20 +316,13 @@ class ArrowSamples(Sequence):
         return (sample, (row["rejected_input_ids"], row["rejected_labels"])) if self.pairs else sample
 
 
-class MemorySamples(Sequence):
-    """ArrowSamples' rows held in lists: what tokenize_in_memory made."""
+def _sample_columns(pairs: bool) -> list[str]:
+    return list(_ROW_COLUMNS[: 4 if pairs else 2])
 
-    def __init__(self, columns: dict[str, list[Any]], *, pairs: bool) -> None:
-        self.pairs = pairs
-        self._columns = columns
 
-    def __len__(self) -> int:
-        return len(self._columns["input_ids"])
-
-    def __getitem__(self, index: int) -> Any:
-        c = self._columns
-        sample = c["input_ids"][index], c["labels"][index]
-        return (sample, (c["rejected_input_ids"][index], c["rejected_labels"][index])) if self.pairs else sample
+def arrow_samples(rows: Any, *, pairs: bool) -> Samples:
+    """The samples of a datasets.Dataset of cache rows, read only when asked for."""
+    return Samples(rows.select_columns(_sample_columns(pairs)), pairs=pairs)
 
 
 @dataclass
@@ -338,7 +332,7 @@ class TokenizedCache:
 
     path: Path | None
     """None: held in memory, nothing on disk."""
-    samples: ArrowSamples | MemorySamples
+    samples: Samples
     counts: dict[str, np.ndarray]
     """Per row: length, label_tokens, source_row, cut."""
     summary: dict[str, Any]
@@ -379,7 +373,7 @@ def _load(path: Path) -> TokenizedCache:
 
     rows = datasets.load_from_disk(str(path / "rows"))
     summary = json.loads((path / "summary.json").read_text())
-    return TokenizedCache(path, ArrowSamples(rows, pairs=summary.get("pairs", False)), _counts(rows), summary)
+    return TokenizedCache(path, arrow_samples(rows, pairs=summary.get("pairs", False)), _counts(rows), summary)
 
 
 def tokenize_in_memory(spec: CacheSpec, tokenizer: Any, *, batch_size: int = 256) -> TokenizedCache:
@@ -404,7 +398,9 @@ def tokenize_in_memory(spec: CacheSpec, tokenizer: Any, *, batch_size: int = 256
         **asdict(_stats(counts, examples)),
         "build_s": round(time.perf_counter() - started, 2),
     }
-    return TokenizedCache(None, MemorySamples(columns, pairs=spec.pairs), counts, summary)
+    kept = _sample_columns(spec.pairs)
+    rows = [dict(zip(kept, values, strict=True)) for values in zip(*(columns[k] for k in kept), strict=True)]
+    return TokenizedCache(None, Samples(rows, pairs=spec.pairs), counts, summary)
 
 
 def _stale(build: Path, *, max_age_s: float = 24 * 3600) -> bool:

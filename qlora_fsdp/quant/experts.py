@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from qlora_fsdp.compat import default_experts_gating, experts_flags
+from qlora_fsdp.compat import EXPERTS_FLAG_DEFAULTS, default_experts_gating, experts_flags
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.quant.base import QuantizedLinear
 
@@ -58,12 +58,9 @@ def layout_problem(module: nn.Module) -> str | None:
     shapes = {n: tuple(p.shape) for n, p in module.named_parameters(recurse=False)}
     if set(shapes) != set(FUSED):
         return f"parameters {sorted(shapes)}"
-    split = {
-        "is_concatenated": True, "is_transposed": False, "has_bias": False, "has_gate": True,
-        "has_post_expert_norm": False,
-    }  # fmt: skip
+    # transformers' default layout (concatenated gate and up, not transposed, no bias, no norm) is the one split here.
     flags = experts_flags(module)  # a flag this transformers does not set has its default meaning
-    wrong = [f"{k}={flags[k]}" for k, v in split.items() if flags[k] is not v]
+    wrong = [f"{k}={v}" for k, v in flags.items() if v is not EXPERTS_FLAG_DEFAULTS[k]]
     if wrong:
         return ", ".join(wrong)
     if not default_experts_gating(module) or not hasattr(module, "act_fn"):
