@@ -1,23 +1,39 @@
-"""Bad input through the real CLI: non-zero exit, one `error:` line naming the flag, no traceback, no output."""
+"""Bad input to train.py: non-zero exit, one `error:` line naming the flag, no traceback, no output. The command
+line runs in this process (fire over `qlora_fsdp.cli.main`, exactly as train.py calls it), so the tests pay the
+imports once; the tests marked distributed launch the real interpreter where only a launch can show the point."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import os
 from pathlib import Path
+from unittest import mock
 
+import fire
 import pytest
 
+from qlora_fsdp.cli import main
 from tests.conftest import DATASET, launch
 
-pytestmark = pytest.mark.distributed  # every test here runs the CLI or a script in a process
-
 REPO_ROOT = Path(__file__).resolve().parents[2]
+LAUNCHER_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
 
 def run_cli(args: list[str]) -> tuple[int, list[str], str]:
-    result = launch(REPO_ROOT / "train.py", args, nproc=0, timeout=120)
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    return result.returncode, errors, result.stdout + result.stderr
+    """`python train.py ARGS` in this process: its exit status, its `error:` lines and all it printed. No launcher
+    variables: the run is one process, as `python train.py` is. An exception that escapes fails the test."""
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    with mock.patch.dict(os.environ, env, clear=True), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            fire.Fire(main, command=args, name="train.py")
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+    errors = [line for line in err.getvalue().splitlines() if line.startswith("error:")]
+    return code, errors, out.getvalue() + err.getvalue()
 
 
 def assert_one_line_error(code: int, errors: list[str], output: str, *needles: str) -> str:
@@ -65,10 +81,21 @@ def test_dataset_row_missing_output(tiny_model: Path, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("flag", ["--help", "-h"])
 def test_help_lists_options(flag: str) -> None:
-    result = launch(REPO_ROOT / "train.py", [flag], nproc=0, timeout=60)
-    assert result.returncode == 0
+    code, _, output = run_cli([flag])
+    assert code == 0
     for name in ("--model", "--quant", "--hqq_bits", "--lora_rank", "--sharding_strategy", "--log_to"):
-        assert name in result.stdout
+        assert name in output
+
+
+@pytest.mark.distributed
+def test_a_real_launch_prints_help_and_one_error_line(tiny_model: Path) -> None:
+    """What the in-process tests cannot show: train.py itself wires fire to the same main, and exits 2."""
+    result = launch(REPO_ROOT / "train.py", ["--help"], nproc=0, timeout=60)
+    assert result.returncode == 0 and "--sharding_strategy" in result.stdout
+    result = launch(REPO_ROOT / "train.py", ["--model", str(tiny_model), "--quant", "gptq"], nproc=0, timeout=60)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert_one_line_error(result.returncode, errors, result.stdout + result.stderr, "--quant", "gptq")
+    assert result.returncode == 2
 
 
 def _quick_args(model: Path, out: Path) -> list[str]:
@@ -128,10 +155,15 @@ def test_pickle_checkpoint_refused_unless_allowed(tiny_model: Path, tmp_path: Pa
     assert (out / "adapter_model.safetensors").exists()
 
 
+@pytest.mark.distributed
 def test_hub_id_offline_names_the_problem(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Launched: huggingface_hub reads HF_HUB_OFFLINE when it is imported."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
-    code, errors, output = run_cli(["--model", "some-org/some-model", "--output_dir", str(tmp_path / "out")])
+    args = ["--model", "some-org/some-model", "--output_dir", str(tmp_path / "out")]
+    result = launch(REPO_ROOT / "train.py", args, nproc=0, timeout=120)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    code, output = result.returncode, result.stdout + result.stderr
     assert_one_line_error(code, errors, output, "--model some-org/some-model", "hub", "local directory")
 
 

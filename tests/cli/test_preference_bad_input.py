@@ -1,17 +1,18 @@
-"""Bad preference input through the real CLI: exit status 2 and one `error:` line, before the model loads (its
-directory has a tokenizer but no weights, so an error about the data or flags proves it came first)."""
+"""Bad preference input through train.py's command line (in this process, see test_bad_input.run_cli): exit status 2
+and one `error:` line, before the model loads (its directory has a tokenizer but no weights, so an error about the
+data or flags proves it came first)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import fire
 import pytest
 
+from qlora_fsdp.cli import preprocess
 from tests.cli.test_bad_input import assert_one_line_error, run_cli
 from tests.conftest import DATASET, REPO_ROOT
-
-pytestmark = pytest.mark.distributed  # every test here runs the CLI or a script in a process
 
 PAIRS = REPO_ROOT / "data" / "preference_tiny.jsonl"
 
@@ -81,12 +82,11 @@ def test_flags_that_do_not_apply_are_refused(no_weights: Path, tmp_path: Path, f
     assert_one_line_error(code, errors, output, *needles)
 
 
-def test_preprocess_builds_the_pairs_cache(no_weights: Path, tmp_path: Path) -> None:
-    """scripts/preprocess.py with --objective dpo builds the preference cache training then reuses."""
-    from tests.conftest import launch
-
+def test_preprocess_builds_the_pairs_cache(no_weights: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """scripts/preprocess.py's command (fire over cli.preprocess) with --objective dpo builds the preference cache
+    training then reuses."""
     args = ["--model", str(no_weights), "--dataset", str(PAIRS), "--objective", "dpo", "--dataset_cache_dir",
             str(tmp_path / "cache")]  # fmt: skip
-    result = launch(REPO_ROOT / "scripts" / "preprocess.py", args, nproc=0, timeout=120)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "400 examples" in result.stdout and "built in" in result.stdout
+    fire.Fire(preprocess, command=args, name="preprocess.py")
+    out = capsys.readouterr().out
+    assert "400 examples" in out and "built in" in out
