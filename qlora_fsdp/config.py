@@ -120,6 +120,10 @@ class FSDPConfig:
     """Use the reentrant checkpoint implementation (some older stacks need it)."""
     activation_offload: bool = False
     """Keep activations saved for backward in host memory (GPU memory for PCIe traffic)."""
+    tiled_mlp: str = "0"
+    """Run each decoder layer's MLP (a mixture-of-experts block's experts) over N tiles of its tokens, recomputed
+    tile by tile in backward: a layer's peak holds one tile's intermediate activations (0: off; auto: one tile
+    per hidden-size tokens)."""
     compile: bool = False
     """torch.compile each decoder layer (with --fsdp_version 2) after the first step: fused kernels for the
     dequantization, LoRA and attention glue. The second step pays the compilation."""
@@ -479,6 +483,10 @@ def check_ranges(cfg: TrainConfig) -> list[str]:
         (cfg.fsdp.loss_chunk_tokens < 0, "--loss_chunk_tokens must be >= 0 (0: whole logits)"),
         (cfg.fsdp.shard_group_size < 0, "--shard_group_size must be >= 0 (0: ranks per node)"),
         (not _is_step_window(cfg.output.profile_steps), "--profile_steps must be FIRST,LAST with 1 <= FIRST <= LAST"),
+        (
+            not (cfg.fsdp.tiled_mlp == "auto" or cfg.fsdp.tiled_mlp.isdigit()),
+            f"--tiled_mlp must be a number of tiles (0: off) or auto, got {cfg.fsdp.tiled_mlp!r}",
+        ),
         (not cfg.output.output_dir, "--output_dir must not be empty"),
         (cfg.data.max_prompt_length < 0, "--max_prompt_length must be >= 0 (0: no limit of its own)"),
         (cfg.objective.beta is not None and not cfg.objective.beta > 0, "--beta must be > 0"),

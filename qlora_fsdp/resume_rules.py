@@ -45,6 +45,7 @@ MAY_CHANGE: tuple[str, ...] = (
     "compile",  # pads to the context like --pad_to_context, and fuses kernels
     "gradient_checkpointing", "reentrant_checkpointing",  # state dict names are free of checkpoint wrappers
     "activation_offload", "cpu_offload",  # where tensors wait, not what they hold
+    "tiled_mlp",  # the same MLP over tiles of tokens: only peak memory changes
     "packed_layout",  # the frozen quantized base is rebuilt from the model, never loaded from the checkpoint
     "precompute_reference",  # the same reference log-probs, computed once instead of in every step
     # Evaluation and what the run writes: the training itself is untouched.

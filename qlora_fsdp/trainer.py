@@ -72,6 +72,7 @@ from qlora_fsdp.resume_rules import (
     unrecorded,
     unrecorded_message,
 )
+from qlora_fsdp.tiled_mlp import tile_mlps
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -397,6 +398,10 @@ def _build_model(cfg: TrainConfig, env: DistEnv, model_path: Path, precision: Pr
     if cfg.fsdp.gradient_checkpointing and cfg.fsdp.reentrant_checkpointing:
         # Reentrant checkpoints only backpropagate into a segment whose inputs require grad.
         unwrapped.enable_input_require_grads()
+    if cfg.fsdp.tiled_mlp != "0":
+        tiled = tile_mlps(skeleton.units, cfg.fsdp.tiled_mlp)
+        if env.is_main:
+            log.info("--tiled_mlp %s: %d modules run over tiles of tokens", cfg.fsdp.tiled_mlp, len(tiled))
     in_layers = {id(m) for layer in skeleton.units.values() for m in lora_layers(layer)}
     trainable = sum(p.numel() for p in unwrapped.parameters() if p.requires_grad)
 

@@ -58,6 +58,7 @@ def two_rank_scenarios(model: str, pro_model: str, tied_model: str, odd_model: s
     s["ckpt-nonreentrant"] = {"gradient_checkpointing": True, "reentrant_checkpointing": False}
     s["ckpt-reentrant"] = {"gradient_checkpointing": True, "reentrant_checkpointing": True}
     s["activation-offload"] = {"activation_offload": True, "gradient_checkpointing": False}
+    s["tiled-mlp"] = {"tiled_mlp": "3"}  # inside the layers' checkpoints: tiles recomputed within a recompute
     s["accum-2x1"] = {"gradient_accumulation_steps": 2, "dataset_samples": 4}
     s["accum-1x2"] = {"batch_size": 2, "dataset_samples": 4}
     # Each optimizer saves its state at step 5, so the test can see which optimizer really ran.

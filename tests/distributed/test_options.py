@@ -216,6 +216,14 @@ def test_memory_savers_save_fewer_activations_and_keep_the_losses(two: dict) -> 
     assert two["activation-offload"]["saved_bytes_per_step"] < 0.1 * off["saved_bytes_per_step"]
 
 
+def test_tiled_mlp_trains_as_the_untiled_mlp(two: dict) -> None:
+    """--tiled_mlp 3 against the same flags untiled: every step's loss and gradient norm within 1e-6."""
+    tiled, plain = two["tiled-mlp"], two["precision-fp32-bnb"]
+    assert len(tiled["losses"]) == len(plain["losses"]) == 5
+    assert tiled["losses"] == pytest.approx(plain["losses"], rel=1e-6)
+    assert tiled["grad_norms"] == pytest.approx(plain["grad_norms"], rel=1e-6)
+
+
 def test_accumulation_matches_larger_batch(two: dict) -> None:
     for key in ("losses", "grad_norms"):
         assert two["accum-2x1"][key] == pytest.approx(two["accum-1x2"][key], rel=1e-3)

@@ -38,6 +38,7 @@ from tests.distributed.test_options import (  # noqa: F401 - collected here agai
     test_profile_traces_count_the_collectives_of_a_step,
     test_sharding_strategies_agree_and_full_shard_shrinks_with_world_size,
     test_tied_embeddings_train_and_save,
+    test_tiled_mlp_trains_as_the_untiled_mlp,
     tied_model,
     two,
 )
@@ -47,7 +48,7 @@ pytestmark = pytest.mark.distributed
 SCENARIOS = (
     *(f"precision-{p}-{q}" for q in ("bnb", "hqq") for p in PRECISIONS),
     "sharding-full_shard", "sharding-shard_grad_op", "sharding-no_shard",
-    "ckpt-off", "ckpt-nonreentrant", "ckpt-reentrant", "activation-offload", "accum-2x1", "accum-1x2",
+    "ckpt-off", "ckpt-nonreentrant", "ckpt-reentrant", "activation-offload", "tiled-mlp", "accum-2x1", "accum-1x2",
     "optimizer-sgd", "optimizer-sgd-clipped", "dora-bnb", "dora-hqq", "odd-shapes-bnb", "odd-shapes-hqq",
     "full-finetune", "plain-lora", "llama-pro-hqq", "profile", "tied-embeddings", "loss-whole-logits", "lora-on-head",
 )  # fmt: skip
