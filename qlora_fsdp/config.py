@@ -120,6 +120,9 @@ class FSDPConfig:
     """Use the reentrant checkpoint implementation (some older stacks need it)."""
     activation_offload: bool = False
     """Keep activations saved for backward in host memory (GPU memory for PCIe traffic)."""
+    sequence_parallel_size: int = 1
+    """Ulysses sequence parallelism: groups of S consecutive ranks split each row along the sequence (all-to-all
+    around attention), so a row S times longer fits; the data goes to world / S groups (1: off)."""
     tiled_mlp: str = "0"
     """Run each decoder layer's MLP (a mixture-of-experts block's experts) over N tiles of its tokens, recomputed
     tile by tile in backward: a layer's peak holds one tile's intermediate activations (0: off; auto: one tile
@@ -482,6 +485,7 @@ def check_ranges(cfg: TrainConfig) -> list[str]:
         (cfg.output.save_total_limit < 0, "--save_total_limit must be >= 0 (0: keep all)"),
         (cfg.fsdp.loss_chunk_tokens < 0, "--loss_chunk_tokens must be >= 0 (0: whole logits)"),
         (cfg.fsdp.shard_group_size < 0, "--shard_group_size must be >= 0 (0: ranks per node)"),
+        (cfg.fsdp.sequence_parallel_size < 1, "--sequence_parallel_size must be >= 1 (1: off)"),
         (not _is_step_window(cfg.output.profile_steps), "--profile_steps must be FIRST,LAST with 1 <= FIRST <= LAST"),
         (
             not (cfg.fsdp.tiled_mlp == "auto" or cfg.fsdp.tiled_mlp.isdigit()),
@@ -538,6 +542,15 @@ def _check_combinations(cfg: TrainConfig) -> list[str]:
         ):
             if bad:
                 problems.append(f"--dataset_streaming true needs {flag}")
+    if cfg.fsdp.sequence_parallel_size > 1:
+        size = f"--sequence_parallel_size {cfg.fsdp.sequence_parallel_size}"
+        for bad, why in (
+            (cfg.fsdp.compile, "--compile (the all-to-alls around attention are not compiled yet); drop one"),
+            (cfg.data.dataset_streaming, "--dataset_streaming (not supported yet); drop one"),
+            (cfg.objective.precompute_reference, "--precompute_reference (not supported yet); drop one"),
+        ):
+            if bad:
+                problems.append(f"{size} does not combine with {why}")
     if cfg.data.packing_split and not cfg.data.packing:
         problems.append("--packing_split splits samples into packed rows and needs --packing true")
     if cfg.eval.eval_dataset and cfg.eval.eval_split:

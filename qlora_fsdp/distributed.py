@@ -28,10 +28,28 @@ class DistEnv:
     local_world_size: int
     device: torch.device
     backend: str
+    sequence_parallel: int = 1
+    """Ranks that split each row along the sequence (--sequence_parallel_size): consecutive ranks, reading the same
+    rows. The data is dealt to groups of them, not to ranks."""
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def data_rank(self) -> int:
+        """Which share of the data this rank reads: its sequence-parallel group's."""
+        return self.rank // self.sequence_parallel
+
+    @property
+    def data_world_size(self) -> int:
+        """How many shares the data is dealt into: world size / sequence-parallel size."""
+        return self.world_size // self.sequence_parallel
+
+    @property
+    def sequence_index(self) -> int:
+        """Which slice of each row's sequence this rank holds, within its group."""
+        return self.rank % self.sequence_parallel
 
 
 def _free_port() -> int:

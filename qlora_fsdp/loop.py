@@ -91,7 +91,9 @@ def train_loop(
     `events.run_eval(step)` runs after every `eval_steps`-th step (the caller evaluates at the end).
     """
     step.model.module.train()
-    batches = _micro_batches(loader, epoch=state.epoch, start=state.samples_in_epoch, world_size=step.env.world_size)
+    batches = _micro_batches(
+        loader, epoch=state.epoch, start=state.samples_in_epoch, world_size=step.env.data_world_size
+    )
     result = TrainResult(state=state)
     start = time.perf_counter()
     while state.step < events.total_steps:
@@ -215,7 +217,8 @@ def _optimizer_step(
 def _micro_batches(
     loader: torch.utils.data.DataLoader, *, epoch: int, start: int, world_size: int
 ) -> Iterator[tuple[int, int, dict[str, torch.Tensor]]]:
-    """(epoch, global samples of that epoch consumed with this batch, batch) forever from a data position.
+    """(epoch, global samples of that epoch consumed with this batch, batch) forever from a data position;
+    `world_size` is the number of ranks the data is dealt to (groups, with sequence parallelism).
 
     The sampler starts each epoch's shuffle at the position itself, so a resume reads nothing twice. A stream has
     no sampler: it is one endless epoch whose first `start` samples are re-read and skipped.

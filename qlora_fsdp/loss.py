@@ -43,7 +43,8 @@ class CausalLMLoss(nn.Module):
     """Wraps a causal LM (a PeftModel or a transformers model) as what FSDP shards as its root.
 
     Returns the fp32 sum of the next-token cross-entropy over label tokens (labels align with input_ids and are
-    shifted here; IGNORE_INDEX marks positions without one); the caller divides by the label-token count of the
+    shifted here; IGNORE_INDEX marks positions without one; labels one longer than input_ids give the last
+    position a target too, as a sequence-parallel slice's do); the caller divides by the label-token count of the
     whole step, over every rank. With `per_row` it returns each row's sum instead (a sequence's negative
     log-likelihood, for the preference objectives); with `adapters=False` the adapters are off for the forward (the
     reference model of DPO and IPO, the same weights in the same FSDP units).
@@ -112,8 +113,9 @@ class CausalLMLoss(nn.Module):
 def full_loss_sum(logits: torch.Tensor, labels: torch.Tensor, *, per_row: bool = False) -> torch.Tensor:
     """Summed next-token cross-entropy from whole logits (fp32), the reference the chunked loss must equal; per row
     with `per_row`."""
+    predicting = logits[:, : labels.shape[1] - 1]  # all positions where labels run one past (a sequence slice)
     losses = F.cross_entropy(
-        logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX, reduction="none"
+        predicting.flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX, reduction="none"
     )
     return losses.view(labels.shape[0], -1).sum(1) if per_row else losses.sum()
 
@@ -125,7 +127,7 @@ def chunked_loss_sum(
     row's sum with `per_row` (the head must then be frozen, or not a plain linear)."""
     targets = labels[:, 1:].flatten()
     keep = targets != IGNORE_INDEX
-    states = hidden[:, :-1].flatten(0, 1)[keep]  # only labelled positions reach the head
+    states = hidden[:, : labels.shape[1] - 1].flatten(0, 1)[keep]  # only labelled positions reach the head
     targets = targets[keep]
     if type(head) is nn.Linear:
         losses = _LinearHeadLoss.apply(states, head.weight, head.bias, targets, chunk_tokens, per_row)
@@ -239,12 +241,19 @@ class RouterLoss:
         self.function, self.num_experts, self.top_k, self.coef = function, num_experts, top_k, coef
         self._aux: torch.Tensor | None = None
         self._load: torch.Tensor | None = None
+        self.gather: Callable[[torch.Tensor], torch.Tensor] | None = None
+        """With sequence parallelism: the group's tokens (slices of the same rows) gathered along the first axis,
+        so the loss is the whole rows', as one rank computes it (autograd: each slice gets its gradient)."""
 
     def __call__(
         self, router_logits: tuple[torch.Tensor, ...], attention_mask: torch.Tensor | None, labels: torch.Tensor
     ) -> torch.Tensor:
         mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
-        aux = self.function(router_logits, self.num_experts, self.top_k, mask)
+        if self.gather is None:
+            aux = self.function(router_logits, self.num_experts, self.top_k, mask)
+        else:  # each slice a row of the gathered batch: the function's token mean is over the whole rows
+            whole = None if mask is None else self.gather(mask)
+            aux = self.function(tuple(self.gather(t) for t in router_logits), self.num_experts, self.top_k, whole)
         weight = (labels[:, 1:] != IGNORE_INDEX).sum()
         with torch.no_grad():
             counts = []

@@ -31,6 +31,7 @@ MUST_MATCH: tuple[str, ...] = (
 
 RESHARDED: tuple[str, ...] = (
     "batch_size", "gradient_accumulation_steps", "sharding_strategy", "shard_group_size", "fsdp_version",
+    "sequence_parallel_size",  # how rows split over ranks, as the world size is how data does
 )  # fmt: skip
 
 MAY_CHANGE: tuple[str, ...] = (

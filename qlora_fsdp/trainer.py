@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TypeVar
 
@@ -72,6 +73,7 @@ from qlora_fsdp.resume_rules import (
     unrecorded,
     unrecorded_message,
 )
+from qlora_fsdp.sequence_parallel import check_heads, enable, sequence_groups, split_rows
 from qlora_fsdp.tiled_mlp import tile_mlps
 
 log = logging.getLogger(__name__)
@@ -111,6 +113,12 @@ def _preflight(cfg: TrainConfig, env: DistEnv) -> None:
             f"--sharding_strategy {cfg.fsdp.sharding_strategy}: {env.world_size} ranks do not split into shard groups "
             f"of {group}; set --shard_group_size to a divisor of the world size"
         )
+    size = cfg.fsdp.sequence_parallel_size
+    if env.world_size % size:
+        raise UserError(
+            f"--sequence_parallel_size {size} does not divide the {env.world_size} ranks torchrun started; use a "
+            "divisor of the world size"
+        )
     if cfg.output.log_to == "wandb":
         import wandb  # noqa: F401 - fail here, on every rank, if it is missing
 
@@ -124,6 +132,12 @@ def run(cfg: TrainConfig) -> TrainResult:
     env = init_distributed(device=cfg.dist.device, timeout_s=cfg.dist.dist_timeout_s)
     try:
         _preflight(cfg, env)
+        if cfg.fsdp.sequence_parallel_size > 1:
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
+            check_heads(config, cfg.fsdp.sequence_parallel_size)
+            env = replace(env, sequence_parallel=cfg.fsdp.sequence_parallel_size)
         if not cfg.model.low_memory and env.is_main:
             log.warning("--low_memory false is ignored: every rank streams each layer into its shards")
         output_dir = Path(cfg.output.output_dir)
@@ -219,6 +233,7 @@ def _run(
     precision = PRECISIONS[cfg.fsdp.precision]
     torch.manual_seed(cfg.optim.seed)
     tokenizer = load_tokenizer(model_path)
+    sequence = sequence_groups(env)
     loader, eval_loader = build_loaders(
         cfg.data,
         cfg.eval,
@@ -228,10 +243,20 @@ def _run(
         fixed_shapes=cfg.fsdp.compile,
         pairs=cfg.objective.pairs,
         accumulation=cfg.optim.gradient_accumulation_steps,
+        split=None if sequence is None else functools.partial(split_rows, size=sequence.size, index=sequence.index),
     )
     attention = attention_implementation(packing=cfg.data.packing, device=env.device, dtype=precision.compute_dtype)
-    varlen = attention == FLASH_ATTENTION
+    varlen = attention == FLASH_ATTENTION and sequence is None
     built = _build_model(cfg, env, model_path, precision, attention=attention)
+    if sequence is not None:
+        enable(built.unwrapped, sequence)
+        if built.router is not None:
+            built.router.gather = sequence.gather_tokens
+        if env.is_main and cfg.data.context_length % sequence.size:
+            log.info(
+                "--context_length %d is not a multiple of --sequence_parallel_size %d: rows are padded to one",
+                cfg.data.context_length, sequence.size,
+            )  # fmt: skip
     adapters = bool(built.keys)
 
     optimizer = build_optimizer(built.model.module.parameters(), cfg.optim)
@@ -281,7 +306,7 @@ def _run(
             raise TrainingStopped(f"stopped by a signal after step {at.step}; {why}")
         return checkpointer.save(at, wait=wait)
 
-    forward = Forward(env.device, precision, varlen=varlen)
+    forward = Forward(env.device, precision, varlen=varlen, sequence=sequence)
     reference = None
     if cfg.objective.precompute_reference:
         started = time.perf_counter()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -128,9 +128,9 @@ class EvalShard(Dataset):
     """
 
     def __init__(self, rows: Dataset, env: DistEnv, batch_size: int) -> None:
-        per_rank = -(-len(rows) // env.world_size)
+        per_rank = -(-len(rows) // env.data_world_size)
         self.rows = rows
-        self.mine = list(range(env.rank, len(rows), env.world_size))
+        self.mine = list(range(env.data_rank, len(rows), env.data_world_size))
         self.size = -(-per_rank // batch_size) * batch_size
 
     def __len__(self) -> int:
@@ -214,16 +214,28 @@ def _rows(
     return rows
 
 
-def _loader_kwargs(data: DataConfig, tokenizer: Any, seed: int, fixed_shapes: bool) -> dict[str, Any]:
+Split = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+"""What becomes of a collated batch before the loop sees it: this rank's slice of its rows, with sequence
+parallelism (qlora_fsdp.sequence_parallel.split_rows)."""
+
+
+def _loader_kwargs(
+    data: DataConfig, tokenizer: Any, seed: int, fixed_shapes: bool, split: Split | None = None
+) -> dict[str, Any]:
     pad = functools.partial(
         collate,
         pad_id=pad_token_id(tokenizer),
         context_length=data.context_length,
         pad_to_context=data.pad_to_context or fixed_shapes,
     )
+    collate_fn = pad if split is None else functools.partial(_split_after, pad=pad, split=split)
     # Its own generator: every new iterator draws a seed, and drawing from the global RNG would shift dropout
     # masks between a resumed run and an uninterrupted one (and evaluating would change training).
-    return {"batch_size": data.batch_size, "collate_fn": pad, "generator": torch.Generator().manual_seed(seed)}
+    return {"batch_size": data.batch_size, "collate_fn": collate_fn, "generator": torch.Generator().manual_seed(seed)}
+
+
+def _split_after(items: list[dict[str, Any]], *, pad: Callable, split: Split) -> dict[str, torch.Tensor]:
+    return split(pad(items))
 
 
 def build_loaders(
@@ -236,37 +248,39 @@ def build_loaders(
     fixed_shapes: bool = False,
     pairs: bool = False,
     accumulation: int = 1,
+    split: Split | None = None,
 ) -> tuple[DataLoader, DataLoader | None]:
     """This rank's training loader (without the rows --eval_split holds out) and evaluation loader (None without
     --eval_dataset or --eval_split). The caller calls loader.sampler.set_epoch(epoch) so each epoch reshuffles.
 
     `fixed_shapes` (--compile) pads every batch to the context, as --pad_to_context does. `pairs`: the rows are
     preference pairs, a batch of B pairs being 2B sequences (rows.collate). `accumulation`
-    (--gradient_accumulation_steps) makes each epoch whole optimizer steps (GlobalOrderSampler).
+    (--gradient_accumulation_steps) makes each epoch whole optimizer steps (GlobalOrderSampler). `split` turns
+    each collated batch into what this rank trains on (Split).
     """
     if data.chat_template:
         load_chat_template(tokenizer, data.chat_template)
     cache, held = None, None
     if data.dataset_streaming:
-        train = DataLoader(_stream(data, tokenizer, env), **_loader_kwargs(data, tokenizer, seed, fixed_shapes))
+        train = DataLoader(_stream(data, tokenizer, env), **_loader_kwargs(data, tokenizer, seed, fixed_shapes, split))
     else:
         cache, _ = dataset_cache(data.dataset, data.dataset_samples, data, tokenizer, env, pairs=pairs)
         held = held_out(cache.examples, ev.eval_split, seed=seed)
         rows = _rows(cache, ~held, data, "training rows", env)
         train = DataLoader(rows, sampler=_sampler(rows, data, env, seed, accumulation), drop_last=True,
-                           **_loader_kwargs(data, tokenizer, seed, fixed_shapes))  # fmt: skip
+                           **_loader_kwargs(data, tokenizer, seed, fixed_shapes, split))  # fmt: skip
     evaluation = _eval_rows(data, ev, tokenizer, env, cache, held, pairs=pairs)
     if evaluation is None:
         return train, None
     # No sampler and no shuffling: every rank evaluates its share in order.
     shard = EvalShard(evaluation, env, data.batch_size)
-    return train, DataLoader(shard, shuffle=False, **_loader_kwargs(data, tokenizer, seed, fixed_shapes))
+    return train, DataLoader(shard, shuffle=False, **_loader_kwargs(data, tokenizer, seed, fixed_shapes, split))
 
 
 def _stream(data: DataConfig, tokenizer: Any, env: DistEnv) -> StreamRows:
     if env.is_main:
         logger.info("dataset %s: streamed, row i to rank i %% %d, tokenized as it is read", data.dataset,
-                    env.world_size)  # fmt: skip
+                    env.data_world_size)  # fmt: skip
     return StreamRows(
         data.dataset,
         tokenizer,
@@ -276,23 +290,24 @@ def _stream(data: DataConfig, tokenizer: Any, env: DistEnv) -> StreamRows:
         train_on_inputs=data.train_on_inputs,
         packing=data.packing,
         packing_split=data.packing_split,
-        rank=env.rank,
-        world_size=env.world_size,
+        rank=env.data_rank,
+        world_size=env.data_world_size,
     )
 
 
 def _sampler(
     rows: SampleRows | PackedRows | PairRows, data: DataConfig, env: DistEnv, seed: int, accumulation: int
 ) -> GlobalOrderSampler:
-    needed = env.world_size * data.batch_size * accumulation
+    needed = env.data_world_size * data.batch_size * accumulation
     if len(rows) < needed:
         accumulated = f" x --gradient_accumulation_steps {accumulation}" if accumulation > 1 else ""
+        ranks = f"{env.data_world_size} ranks" if env.sequence_parallel == 1 else f"{env.data_world_size} groups"
         raise UserError(
             f"--dataset {data.dataset} has {len(rows)} usable rows, fewer than the {needed} one step needs "
-            f"({env.world_size} ranks x --batch_size {data.batch_size}{accumulated}); use more data, a smaller "
+            f"({ranks} x --batch_size {data.batch_size}{accumulated}); use more data, a smaller "
             f"--batch_size{' or --gradient_accumulation_steps' if accumulated else ''}"
         )
-    shape = {"world_size": env.world_size, "rank": env.rank, "batch_size": data.batch_size, "seed": seed}
+    shape = {"world_size": env.data_world_size, "rank": env.data_rank, "batch_size": data.batch_size, "seed": seed}
     if data.group_by_length:
         return LengthGroupedSampler(rows.lengths, accumulation=accumulation, **shape)
     return GlobalOrderSampler(len(rows), accumulation=accumulation, **shape)

@@ -11,23 +11,31 @@ from torch import nn
 
 from qlora_fsdp.data.rows import model_inputs
 from qlora_fsdp.precision import Precision
+from qlora_fsdp.sequence_parallel import SequenceParallel
 
 
 @dataclass
 class Forward:
     """How a batch reaches the FSDP root (CausalLMLoss): on `device`, under the precision's autocast, with packed
-    rows laid end to end for flash attention (`varlen`)."""
+    rows laid end to end for flash attention (`varlen`). With sequence parallelism (`sequence`) a batch holds this
+    rank's slices of its rows: their attention runs over the whole rows, and per-row sums add up over the group."""
 
     device: torch.device
     precision: Precision
     varlen: bool = False
+    sequence: SequenceParallel | None = None
 
     def __call__(self, model: nn.Module, batch: dict[str, torch.Tensor], **options: object) -> torch.Tensor:
         inputs = model_inputs(batch, self.device, varlen=self.varlen)
         if inputs["attention_mask"] is None:  # packed: which positions are padding, for the router's loss alone
             inputs["token_mask"] = batch["attention_mask"].to(self.device).reshape(inputs["input_ids"].shape)
+        if self.sequence is not None:
+            self.sequence.begin(batch, self.device)
         with self._autocast():
-            return model(**inputs, **options)
+            out = model(**inputs, **options)
+        if self.sequence is not None and options.get("per_row"):
+            out = self.sequence.row_sums(out)
+        return out
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.precision.autocast_dtype is None:

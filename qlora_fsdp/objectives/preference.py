@@ -25,6 +25,7 @@ from torch import nn
 
 from qlora_fsdp.data import IGNORE_INDEX
 from qlora_fsdp.objectives.base import Forward, Objective
+from qlora_fsdp.sequence_parallel import ROW_LABEL_TOKENS
 
 ReferenceLookup = Callable[[torch.Tensor], torch.Tensor]
 """Pair indices -> their precomputed reference log-probs [pairs, 2] (chosen, rejected)."""
@@ -183,7 +184,10 @@ def log1mexp(x: torch.Tensor) -> torch.Tensor:
 
 
 def _reply_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Each sequence's label tokens (chosen sides first)."""
+    """Each sequence's label tokens (chosen sides first): the whole sequence's where a batch holds slices of its
+    rows (sequence parallelism)."""
+    if ROW_LABEL_TOKENS in batch:
+        return batch[ROW_LABEL_TOKENS]
     return (batch["labels"][:, 1:] != IGNORE_INDEX).sum(1)
 
 
