@@ -390,8 +390,10 @@ def _new_layout(path: Path, state: TrainState, settings: dict[str, Any], world_s
 
     def shape(ranks: int, flags: dict[str, Any]) -> tuple[int, int, str]:
         batch, accumulation = flags.get("batch_size", 1), flags.get("gradient_accumulation_steps", 1)
-        text = f"{ranks} ranks x --batch_size {batch} x --gradient_accumulation_steps {accumulation}"
-        return ranks * batch, ranks * batch * accumulation, text
+        split = flags.get("sequence_parallel_size", 1)  # the ranks of a group read the same rows
+        readers = f"{ranks // split} groups of {split} ranks" if split > 1 else f"{ranks} ranks"
+        text = f"{readers} x --batch_size {batch} x --gradient_accumulation_steps {accumulation}"
+        return ranks // split * batch, ranks // split * batch * accumulation, text
 
     old_micro, old_global, old_text = shape(state.world_size, state.settings)
     new_micro, new_global, new_text = shape(world_size, {**state.settings, **settings})

@@ -124,9 +124,8 @@ class FSDPConfig:
     """Ulysses sequence parallelism: groups of S consecutive ranks split each row along the sequence (all-to-all
     around attention), so a row S times longer fits; the data goes to world / S groups (1: off)."""
     tiled_mlp: str = "0"
-    """Run each decoder layer's MLP (a mixture-of-experts block's experts) over N tiles of its tokens, recomputed
-    tile by tile in backward: a layer's peak holds one tile's intermediate activations (0: off; auto: one tile
-    per hidden-size tokens)."""
+    """Run each decoder layer's MLP (an MoE block's experts) over N tiles of tokens, recomputed tile by tile in
+    backward: the layer's peak holds one tile's activations (0: off; auto: a tile per hidden-size tokens)."""
     compile: bool = False
     """torch.compile each decoder layer (with --fsdp_version 2) after the first step: fused kernels for the
     dequantization, LoRA and attention glue. The second step pays the compilation."""
@@ -487,10 +486,7 @@ def check_ranges(cfg: TrainConfig) -> list[str]:
         (cfg.fsdp.shard_group_size < 0, "--shard_group_size must be >= 0 (0: ranks per node)"),
         (cfg.fsdp.sequence_parallel_size < 1, "--sequence_parallel_size must be >= 1 (1: off)"),
         (not _is_step_window(cfg.output.profile_steps), "--profile_steps must be FIRST,LAST with 1 <= FIRST <= LAST"),
-        (
-            not (cfg.fsdp.tiled_mlp == "auto" or cfg.fsdp.tiled_mlp.isdigit()),
-            f"--tiled_mlp must be a number of tiles (0: off) or auto, got {cfg.fsdp.tiled_mlp!r}",
-        ),
+        (not (cfg.fsdp.tiled_mlp == "auto" or cfg.fsdp.tiled_mlp.isdigit()), "--tiled_mlp must be N tiles or auto"),
         (not cfg.output.output_dir, "--output_dir must not be empty"),
         (cfg.data.max_prompt_length < 0, "--max_prompt_length must be >= 0 (0: no limit of its own)"),
         (cfg.objective.beta is not None and not cfg.objective.beta > 0, "--beta must be > 0"),
@@ -542,15 +538,11 @@ def _check_combinations(cfg: TrainConfig) -> list[str]:
         ):
             if bad:
                 problems.append(f"--dataset_streaming true needs {flag}")
-    if cfg.fsdp.sequence_parallel_size > 1:
-        size = f"--sequence_parallel_size {cfg.fsdp.sequence_parallel_size}"
-        for bad, why in (
-            (cfg.fsdp.compile, "--compile (the all-to-alls around attention are not compiled yet); drop one"),
-            (cfg.data.dataset_streaming, "--dataset_streaming (not supported yet); drop one"),
-            (cfg.objective.precompute_reference, "--precompute_reference (not supported yet); drop one"),
-        ):
-            if bad:
-                problems.append(f"{size} does not combine with {why}")
+    sp = cfg.fsdp.sequence_parallel_size
+    for bad, flag in ((cfg.fsdp.compile, "compile"), (cfg.data.dataset_streaming, "dataset_streaming"),
+                      (cfg.objective.precompute_reference, "precompute_reference")):  # fmt: skip
+        if sp > 1 and bad:
+            problems.append(f"--sequence_parallel_size {sp} does not combine with --{flag} (not yet); drop one")
     if cfg.data.packing_split and not cfg.data.packing:
         problems.append("--packing_split splits samples into packed rows and needs --packing true")
     if cfg.eval.eval_dataset and cfg.eval.eval_split:

@@ -131,13 +131,13 @@ def run(cfg: TrainConfig) -> TrainResult:
     owns_group = not dist.is_initialized()
     env = init_distributed(device=cfg.dist.device, timeout_s=cfg.dist.dist_timeout_s)
     try:
-        _preflight(cfg, env)
         if cfg.fsdp.sequence_parallel_size > 1:
             from transformers import AutoConfig
 
             config = AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
             check_heads(config, cfg.fsdp.sequence_parallel_size)
-            env = replace(env, sequence_parallel=cfg.fsdp.sequence_parallel_size)
+        _preflight(cfg, env)
+        env = replace(env, sequence_parallel=cfg.fsdp.sequence_parallel_size)
         if not cfg.model.low_memory and env.is_main:
             log.warning("--low_memory false is ignored: every rank streams each layer into its shards")
         output_dir = Path(cfg.output.output_dir)

@@ -128,5 +128,5 @@ def test_flag_values(value: str, ok: bool) -> None:
     if ok:
         cfg.validate()
     else:
-        with pytest.raises(UserError, match="--tiled_mlp must be a number of tiles"):
+        with pytest.raises(UserError, match="--tiled_mlp must be N tiles or auto"):
             cfg.validate()
