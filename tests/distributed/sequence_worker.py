@@ -41,6 +41,9 @@ def scenarios(model: str, mixtral: str, suite: str) -> dict[str, dict]:
         "bnb-fsdp1": {"fsdp_version": 1},
         "hqq-packing": {"quant": "hqq", "packing": True},
         "dpo": {"objective": "dpo", "dataset": str(DATA / "preference_tiny.jsonl")},
+        "orpo": {"objective": "orpo", "dataset": str(DATA / "preference_tiny.jsonl")},
+        "simpo-eval": {"objective": "simpo", "dataset": str(DATA / "preference_tiny.jsonl"), "eval_split": 0.02},
+        "dora-offload": {"train_type": "dora", "activation_offload": True, "gradient_checkpointing": False},
         "mixtral": {"model": mixtral},
     }
     if suite == "one":
@@ -71,10 +74,11 @@ def main() -> None:
             run(build_config({**BASE, **flags, "output_dir": str(run_dir)}).validate())
             records = read_metrics(run_dir) if env.rank == 0 else []
             results[name] = {
-                "losses": [r["loss"] for r in records],
-                "grad_norms": [r["grad_norm"] for r in records],
-                "steps": [r["step"] for r in records],
-                "label_tokens": [r["label_tokens"] for r in records],
+                "losses": [r["loss"] for r in records if "loss" in r],
+                "grad_norms": [r["grad_norm"] for r in records if "grad_norm" in r],
+                "steps": [r["step"] for r in records if "loss" in r],
+                "eval_losses": [r["eval_loss"] for r in records if "eval_loss" in r],
+                "label_tokens": [r["label_tokens"] for r in records if "label_tokens" in r],
                 "output_dir": str(run_dir),
                 "error": None,
             }

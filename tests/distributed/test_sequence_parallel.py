@@ -1,7 +1,8 @@
 """Sequence parallelism on real CPU ranks (sequence_worker.py, one torchrun job per world size): each row split over
 S ranks trains exactly as the whole row on one rank.
 
-Every run at S = 2 on 2 ranks (bnb and HQQ under FSDP2, bnb under FSDP1, packed rows with HQQ, DPO, tiny Mixtral)
+Every run at S = 2 on 2 ranks (bnb and HQQ under FSDP2, bnb under FSDP1, packed rows with HQQ, DPO, ORPO, SimPO
+with evaluation, DoRA with activation offload, tiny Mixtral)
 and at S = 4 on 4 ranks (2 key-value heads repeated to 4), and dp 2 x sp 2 with hybrid sharding, must give the
 1-rank run's loss within 1e-6 and gradient norm within 1e-5 at every step (the first with fresh adapters, the next
 with trained ones). A 2-rank run's checkpoint resumes as dp 2 x sp 2 on the uninterrupted trajectory.
@@ -18,7 +19,7 @@ from tests.moe_models import build_moe_model
 
 pytestmark = pytest.mark.distributed
 WORKER = Path(__file__).with_name("sequence_worker.py")
-PARITY = ("bnb", "hqq", "bnb-fsdp1", "hqq-packing", "dpo", "mixtral")
+PARITY = ("bnb", "hqq", "bnb-fsdp1", "hqq-packing", "dpo", "orpo", "simpo-eval", "dora-offload", "mixtral")
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +61,11 @@ def assert_same_steps(run: dict, reference: dict, name: str) -> None:
 @pytest.mark.parametrize("name", PARITY)
 def test_two_ranks_splitting_each_row_train_as_one_rank(one: dict, two: dict, name: str) -> None:
     assert_same_steps(two[name], one[name], name)
+
+
+def test_evaluation_of_split_rows_is_the_whole_rows(one: dict, two: dict) -> None:
+    assert len(one["simpo-eval"]["eval_losses"]) == 1
+    assert two["simpo-eval"]["eval_losses"] == pytest.approx(one["simpo-eval"]["eval_losses"], rel=1e-6)
 
 
 def test_four_way_split_of_two_key_value_heads(one: dict, four: dict) -> None:
