@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
@@ -103,6 +103,28 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
     if launched:
         report.outcome = "failed"
         report.longrepr = f"started a process ({launched[0]}) without @pytest.mark.distributed"
+
+
+def without_weights(model: Path, out: Path) -> Path:
+    """A copy of `model`'s directory without its weight files: a run that stops with an error about the data or
+    the flags there shows the error came before the model loaded."""
+    out.mkdir()
+    for item in model.iterdir():
+        if item.is_file() and "safetensors" not in item.name:
+            (out / item.name).write_bytes(item.read_bytes())
+    return out
+
+
+def randomize_adapters(adapted: Iterable[object], *, seed: int) -> None:
+    """Every trainable parameter of these LoRA layers set to seeded noise (B too), so each one has a gradient."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in adapted:
+            for param in layer.parameters():  # type: ignore[attr-defined]
+                if param.requires_grad:
+                    param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
 
 
 @pytest.fixture(scope="session")

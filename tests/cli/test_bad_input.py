@@ -15,7 +15,7 @@ import fire
 import pytest
 
 from qlora_fsdp.cli import main
-from tests.conftest import DATASET, launch
+from tests.conftest import DATASET, launch, without_weights
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LAUNCHER_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
@@ -180,11 +180,7 @@ def test_cpu_offload_on_a_cpu_run(tiny_model: Path, tmp_path: Path, device: str)
 @pytest.mark.parametrize("problem", ["no_chat_template", "unknown_role_in_mixture"])
 def test_chat_data_errors_come_before_the_model_loads(tiny_model: Path, tmp_path: Path, problem: str) -> None:
     """The model directory has its tokenizer but no weights: an error about the data proves it came first."""
-    model = tmp_path / "no-weights"
-    model.mkdir()
-    for item in tiny_model.iterdir():
-        if item.is_file() and "safetensors" not in item.name:
-            (model / item.name).write_bytes(item.read_bytes())
+    model = without_weights(tiny_model, tmp_path / "no-weights")
     chat = tmp_path / "chat.jsonl"
     turns = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "Blue."}]
     if problem == "unknown_role_in_mixture":

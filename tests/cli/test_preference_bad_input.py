@@ -12,18 +12,14 @@ import pytest
 
 from qlora_fsdp.cli import preprocess
 from tests.cli.test_bad_input import assert_one_line_error, run_cli
-from tests.conftest import DATASET, REPO_ROOT
+from tests.conftest import DATASET, REPO_ROOT, without_weights
 
 PAIRS = REPO_ROOT / "data" / "preference_tiny.jsonl"
 
 
 @pytest.fixture(scope="module")
 def no_weights(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    model = tmp_path_factory.mktemp("no-weights")
-    for item in tiny_model.iterdir():
-        if item.is_file() and "safetensors" not in item.name:
-            (model / item.name).write_bytes(item.read_bytes())
-    return model
+    return without_weights(tiny_model, tmp_path_factory.mktemp("no-weights") / "model")
 
 
 def _pairs(tmp_path: Path, rows: list) -> Path:

@@ -12,18 +12,15 @@ broken tie or a misplaced shard, which a falling loss on memorised rows would no
 
 from __future__ import annotations
 
-import json
 import sys
-import traceback
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from qlora_fsdp.config import PRECISIONS, TrainConfig, build_config
 from qlora_fsdp.data.loader import build_loaders
-from qlora_fsdp.distributed import DistEnv, init_distributed, teardown
+from qlora_fsdp.distributed import DistEnv, init_distributed
 from qlora_fsdp.lora import init_adapters, inject_lora, lora_layers, prepare_full_finetune
 from qlora_fsdp.metrics import read_metrics
 from qlora_fsdp.model import build_skeleton, expanded_layer_prefixes, load_tokenizer, stream_weights
@@ -31,6 +28,7 @@ from qlora_fsdp.precision import PRECISIONS as MODES
 from qlora_fsdp.precision import quant_compute_dtype
 from qlora_fsdp.quant import make_backend
 from qlora_fsdp.trainer import run
+from tests.distributed.scenarios import run_scenarios
 
 DATASET = str(Path(__file__).resolve().parents[2] / "data" / "alpaca_tiny.jsonl")
 # Two rows per step, the same two every step (batch 1 on each of 2 ranks). Chunks of 2 label tokens: every
@@ -178,42 +176,37 @@ def main() -> None:
     if len(sys.argv) > 8:
         names = sys.argv[8].split(",")
         scenarios = {name: scenarios[name] for name in names}  # a KeyError names a scenario that does not exist
-    results = {}
-    for name, flags in scenarios.items():
+
+    def one(name: str) -> dict:
         run_dir = out / name
-        cfg = build_config({**OVERFIT, "fsdp_version": version, **flags, "output_dir": str(run_dir)}).validate()
+        cfg = build_config({**OVERFIT, "fsdp_version": version, **scenarios[name], "output_dir": str(run_dir)})
+        cfg = cfg.validate()
         saved = SavedBytes()
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
-                run(cfg)
-            records = read_metrics(run_dir) if env.rank == 0 else []
-            results[name] = {
-                "losses": [r["loss"] for r in records],
-                "grad_norms": [r["grad_norm"] for r in records],
-                "lrs": [r["lr"] for r in records],
-                "skipped": [r["skipped"] for r in records],
-                "label_tokens": [r["label_tokens"] for r in records],
-                "tokens": [r["tokens"] for r in records],
-                "param_bytes": records[0]["param_bytes_per_rank"] if records else [],
-                "trainable_parameters": records[0]["trainable_parameters"] if records else 0,
-                "saved_bytes_per_step": saved.total / cfg.optim.max_steps if name in MEASURED else None,
-                "files": sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.is_file())
-                if env.rank == 0
-                else [],
-                "output_dir": str(run_dir),
-                "compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs,
-                "error": None,
-            }
-            if env.rank == 0 and cfg.fsdp.precision == "fp32" and suite == "two":
-                results[name]["reference"] = reference_first_step(cfg, env.world_size)
-        except Exception as exc:  # report every scenario, not just the first failure
-            results[name] = {"losses": [], "param_bytes": [], "files": [], "error": traceback.format_exc()[-2000:]}
-            print(f"{name}: {exc}", file=sys.stderr)
-        dist.barrier()
-    if env.rank == 0:
-        (out / "results.json").write_text(json.dumps(results, indent=1))
-    teardown()
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+            run(cfg)
+        records = read_metrics(run_dir) if env.rank == 0 else []
+        result = {
+            "losses": [r["loss"] for r in records],
+            "grad_norms": [r["grad_norm"] for r in records],
+            "lrs": [r["lr"] for r in records],
+            "skipped": [r["skipped"] for r in records],
+            "label_tokens": [r["label_tokens"] for r in records],
+            "tokens": [r["tokens"] for r in records],
+            "param_bytes": records[0]["param_bytes_per_rank"] if records else [],
+            "trainable_parameters": records[0]["trainable_parameters"] if records else 0,
+            "saved_bytes_per_step": saved.total / cfg.optim.max_steps if name in MEASURED else None,
+            "files": sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.is_file())
+            if env.rank == 0
+            else [],
+            "output_dir": str(run_dir),
+            "compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs,
+        }
+        if env.rank == 0 and cfg.fsdp.precision == "fp32" and suite == "two":
+            result["reference"] = reference_first_step(cfg, env.world_size)
+        return result
+
+    run_scenarios(scenarios, one, out, env, failed={"param_bytes": [], "files": []})
 
 
 if __name__ == "__main__":

@@ -12,22 +12,20 @@ unsharded model ("packed"), and what the sharded run logged.
 from __future__ import annotations
 
 import itertools
-import json
 import sys
-import traceback
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from qlora_fsdp.config import TrainConfig, build_config, replace
 from qlora_fsdp.data.rows import model_inputs
-from qlora_fsdp.distributed import init_distributed, teardown
+from qlora_fsdp.distributed import init_distributed
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.metrics import read_metrics
 from qlora_fsdp.trainer import run
 from tests.distributed.options_worker import first_global_batch, unsharded_model
+from tests.distributed.scenarios import run_scenarios
 
 DATASET = str(Path(__file__).resolve().parents[2] / "data" / "alpaca_tiny.jsonl")
 BASE = {
@@ -98,40 +96,35 @@ def packing_reference(cfg: TrainConfig, world_size: int) -> dict[str, float]:
 def main() -> None:
     model, out = sys.argv[1], Path(sys.argv[2])
     env = init_distributed(device="cpu", timeout_s=120)
-    results: dict[str, dict] = {}
-    for name, flags in scenarios(env.world_size).items():
+    runs = scenarios(env.world_size)
+
+    def one(name: str) -> dict:
+        flags = runs[name]
         run_dir = out / name
         cfg = build_config({**BASE, "model": model, **flags, "output_dir": str(run_dir)}).validate()
-        try:
-            run(cfg)
-            records = read_metrics(run_dir) if env.rank == 0 else []
-            result = {
-                "losses": [r["loss"] for r in records if "loss" in r],
-                "evals": [r for r in records if "eval_loss" in r],
-                "efficiency": [r["packing_efficiency"] for r in records if "loss" in r],
-                "tokens": [r["tokens"] for r in records if "loss" in r],
-                "error": None,
-            }
-            if name == "packed-resume":
-                # Resume from the step-3 checkpoint: steps 4-6 again, then a resume that changes --packing.
-                resumed = build_config({**BASE, "model": model, **flags, "output_dir": str(run_dir),
-                                        "resume_from": str(run_dir / "checkpoint-3")}).validate()  # fmt: skip
-                run(resumed)
-                result["resumed"] = [r["loss"] for r in read_metrics(run_dir) if "loss" in r] if env.rank == 0 else []
-                try:
-                    run(replace(resumed, packing=False))
-                except UserError as exc:
-                    result["refused"] = str(exc)
-            if env.rank == 0 and name.startswith("packed-") and name != "packed-resume":
-                result["reference"] = packing_reference(cfg, env.world_size)
-            results[name] = result
-        except Exception as exc:  # report every scenario, not just the first failure
-            results[name] = {"losses": [], "evals": [], "error": traceback.format_exc()[-3000:]}
-            print(f"{name}: {exc}", file=sys.stderr)
-        dist.barrier()
-    if env.rank == 0:
-        (out / "results.json").write_text(json.dumps(results, indent=1))
-    teardown()
+        run(cfg)
+        records = read_metrics(run_dir) if env.rank == 0 else []
+        result = {
+            "losses": [r["loss"] for r in records if "loss" in r],
+            "evals": [r for r in records if "eval_loss" in r],
+            "efficiency": [r["packing_efficiency"] for r in records if "loss" in r],
+            "tokens": [r["tokens"] for r in records if "loss" in r],
+        }
+        if name == "packed-resume":
+            # Resume from the step-3 checkpoint: steps 4-6 again, then a resume that changes --packing.
+            resumed = build_config({**BASE, "model": model, **flags, "output_dir": str(run_dir),
+                                    "resume_from": str(run_dir / "checkpoint-3")}).validate()  # fmt: skip
+            run(resumed)
+            result["resumed"] = [r["loss"] for r in read_metrics(run_dir) if "loss" in r] if env.rank == 0 else []
+            try:
+                run(replace(resumed, packing=False))
+            except UserError as exc:
+                result["refused"] = str(exc)
+        if env.rank == 0 and name.startswith("packed-") and name != "packed-resume":
+            result["reference"] = packing_reference(cfg, env.world_size)
+        return result
+
+    run_scenarios(runs, one, out, env, failed={"evals": []})
 
 
 if __name__ == "__main__":

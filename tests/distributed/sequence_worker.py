@@ -10,18 +10,17 @@ Rank 0 writes OUT_DIR/results.json: {scenario: {"losses", "grad_norms", "steps",
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
-import traceback
 from pathlib import Path
 
 import torch.distributed as dist
 
 from qlora_fsdp.config import build_config
-from qlora_fsdp.distributed import init_distributed, teardown
+from qlora_fsdp.distributed import init_distributed
 from qlora_fsdp.metrics import METRICS_FILE, read_metrics
 from qlora_fsdp.trainer import run
+from tests.distributed.scenarios import run_scenarios
 
 DATA = Path(__file__).resolve().parents[2] / "data"
 # Two rows of up to 64 tokens per step on a group (batch 2; dp 2 x batch 1 on four ranks), fp32, three steps: the
@@ -61,8 +60,9 @@ def scenarios(model: str, mixtral: str, suite: str) -> dict[str, dict]:
 def main() -> None:
     model, mixtral, out, suite = sys.argv[1], sys.argv[2], Path(sys.argv[3]), sys.argv[4]
     env = init_distributed(device="cpu", timeout_s=120)
-    results = {}
-    for name, flags in scenarios(model, mixtral, suite).items():
+    runs = scenarios(model, mixtral, suite)
+
+    def one(name: str) -> dict:
         run_dir = out / name
         if name == "resumed" and env.rank == 0:  # the 2-rank run, stopped after its checkpoint of step 2
             saved = Path(sys.argv[5])
@@ -70,25 +70,19 @@ def main() -> None:
             shutil.copytree(saved / "checkpoint-2", run_dir / "checkpoint-2")
             shutil.copy(saved / METRICS_FILE, run_dir / METRICS_FILE)
         dist.barrier()
-        try:
-            run(build_config({**BASE, **flags, "output_dir": str(run_dir)}).validate())
-            records = read_metrics(run_dir) if env.rank == 0 else []
-            results[name] = {
-                "losses": [r["loss"] for r in records if "loss" in r],
-                "grad_norms": [r["grad_norm"] for r in records if "grad_norm" in r],
-                "steps": [r["step"] for r in records if "loss" in r],
-                "eval_losses": [r["eval_loss"] for r in records if "eval_loss" in r],
-                "label_tokens": [r["label_tokens"] for r in records if "label_tokens" in r],
-                "output_dir": str(run_dir),
-                "error": None,
-            }
-        except Exception as exc:  # report every scenario, not just the first failure
-            results[name] = {"losses": [], "error": traceback.format_exc()[-3000:]}
-            print(f"{name}: {exc}", file=sys.stderr)
-        dist.barrier()
-    if env.rank == 0:
-        (out / "results.json").write_text(json.dumps(results, indent=1))
-    teardown()
+        run(build_config({**BASE, **runs[name], "output_dir": str(run_dir)}).validate())
+        records = read_metrics(run_dir) if env.rank == 0 else []
+        steps = [r for r in records if "loss" in r]
+        return {
+            "losses": [r["loss"] for r in steps],
+            "grad_norms": [r["grad_norm"] for r in steps],
+            "steps": [r["step"] for r in steps],
+            "label_tokens": [r["label_tokens"] for r in steps],
+            "eval_losses": [r["eval_loss"] for r in records if "eval_loss" in r],
+            "output_dir": str(run_dir),
+        }
+
+    run_scenarios(runs, one, out, env)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from qlora_fsdp.model import build_skeleton, load_model, stream_weights
 from qlora_fsdp.quant import make_backend
 from qlora_fsdp.quant.base import QuantizedLinear
 from qlora_fsdp.quant.experts import ExpertAdapter, QuantizedExperts, replace_experts, router_gates
-from tests.conftest import REPO_ROOT, launch
+from tests.conftest import REPO_ROOT, launch, randomize_adapters
 from tests.moe_models import FAMILIES
 
 CPU = torch.device("cpu")
@@ -143,12 +143,7 @@ def _adapted(path: Path, quant: str, *, rank: int = 4, seed: int = 1):
     peft_model = inject_lora(skeleton.model, lora, dtype=torch.float32)
     keys = adapter_keys(peft_model)
     stream_weights(skeleton, backend=backend, device=CPU)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for layer in lora_layers(peft_model):
-            for param in layer.parameters():
-                if param.requires_grad:
-                    param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+    randomize_adapters(lora_layers(peft_model), seed=seed)
     return skeleton, peft_model, keys
 
 

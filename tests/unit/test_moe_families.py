@@ -20,6 +20,7 @@ from qlora_fsdp.model import build_skeleton, stream_weights
 from qlora_fsdp.quant import make_backend
 from qlora_fsdp.quant.base import QuantizedLinear
 from qlora_fsdp.quant.experts import ExpertAdapter, QuantizedExperts, router_gates
+from tests.conftest import randomize_adapters
 from tests.moe_models import MORE_FAMILIES, build_moe_model, moe_config
 
 CPU = torch.device("cpu")
@@ -61,12 +62,8 @@ def test_phimoe_router_is_neither_quantized_nor_adapted(families: dict[str, Path
         assert type(router).__name__ == "PhimoeTopKRouter" and not router.weight.requires_grad
 
     stream_weights(skeleton, backend=backend, device=CPU)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for layer in lora_layers(peft_model):
-            for param in layer.parameters():
-                if param.requires_grad:
-                    param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+    randomize_adapters(lora_layers(peft_model), seed=0)
+    generator = torch.Generator().manual_seed(1)
     ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=generator)
     loss = peft_model.train()(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids).loss
     loss.backward()

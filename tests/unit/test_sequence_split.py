@@ -16,7 +16,7 @@ from qlora_fsdp.errors import UserError
 from qlora_fsdp.loss import full_loss_sum
 from qlora_fsdp.sequence_parallel import POSITIONS, ROW_LABEL_TOKENS, check_heads, split_rows
 from tests.cli.test_bad_input import assert_one_line_error, run_cli
-from tests.conftest import DATASET
+from tests.conftest import DATASET, without_weights
 
 
 def batch(packed: bool) -> dict[str, torch.Tensor]:
@@ -114,11 +114,7 @@ def test_flags_that_do_not_combine_are_refused(flags: dict, needle: str) -> None
 def test_cli_refuses_before_the_model_loads(tiny_model: Path, tmp_path: Path, size: str, needles: list[str]) -> None:
     """The heads are checked from config.json, the world size from the launcher: both before any weight is read
     (the weights are not even there) and before the output directory exists."""
-    model = tmp_path / "no-weights"
-    model.mkdir()
-    for item in tiny_model.iterdir():
-        if item.is_file() and "safetensors" not in item.name:
-            (model / item.name).write_bytes(item.read_bytes())
+    model = without_weights(tiny_model, tmp_path / "no-weights")
     out = tmp_path / "out"
     args = ["--model", str(model), "--dataset", str(DATASET), "--device", "cpu", "--output_dir", str(out)]
     code, errors, output = run_cli([*args, "--sequence_parallel_size", size])

@@ -17,6 +17,7 @@ from qlora_fsdp.loss import CausalLMLoss
 from qlora_fsdp.model import build_skeleton, stream_weights
 from qlora_fsdp.quant import make_backend
 from qlora_fsdp.tiled_mlp import tile_count, tile_mlps, tiled_modules
+from tests.conftest import randomize_adapters
 
 CPU = torch.device("cpu")
 
@@ -31,12 +32,7 @@ def adapted(path: Path, quant: str) -> tuple[nn.Module, dict[str, nn.Module]]:
     lora = LoraConfig(lora_rank=4, lora_alpha=8, lora_dropout=0.0, lora_target_modules="all")
     model = inject_lora(skeleton.model, lora, dtype=torch.float32)
     stream_weights(skeleton, backend=backend, device=CPU)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for layer in lora_layers(model):
-            for param in layer.parameters():
-                if param.requires_grad:
-                    param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+    randomize_adapters(lora_layers(model), seed=0)
     return model, skeleton.units
 
 
