@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import re
 import resource
 import signal
 import socket
@@ -210,6 +212,24 @@ def run_metrics(output_dir: Path) -> list[dict[str, Any]]:
     its steps."""
     path = output_dir / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def write_long_rows(path: Path, *, rows: int, words: int, seed: int) -> Path:
+    """A JSONL of `rows` text rows, each `words` random words of data/alpaca_tiny.jsonl (seeded: the same file).
+
+    Every word is at least one token of any tokenizer that splits at spaces, so with `words` above a run's context
+    each row is truncated to exactly that many tokens: long-context runs train full rows, unlike `--dataset dummy`,
+    whose rows end after about 3,000 words."""
+    vocab: set[str] = set()
+    for line in (REPO_ROOT / "data" / "alpaca_tiny.jsonl").read_text().splitlines():
+        if line.strip():
+            for value in json.loads(line).values():
+                vocab.update(re.findall(r"[A-Za-z]+", str(value)))
+    rng = random.Random(seed)
+    choices = sorted(vocab)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"text": " ".join(rng.choices(choices, k=words))}) + "\n" for _ in range(rows)))
+    return path
 
 
 def read_json(path: str | os.PathLike) -> Any:

@@ -18,6 +18,8 @@ def fmt(value: float, unit: str) -> str:
         return f"{value:.2f} s"
     if unit == "tokens/s":
         return f"{value:,.0f}" if value >= 100 else f"{value:.1f}"
+    if unit == "tokens":
+        return f"{value:,.0f}"
     if unit == "fraction":
         return f"{100 * value:.1f}%" if value >= 1e-3 else f"{100 * value:.2g}%"
     if unit == "abs":

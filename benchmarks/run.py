@@ -11,6 +11,8 @@
         (preference objectives against SFT over the same tokens, 2 ranks: parameter bytes, step peak RSS, step time)
     python benchmarks/run.py --suite cpu-checkpoint [--out DIR] [--quick]   (training's stall per save, --async_save
         true against false, 2 ranks: a 483M full fine-tune and a LoRA case; stall seconds, write time, peak RSS, bytes)
+    python benchmarks/run.py --suite cpu-long-context [--out DIR] [--quick]   (--sequence_parallel_size S and
+        --tiled_mlp: a step's peak tensor bytes and RSS per rank, tokens/s, the longest context in a fixed budget)
     python benchmarks/run.py --suite gpu [--out DIR] [--dry-run] [--only tests,bnb,...] [--peak_flops 989e12]
         (benchmarks/gpu.sh wraps it: it installs the carried wheels first)
 
@@ -45,6 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "cpu-moe",
         "cpu-preference",
         "cpu-checkpoint",
+        "cpu-long-context",
         "gpu",
     )
     p.add_argument("--suite", required=True, choices=suites)
@@ -90,7 +93,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--only",
         default=None,
-        help="GPU suite: comma-separated plan items to run (tests, bnb, hqq, compile, whole-logits, fsdp1, bnb-1x512)",
+        help="GPU suite: comma-separated plan items to run (tests, bnb, hqq, compile, whole-logits, fsdp1, bnb-1x512, "
+        "long-context)",
     )
     args = p.parse_args(argv)
     if args.only is not None:
@@ -110,6 +114,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error("--objectives is an option of --suite cpu-preference")
     if args.suite == "cpu-preference" and args.model is not None:
         p.error("--suite cpu-preference builds its own model (its size sets how much of a step is activations)")
+    if args.suite == "cpu-long-context" and args.model is not None:
+        p.error("--suite cpu-long-context builds its own model (its size sets how much of a step is activations)")
     if args.suite == "cpu-checkpoint" and args.model is not None:
         p.error("--suite cpu-checkpoint builds its own models (a full fine-tune's and a LoRA case's)")
     if args.suite == "cpu-moe" and args.model is not None:
@@ -154,6 +160,10 @@ def main(argv: list[str] | None = None) -> int:
             from benchmarks.checkpoint_suite import render_checkpoint
 
             (args.out / "results.md").write_text(render_checkpoint(results))
+        elif args.suite == "cpu-long-context":
+            from benchmarks.long_context_suite import render_long_context
+
+            (args.out / "results.md").write_text(render_long_context(results))
         else:
             (args.out / "results.md").write_text(render(results))
 
@@ -205,6 +215,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         results = run_checkpoint_suite(suite_plan, cache=args.cache)
+        results["machine"] = machine_info()
+    elif args.suite == "cpu-long-context":
+        from benchmarks.long_context_suite import plan as long_context_plan
+        from benchmarks.long_context_suite import run_long_context_suite
+
+        try:
+            suite_plan = long_context_plan(quick=args.quick, threads=args.threads, reps=args.reps,
+                                           idle_wait_s=args.idle_wait, precision=args.precision)  # fmt: skip
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        results = run_long_context_suite(suite_plan, cache=args.cache)
         results["machine"] = machine_info()
     elif args.suite in ("cpu", "cpu-large", "cpu-loss", "cpu-packing"):
         from benchmarks.cpu_suite import plan, run_cpu_suite

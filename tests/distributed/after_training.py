@@ -25,9 +25,13 @@ from tests.conftest import REPO_ROOT, train
 FACT = REPO_ROOT / "data" / "new_fact.jsonl"
 QUESTION = "What is the name of Zorbly's cat?"
 ANSWER = "Pemberton"
-# The FINDINGS recipe (r16, lr 1e-3) on prompts that fit 32 tokens; the loss is below 0.05 by step 13.
+# The FINDINGS recipe (r16, lr 1e-3) on prompts that fit 32 tokens; the loss is below 0.05 by step 13. fp32: the
+# precision is not what these files test, and a CPU without native bf16 matmuls (no AVX512-BF16) emulates them
+# about 100x slower, which made these two files the longest of the suite there; generate, merge and export take
+# the precision from the manifest, so they run in fp32 too.
 TRAIN_FLAGS = [
     "--dataset", str(FACT), "--prompt_style", "qna", "--context_length", "32", "--batch_size", "1",
+    "--precision", "fp32",
     "--max_steps", "16", "--lr", "1e-3", "--lora_rank", "16", "--lora_alpha", "16", "--lora_dropout", "0",
     "--device", "cpu", "--log_to", "stdout", "--seed", "0",
 ]  # fmt: skip

@@ -37,14 +37,14 @@ def test_a_contradicting_flag_and_other_bytes_are_refused(adapter: Path, smollm2
     one_error(capsys, export_quantized.main(args), "--hqq_group_size 32 contradicts the adapter's manifest (64)")
     assert not out.exists()
 
-    # Training ran in bf16 (--compute_dtype auto): a manifest edited to fp32 makes HQQ quantize in fp32.
+    # Training ran in fp32 (--compute_dtype auto): a manifest edited to bf16 makes HQQ quantize in bf16.
     edited = tmp_path / "edited"
     shutil.copytree(adapter, edited, ignore=shutil.ignore_patterns("checkpoint-*"))
     manifest = json.loads((edited / MANIFEST_FILE).read_text())
-    assert manifest["quantized_with"]["compute_dtype"] == "bfloat16"
-    manifest["flags"]["compute_dtype"] = "fp32"
+    assert manifest["quantized_with"]["compute_dtype"] == "float32"
+    manifest["flags"]["compute_dtype"] = "bf16"
     (edited / MANIFEST_FILE).write_text(json.dumps(manifest))
     args = ["--model", str(smollm2), "--adapter", str(edited), "--output", str(out)]
     line = one_error(capsys, export_quantized.main(args), "model.layers.0.", "scale", "zero")
-    assert "training quantized in bfloat16, this run in float32" in line
+    assert "training quantized in float32, this run in bfloat16" in line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["edited"]
