@@ -35,8 +35,6 @@ an hour, hence the launch timeout of 2 hours.
 from __future__ import annotations
 
 import math
-import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -44,7 +42,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import REPO_ROOT, base_env, median, read_json, run_metrics, write_long_rows
+from benchmarks.common import median, write_long_rows
 from benchmarks.cpu_suite import (
     CpuPlan,
     LaunchSettings,
@@ -55,7 +53,7 @@ from benchmarks.cpu_suite import (
     launches_markdown,
 )
 from benchmarks.data_suite import _shell
-from benchmarks.preference_suite import tensor_peak
+from benchmarks.preference_suite import probed_train
 from benchmarks.report import fmt, render
 from benchmarks.rows import row
 
@@ -184,35 +182,12 @@ class LongContextRunner(Runner):
             "save_model": "false", "device": "cpu", "output_dir": out, "sequence_parallel_size": size,
             "tiled_mlp": tiled, "profile": "true", "profile_steps": f"{p.steps},{p.steps}",
         }  # fmt: skip
-        args = ["-m", "benchmarks.step_probe", str(REPO_ROOT / "train.py"), *(f"--{k}={v}" for k, v in flags.items())]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={size}", *args]
-        env = base_env(max(1, p.threads // size))
-        probe = f"{out}.steps"
-        env["BENCH_STEP_RSS_FILE"] = probe
-
-        def reset() -> None:
-            shutil.rmtree(out, ignore_errors=True)
-            for r in range(size):
-                Path(f"{probe}.rank{r}.json").unlink(missing_ok=True)
-
-        result = self._go(what, [cmd], [env], reset=reset, finished=lambda: len(run_metrics(out)) == p.steps)
-        records = run_metrics(out)
-        if len(records) != p.steps:
-            raise RuntimeError(f"{what}: {len(records)} metrics records, expected {p.steps}:\n{result.log}")
+        cmd, result, records, ranks = probed_train(self, what, out, flags, nproc=size, steps=p.steps,
+                                                    threads=p.threads)  # fmt: skip
         got = [(x["tokens"], x["label_tokens"], x["packing_efficiency"]) for x in records]
         if any(g != (context, context - 1, 1.0) for g in got):
             raise RuntimeError(f"{what}: (tokens, label tokens, packing efficiency) per step {got}, expected "
                                f"({context}, {context - 1}, 1.0): the rows did not fill the context")  # fmt: skip
-        missing = [r for r in range(size) if not Path(f"{probe}.rank{r}.json").is_file()]
-        if missing:
-            raise RuntimeError(f"{what}: no step_probe record from rank(s) {missing}:\n{result.log}")
-        ranks = [read_json(f"{probe}.rank{r}.json") for r in range(size)]
-        for r in ranks:
-            if not r["reset"] or r["baseline_rss_bytes"] is None or len(r["steps"]) != p.steps:
-                raise RuntimeError(f"{what}: rank {r['rank']}'s probe did not measure every step: {r}")
-            trace = out / "profile" / f"trace-rank{r['rank']}.json"
-            r["tensor_peak_bytes"], r["memory_events"] = tensor_peak(trace)
-            trace.unlink()  # hundreds of MB a rank at long context
         return {"context": context, "size": size, "tiled_mlp": tiled, "command": _shell(cmd), "wall_s": result.wall_s,
                 "foreign_cores": result.foreign_cores, "metrics": records, "ranks": ranks}  # fmt: skip
 

@@ -244,6 +244,41 @@ def tensor_peak(trace: Path) -> tuple[int, int]:
     return max(cpu), len(cpu)
 
 
+def probed_train(
+    runner: Runner, what: str, out: Path, flags: dict[str, Any], *, nproc: int, steps: int, threads: int
+) -> tuple[list[str], Any, list[dict[str, Any]], list[dict[str, Any]]]:
+    """train.py with `flags` (the profiler over the last of `steps` steps among them) on `nproc` ranks under
+    benchmarks/step_probe.py, through `runner`'s launch: (the command, the launch's result, metrics.jsonl's records,
+    per rank the probe's per-step RSS and the last step's tensor peak). Raises where a step or a rank's record is
+    missing."""
+    args = ["-m", "benchmarks.step_probe", str(REPO_ROOT / "train.py"), *(f"--{k}={v}" for k, v in flags.items())]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+    env = base_env(max(1, threads // nproc))
+    probe = f"{out}.steps"
+    env["BENCH_STEP_RSS_FILE"] = probe
+
+    def reset() -> None:
+        shutil.rmtree(out, ignore_errors=True)
+        for r in range(nproc):
+            Path(f"{probe}.rank{r}.json").unlink(missing_ok=True)
+
+    result = runner._go(what, [cmd], [env], reset=reset, finished=lambda: len(run_metrics(out)) == steps)
+    records = run_metrics(out)
+    if len(records) != steps:
+        raise RuntimeError(f"{what}: {len(records)} metrics records, expected {steps}:\n{result.log}")
+    missing = [r for r in range(nproc) if not Path(f"{probe}.rank{r}.json").is_file()]
+    if missing:
+        raise RuntimeError(f"{what}: no step_probe record from rank(s) {missing}:\n{result.log}")
+    ranks = [read_json(f"{probe}.rank{r}.json") for r in range(nproc)]
+    for r in ranks:
+        if not r["reset"] or r["baseline_rss_bytes"] is None or len(r["steps"]) != steps:
+            raise RuntimeError(f"{what}: rank {r['rank']}'s probe did not measure every step: {r}")
+        trace = out / "profile" / f"trace-rank{r['rank']}.json"
+        r["tensor_peak_bytes"], r["memory_events"] = tensor_peak(trace)
+        trace.unlink()  # tens of MB a rank on the full model, hundreds at long context
+    return cmd, result, records, ranks
+
+
 class PreferenceRunner(Runner):
     """cpu_suite's Runner with this suite's command: train.py on 2 ranks under benchmarks/step_probe.py."""
 
@@ -263,31 +298,8 @@ class PreferenceRunner(Runner):
             "save_model": "false", "device": "cpu", "output_dir": out,
             "profile": "true", "profile_steps": f"{p.steps},{p.steps}",
         }  # fmt: skip
-        args = ["-m", "benchmarks.step_probe", str(REPO_ROOT / "train.py"), *(f"--{k}={v}" for k, v in flags.items())]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={p.nproc}", *args]
-        env = base_env(max(1, p.threads // p.nproc))
-        probe = f"{out}.steps"
-        env["BENCH_STEP_RSS_FILE"] = probe
-
-        def reset() -> None:
-            shutil.rmtree(out, ignore_errors=True)
-            for r in range(p.nproc):
-                Path(f"{probe}.rank{r}.json").unlink(missing_ok=True)
-
-        result = self._go(what, [cmd], [env], reset=reset, finished=lambda: len(run_metrics(out)) == p.steps)
-        records = run_metrics(out)
-        if len(records) != p.steps:
-            raise RuntimeError(f"{what}: {len(records)} metrics records, expected {p.steps}:\n{result.log}")
-        missing = [r for r in range(p.nproc) if not Path(f"{probe}.rank{r}.json").is_file()]
-        if missing:
-            raise RuntimeError(f"{what}: no step_probe record from rank(s) {missing}:\n{result.log}")
-        ranks = [read_json(f"{probe}.rank{r}.json") for r in range(p.nproc)]
-        for r in ranks:
-            if not r["reset"] or r["baseline_rss_bytes"] is None or len(r["steps"]) != p.steps:
-                raise RuntimeError(f"{what}: rank {r['rank']}'s probe did not measure every step: {r}")
-            trace = out / "profile" / f"trace-rank{r['rank']}.json"
-            r["tensor_peak_bytes"], r["memory_events"] = tensor_peak(trace)
-            trace.unlink()  # tens of MB a rank on the full model
+        cmd, result, records, ranks = probed_train(self, what, out, flags, nproc=p.nproc, steps=p.steps,
+                                                    threads=p.threads)  # fmt: skip
         return {
             "objective": objective,
             "batch_size": batch_size,
