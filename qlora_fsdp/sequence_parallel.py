@@ -3,11 +3,12 @@
 - **Rows.** The ranks of a group read the same rows. `split_rows` pads a batch to a multiple of S and gives each
   rank one contiguous slice of every row. Its labels run one position past its inputs, so the slice's last position
   predicts the next slice's first token: the loss sees a slice as a row whose every position has its target.
-- **Attention.** Everything but attention works per token. `UlyssesAttention`, registered in transformers' attention
-  interface, turns the slices of queries, keys and values into the whole sequence on H/S heads with one all-to-all,
-  attends with the implementation the model would have used (sdpa, eager, flash), and turns the output back into
-  the rank's slice on all heads with a second all-to-all. Both all-to-alls are autograd functions, so backward
-  sends the gradients the same way back. Every architecture that attends through that interface gets it.
+- **Attention.** Everything but attention works per token. `SequenceParallel.attention`, registered in
+  transformers' attention interface, turns the slices of queries, keys and values into the whole sequence on H/S
+  heads with one all-to-all, attends with the implementation the model would have used (sdpa, eager, flash), and
+  turns the output back into the rank's slice on all heads with a second all-to-all. Both all-to-alls are
+  autograd functions, so backward sends the gradients the same way back. Every architecture that attends through
+  that interface gets it.
 - **Positions** stay global: each slice carries its positions in the whole row (a packed row's per-sample ones), so
   rotary embeddings are those of one rank, and the attention mask (causal; per sample for packed rows) is built
   from the whole row's positions, which every rank of the group has.
@@ -23,7 +24,6 @@ parallelism's. `--sharding_strategy hybrid_shard` composes unchanged.
 
 from __future__ import annotations
 
-import logging
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,8 +36,6 @@ from torch import nn
 from qlora_fsdp.data import IGNORE_INDEX
 from qlora_fsdp.distributed import DistEnv
 from qlora_fsdp.errors import UserError
-
-log = logging.getLogger(__name__)
 
 ATTENTION = "qlora_ulysses"
 """The name the attention function is registered under in transformers' attention and mask interfaces."""
@@ -263,13 +261,8 @@ def sequence_groups(env: DistEnv) -> SequenceParallel | None:
     size = env.sequence_parallel
     if size == 1:
         return None
-    mine = None
-    for first in range(0, env.world_size, size):
-        group = dist.new_group(list(range(first, first + size)))
-        if first <= env.rank < first + size:
-            mine = group
-    assert mine is not None
-    return SequenceParallel(size=size, index=env.sequence_index, group=mine)
+    groups = [dist.new_group(list(range(first, first + size))) for first in range(0, env.world_size, size)]
+    return SequenceParallel(size=size, index=env.sequence_index, group=groups[env.data_rank])
 
 
 def enable(model: nn.Module, sequence: SequenceParallel) -> None:

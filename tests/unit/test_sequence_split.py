@@ -3,6 +3,7 @@ refused (in one line, exit 2, before the model loads), and the loss of a slice w
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -73,14 +74,14 @@ def test_the_slices_losses_add_up_to_the_rows_loss() -> None:
 @pytest.mark.parametrize(
     ("heads", "kv", "size", "message"),
     [
-        (4, 2, 3, "LlamaConfig has 4 attention heads, which do not split over 3 ranks"),
+        (4, 2, 3, "Llama has 4 attention heads, which do not split over 3 ranks"),
         (6, 4, 3, "has 4 key-value heads, which neither split over 3 ranks nor repeat to 3"),
     ],
 )
 def test_heads_that_cannot_split_are_refused(heads: int, kv: int, size: int, message: str) -> None:
     config = type("LlamaConfig", (), {})()
     config.num_attention_heads, config.num_key_value_heads = heads, kv
-    with pytest.raises(UserError, match=message.replace("LlamaConfig", "Llama")):
+    with pytest.raises(UserError, match=message):
         check_heads(config, size)
 
 
@@ -100,7 +101,7 @@ def test_heads_that_split_or_repeat_are_accepted(heads: int, kv: int, size: int)
 )
 def test_flags_that_do_not_combine_are_refused(flags: dict, needle: str) -> None:
     cfg = build_config({"model": "some/model", "sequence_parallel_size": 2, **flags})
-    with pytest.raises(UserError, match=needle.replace("(", r"\(")):
+    with pytest.raises(UserError, match=re.escape(needle)):
         cfg.validate()
 
 
