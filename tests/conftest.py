@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import multiprocessing.process
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -193,3 +194,13 @@ def train(args: list[str], *, nproc: int, timeout: float = 300) -> subprocess.Co
     if result.returncode != 0:
         raise AssertionError(f"train.py exited {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}")
     return result
+
+
+def stopped_at(run: Path, out: Path, *, step: int, metrics: bool = False) -> None:
+    """`out` as a run that stopped after `step` would leave it: `run`'s checkpoint of that step (and, with
+    `metrics`, all of `run`'s records, standing for steps an interrupted run logged before it died). A resume test
+    takes it from its uninterrupted run's mid-run checkpoint instead of launching a shorter run to write one."""
+    out.mkdir(parents=True)
+    shutil.copytree(run / f"checkpoint-{step}", out / f"checkpoint-{step}")
+    if metrics:
+        shutil.copy(run / "metrics.jsonl", out / "metrics.jsonl")

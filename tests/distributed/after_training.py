@@ -74,10 +74,15 @@ def exported_digests(quant: str, exported: Path, names: list[str]) -> dict[str, 
 
 def check_answers(quant: str, adapter: Path, smollm2: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """Base + adapter, the merged model and the exported quantized base + adapter all know the fact, with no
-    quantization flag given; the export holds the bytes training used."""
-    with_flags = ask(capsys, "--model", str(smollm2), "--adapter", str(adapter), "--quant", quant)
-    assert ANSWER in with_flags
-    assert ask(capsys, "--model", str(smollm2), "--adapter", str(adapter)) == with_flags
+    quantization flag given; the export holds the bytes training used.
+
+    With bnb, the backend's flag given by hand changes nothing. That is the manifest's reading, the same for both
+    backends, so HQQ (whose quantization of SmolLM2 takes about 45 s of CPU per load) skips it; its export's bytes
+    equal training's, which only the manifest's flags can give."""
+    reply = ask(capsys, "--model", str(smollm2), "--adapter", str(adapter))
+    assert ANSWER in reply
+    if quant == "bnb":
+        assert ask(capsys, "--model", str(smollm2), "--adapter", str(adapter), "--quant", quant) == reply
 
     merged = tmp_path / "merged"
     assert merge_adapter.main(["--model", str(smollm2), "--adapter", str(adapter), "--output", str(merged)]) == 0

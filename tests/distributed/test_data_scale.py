@@ -4,12 +4,13 @@ exactly what padding to the context, 1 rank and the cached path train; a streame
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from qlora_fsdp.metrics import read_metrics
-from tests.conftest import DATASET, train
+from tests.conftest import DATASET, stopped_at, train
 
 pytestmark = pytest.mark.distributed
 
@@ -43,23 +44,38 @@ def test_per_batch_padding_trains_as_padding_to_the_context(tiny_model: Path, tm
     assert all(r["packing_efficiency"] > 2 * f["packing_efficiency"] for r, f in zip(ours, fixed, strict=True))
 
 
+@pytest.fixture(scope="module")
+def one_rank(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], list[dict]]:
+    """1 rank x batch 4 at context 128 for 6 steps, with --group_by_length false or true: records, run on first use
+    (the comparison with 2 ranks takes their first 4 steps; the padding one all 6)."""
+    made: dict[str, list[dict]] = {}
+
+    def run(group: str) -> list[dict]:
+        if group not in made:
+            out = tmp_path_factory.mktemp(f"one-rank-{group}")
+            flags = ("--context_length", "128", "--max_steps", "6", "--batch_size", "4", "--group_by_length", group)
+            made[group] = _run(tiny_model, out, *flags, nproc=1)
+        return made[group]
+
+    return run
+
+
 @pytest.mark.parametrize("group", ["false", "true"], ids=["shuffled", "group_by_length"])
-def test_two_ranks_train_as_one_rank_with_the_global_batch(tiny_model: Path, tmp_path: Path, group: str) -> None:
+def test_two_ranks_train_as_one_rank_with_the_global_batch(
+    tiny_model: Path, tmp_path: Path, one_rank: Callable[[str], list[dict]], group: str
+) -> None:
     """2 ranks x batch 2 and 1 rank x batch 4 see the same rows each step, with and without --group_by_length,
     though each rank pads its batch to its own longest row."""
     flags = ("--context_length", "128", "--max_steps", "4", "--group_by_length", group)
     two = _run(tiny_model, tmp_path / "two", *flags, "--batch_size", "2", nproc=2)
-    one = _run(tiny_model, tmp_path / "one", *flags, "--batch_size", "4", nproc=1)
+    one = one_rank(group)[:4]
     _close(two, one, rel=1e-5)
     assert [r["tokens"] for r in two] == [r["tokens"] for r in one]
 
 
-def test_group_by_length_pads_less(tiny_model: Path, tmp_path: Path) -> None:
-    flags = ("--context_length", "128", "--max_steps", "6", "--batch_size", "4")
-    grouped = _run(tiny_model, tmp_path / "g", *flags, "--group_by_length", "true", nproc=0)
-    shuffled = _run(tiny_model, tmp_path / "s", *flags, nproc=0)
+def test_group_by_length_pads_less(one_rank: Callable[[str], list[dict]]) -> None:
     mean = lambda rs: sum(r["packing_efficiency"] for r in rs) / len(rs)  # noqa: E731
-    assert mean(grouped) > mean(shuffled)
+    assert mean(one_rank("true")) > mean(one_rank("false"))
 
 
 def test_a_stream_trains_as_the_cache_when_a_step_covers_the_data(tiny_model: Path, tmp_path: Path) -> None:
@@ -78,6 +94,7 @@ def test_a_streamed_run_resumes_exactly(tiny_model: Path, tmp_path: Path) -> Non
              "true", "--save_steps", "3")  # fmt: skip
     whole = _run(tiny_model, tmp_path / "whole", *flags, "--max_steps", "6", nproc=2)
     out = tmp_path / "parts"
-    _run(tiny_model, out, *flags, "--max_steps", "3", nproc=2)
+    stopped_at(tmp_path / "whole", out, step=3)
     resumed = _run(tiny_model, out, *flags, "--max_steps", "6", "--resume_from", "auto", nproc=2)
-    _close([r for r in resumed if r["step"] > 3], whole[3:], rel=1e-6)
+    assert [r["step"] for r in resumed] == [4, 5, 6]
+    _close(resumed, whole[3:], rel=1e-6)

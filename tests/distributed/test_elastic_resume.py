@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from qlora_fsdp.checkpoint import SHARDED, TRAINER_STATE, list_checkpoints
 from qlora_fsdp.metrics import METRICS_FILE, read_metrics
-from tests.conftest import DATASET, REPO_ROOT, TORCHRUN, launch, train, worker_env
+from tests.conftest import DATASET, REPO_ROOT, TORCHRUN, launch, stopped_at, train, worker_env
 from tests.distributed.test_reliability import kill_job, start, workers_of
 
 pytestmark = pytest.mark.distributed
@@ -52,14 +52,6 @@ def steps_of(out: Path) -> list[int]:
 
 def names(out: Path) -> list[str]:
     return [p.name for p in list_checkpoints(out)]
-
-
-def copy_run(reference: Path, out: Path, *, step: int) -> None:
-    """A run that was stopped after `step`: the reference's checkpoint of that step, and all of its metrics (the
-    records past the checkpoint stand for the steps an interrupted run logged before it died)."""
-    out.mkdir(parents=True)
-    shutil.copytree(reference / f"checkpoint-{step}", out / f"checkpoint-{step}")
-    shutil.copy(reference / METRICS_FILE, out / METRICS_FILE)
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -157,7 +149,7 @@ def test_other_world_size_continues_the_uninterrupted_run(
     global batch of 4), resharded: its steps 4-6 and the state it saves at step 6 are the uninterrupted run's."""
     args, reference = references(quant, saved_by)
     out = tmp_path / "run"
-    copy_run(reference, out, step=3)
+    stopped_at(reference, out, step=3, metrics=True)
     run_args = [*args, "--fsdp_version", str(version), "--batch_size", str(batch), "--output_dir", str(out)]
     log = train([*run_args, "--resume_from", "auto"], nproc=ranks).stdout
     assert f"resumed from {out / 'checkpoint-3'} at step 3" in log
@@ -206,7 +198,7 @@ def test_other_global_batch_goes_on_from_the_saved_sample(references: Callable, 
     """2 x 2 -> 2 x 4: the data continues at sample 12 of the same global order, 8 samples a step."""
     args, reference = references("bnb", 2)
     out = tmp_path / "run"
-    copy_run(reference, out, step=3)
+    stopped_at(reference, out, step=3, metrics=True)
     run_args = [*args, "--fsdp_version", "2", "--batch_size", "4", "--output_dir", str(out), "--resume_from", "auto"]
     log = train(run_args, nproc=2).stdout
     lines = [line for line in log.splitlines() if line.startswith("resumed with global batch")]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from qlora_fsdp.metrics import read_metrics
-from tests.conftest import DATASET, train
+from tests.conftest import DATASET, stopped_at, train
 
 pytestmark = pytest.mark.distributed
 
@@ -42,9 +42,8 @@ def test_resume_is_exact(moe_models: dict[str, Path], tmp_path: Path, family: st
              "--router_aux_loss_coef", "0.01")  # fmt: skip
     whole = _run(moe_models[family], tmp_path / "whole", *flags, "--max_steps", "6")
     out = tmp_path / "parts"
-    _run(moe_models[family], out, *flags, "--max_steps", "3")
-    resumed = [r for r in _run(moe_models[family], out, *flags, "--max_steps", "6", "--resume_from", "auto") if
-               r["step"] > 3]  # fmt: skip
+    stopped_at(tmp_path / "whole", out, step=3)
+    resumed = _run(moe_models[family], out, *flags, "--max_steps", "6", "--resume_from", "auto")
     assert [r["step"] for r in resumed] == [4, 5, 6]
     for a, b in zip(resumed, whole[3:], strict=True):
         for key in ("loss", "grad_norm", "aux_loss"):
