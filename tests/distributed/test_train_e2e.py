@@ -26,12 +26,13 @@ _RUNS: dict[tuple[str, int], tuple[Path, object]] = {}
 
 
 def run_two_ranks(quant: str, version: int, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
-    """30 steps on 2 ranks x batch 1 (global batch 2), the product's main path; each run once per session."""
+    """30 steps on 2 ranks x batch 1 (global batch 2), the product's main path; each run once per session, under
+    torchrun itself (the other files' launches fork their ranks from tests/warm_launcher.py)."""
     if (quant, version) not in _RUNS:
         out = tmp_path_factory.mktemp(f"run-{quant}-v{version}")
         args = ["--model", str(tiny_model), "--quant", quant, "--fsdp_version", str(version), "--batch_size", "1",
                 "--max_steps", str(STEPS)]  # fmt: skip
-        _RUNS[quant, version] = out, train([*args, *COMMON, "--output_dir", str(out)], nproc=2)
+        _RUNS[quant, version] = out, train([*args, *COMMON, "--output_dir", str(out)], nproc=2, cold=True)
     return _RUNS[quant, version]
 
 
