@@ -99,7 +99,8 @@ def _launch(request: dict, channel_fds: tuple[int, ...]) -> dict:
         rank_env = {} if nproc == 0 else {
             "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
             "GROUP_RANK": "0", "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(nproc), "GROUP_WORLD_SIZE": "1",
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "TORCHELASTIC_RUN_ID": "warm-launcher",
+            "MASTER_ADDR": "localhost", "MASTER_PORT": port, "TORCHELASTIC_RUN_ID": "warm-launcher",
+            "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
         }  # fmt: skip
         pid = os.fork()
         if pid == 0:
