@@ -166,12 +166,19 @@ def worker_env() -> dict[str, str]:
     return env
 
 
+def _launch_env(env: dict[str, str]) -> dict[str, str]:
+    """What a warm launcher must have been started with to serve `env`: all of it but pytest's name of the current
+    test, which changes with every test (and is passed along with each launch)."""
+    return {k: v for k, v in env.items() if k != "PYTEST_CURRENT_TEST"}
+
+
 class _WarmLauncher:
-    """tests/warm_launcher.py, started once per test worker: launches fork their ranks from a process that has
-    imported the training stack, instead of each rank importing it anew (about 6.5 s of CPU per rank)."""
+    """tests/warm_launcher.py, started once per test worker (again only when the environment changes): launches fork
+    their ranks from a process that has imported the training stack, instead of each rank importing it anew (about
+    6.5 s of CPU per rank)."""
 
     def __init__(self, env: dict[str, str]) -> None:
-        self.env = env
+        self.env = _launch_env(env)
         script = Path(__file__).with_name("warm_launcher.py")
         self.proc = subprocess.Popen(
             [sys.executable, str(script)], cwd=REPO_ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -179,26 +186,39 @@ class _WarmLauncher:
         )  # fmt: skip
         self._reply(timeout=300)
 
+    def serves(self, env: dict[str, str]) -> bool:
+        return self.proc.poll() is None and self.env == _launch_env(env)
+
+    def stop(self) -> None:
+        """SIGKILL and reap it: its ranks die with it (PR_SET_PDEATHSIG)."""
+        self.proc.kill()
+        self.proc.wait()
+
     def _reply(self, *, timeout: float) -> dict:
         assert self.proc.stdout is not None
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
         line = self.proc.stdout.readline() if ready else ""
         if not line:
-            self.proc.kill()
-            raise RuntimeError(f"the warm launcher did not answer (exit status {self.proc.poll()})")
+            self.stop()
+            raise RuntimeError(f"the warm launcher did not answer (exit status {self.proc.returncode})")
         return json.loads(line)
 
-    def run(self, script: Path, args: list[str], *, nproc: int, timeout: float) -> subprocess.CompletedProcess:
+    def run(self, script: Path, args: list[str], *, nproc: int, timeout: float,
+            env: dict[str, str]) -> subprocess.CompletedProcess:  # fmt: skip
         cmd = ["warm_launcher", f"--nproc_per_node={nproc}", str(script), *args]
         _launched.append(f"warm launch: {' '.join(cmd)[:100]}")
         with tempfile.TemporaryDirectory(prefix="qlora-launch-") as tmp:
             out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
             request = {"script": str(script), "args": args, "nproc": nproc, "timeout": timeout, "stdout": str(out),
-                       "stderr": str(err)}  # fmt: skip
+                       "stderr": str(err), "env": env}  # fmt: skip
             assert self.proc.stdin is not None
-            self.proc.stdin.write(json.dumps(request) + "\n")
-            self.proc.stdin.flush()
-            reply = self._reply(timeout=timeout + 120)
+            try:
+                self.proc.stdin.write(json.dumps(request) + "\n")
+                self.proc.stdin.flush()
+                reply = self._reply(timeout=timeout + 120)
+            except BaseException:  # interrupted (Ctrl-C): its answer would go to the next launch
+                self.stop()
+                raise
             stdout = out.read_text(errors="replace") if out.exists() else ""
             stderr = err.read_text(errors="replace") if err.exists() else ""
         if reply["timed_out"]:
@@ -227,11 +247,11 @@ def launch(
     global _warm
     env = worker_env()
     if not (cold or torchrun_args or os.environ.get("QLORA_TEST_LAUNCH") == "cold"):
-        if _warm is None or _warm.proc.poll() is not None or _warm.env != env:
+        if _warm is None or not _warm.serves(env):
             if _warm is not None:
-                _warm.proc.kill()
+                _warm.stop()
             _warm = _WarmLauncher(env)
-        return _warm.run(Path(script), args, nproc=nproc, timeout=timeout)
+        return _warm.run(Path(script), args, nproc=nproc, timeout=timeout, env=env)
     if nproc == 0:
         cmd = [sys.executable, str(script), *args]
     else:

@@ -82,3 +82,19 @@ def test_a_launch_past_its_timeout_is_stopped(tmp_path: Path) -> None:
     after.write_text("print('next')\n")
     result = launch(after, [], nproc=0)  # the launcher, its hung ranks killed, takes the next launch
     assert (result.returncode, result.stdout) == (0, "next\n")
+
+
+def test_a_rank_exits_as_the_interpreter_does(tmp_path: Path) -> None:
+    """Its stdin is empty, a non-daemon thread is joined before it ends, and an abort at exit is its status."""
+    script = tmp_path / "exit.py"
+    script.write_text(
+        "import sys, threading, time\n"
+        "print(repr(sys.stdin.read()), flush=True)\n"
+        "threading.Thread(target=lambda: (time.sleep(0.5), print('joined', flush=True))).start()\n"
+    )
+    result = launch(script, [], nproc=0)
+    assert (result.returncode, result.stdout) == (0, "''\njoined\n"), result.stderr
+    aborts = tmp_path / "aborts.py"
+    aborts.write_text("import atexit, os\natexit.register(os.abort)\n")
+    assert launch(aborts, [], nproc=0).returncode == -6  # SIGABRT, as `python aborts.py` ends
+    assert launch(aborts, [], nproc=2).returncode == 1
