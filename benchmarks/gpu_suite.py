@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import Launch, base_env, launch, machine_info, read_json, worker_cmd
+from benchmarks.common import Launch, base_env, launch, machine_info, read_json, worker_cmd, write_long_rows
 from benchmarks.rows import row
 
 MODULE = "benchmarks.gpu_suite"
@@ -83,7 +83,15 @@ VARIANTS = (
     Variant("fsdp1", "bnb FSDP1", fsdp_version=1),
     Variant("bnb-1x512", "bnb FSDP2 (defaults)", small=True),
 )
-NAMES = (TESTS, *(v.name for v in VARIANTS))
+LONG = "long-context"
+# (name, label, flags): the long-context item's two settings, each at every context of the plan, ascending.
+LONG_SETTINGS = (
+    ("tiled_offload", "bnb FSDP2, --tiled_mlp auto --activation_offload true", {"tiled_mlp": "auto",
+                                                                               "activation_offload": True}),
+    ("checkpointing", "bnb FSDP2, gradient checkpointing only (defaults)", {}),
+)  # fmt: skip
+OOM = re.compile(r"OutOfMemoryError|out of memory", re.IGNORECASE)
+NAMES = (TESTS, *(v.name for v in VARIANTS), LONG)
 
 
 def parse_only(text: str | None) -> tuple[str, ...]:
@@ -99,10 +107,11 @@ def parse_only(text: str | None) -> tuple[str, ...]:
 
 def _plan(dry_run: bool, quick: bool) -> dict[str, Any]:
     if dry_run:
-        return {"model": DRY_MODEL, "big": (2, 96), "small": (1, 64), "warmup": 1, "measured": 2, "device": "cpu"}
+        return {"model": DRY_MODEL, "big": (2, 96), "small": (1, 64), "warmup": 1, "measured": 2, "device": "cpu",
+                "long": (128, 256)}  # fmt: skip
     warmup, measured = (1, 2) if quick else (2, 3)
     return {"model": LLAMA2_7B, "big": (8, 2048), "small": (1, 512), "warmup": warmup, "measured": measured,
-            "device": "cuda"}  # fmt: skip
+            "device": "cuda", "long": (16384, 32768, 65536)}  # fmt: skip
 
 
 def run_gpu_suite(
@@ -136,6 +145,9 @@ def run_gpu_suite(
         "settings": {
             "device": p["device"],
             "shapes": f"batch {_shape(p['big'])}; the bnb-1x512 variant batch {_shape(p['small'])}",
+            "long_context": f"{LONG}: batch 1 at contexts {', '.join(map(str, p['long']))} (rows that fill them), "
+            f"{LONG_SETTINGS[0][1]} (ours) against {LONG_SETTINGS[1][1]} (peer column), 1 warmup + 1 measured "
+            "step; a setting stops at its first context that runs out of memory; longest = the largest that trained",
             "steps": f"{p['warmup']} warmup + {p['measured']} measured (median)",
             "precision": "bf16 parameters, storage and compute; activation checkpointing on both sides",
             "quantization": "bnb nf4 + double quant (ours and peer), hqq 4-bit group 64 (ours)",
@@ -169,8 +181,10 @@ def run_gpu_suite(
             )
             print(f"  {name}: {job.wall_s:.1f} s, exit {job.returncode}", flush=True)
         results["missing"] += missing or []
-        results["rows"] = _rows(records, variants, p, peak_flops)
+        results["rows"] = _rows(records, variants, p, peak_flops) + _long_rows(records, p["long"])
         results["details"] = {k: v for k, v in records.items() if k != "write_model"}
+        if LONG in only:
+            results["details"][LONG] = longest_fits(records, p["long"])
         for key in ("parameters", "non_embedding_parameters"):
             results["model"][key] = records.get("write_model", {}).get(key, 0)
         gpu = next((r.get("device_name") for r in records.values() if r.get("device_name")), None)
@@ -196,8 +210,9 @@ def run_gpu_suite(
         common = {"model": str(model_dir), "warmup": p["warmup"], "measured": p["measured"], "device": p["device"]}
         peer_shapes = sorted({p["small"] if v.small else p["big"] for v in variants}, reverse=True)
         jobs: list[tuple[str, str, dict[str, Any]]] = []
-        if variants:
+        if variants or LONG in only:
             jobs.append(("write_model", "write_model", {"out": str(model_dir), "sizes": p["model"], **common}))
+        if variants:
             jobs.append(("peer", "peer", {**common, "shapes": peer_shapes}))
         # --compile compiles the layers at the second step (after the first has run eagerly): one more warmup step.
         jobs += [
@@ -206,10 +221,23 @@ def run_gpu_suite(
                               "warmup": p["warmup"] + bool(v.flags.get("compile"))})
             for v in variants
         ]  # fmt: skip
+        if LONG in only:
+            rows = write_long_rows(work / "long-rows.jsonl", rows=2, words=max(p["long"]) + 8, seed=0)
+            data = {"dataset": str(rows), "dataset_cache_dir": str(work / "tokenized"), "dataset_num_proc": 1}
+            jobs += [
+                (long_key(name, context), "ours", {**common, "shape": (1, context), "quant": "bnb", "fsdp_version": 2,
+                                                   "flags": {**flags, **data}, "warmup": 1, "measured": 1})
+                for context in p["long"] for name, _, flags in LONG_SETTINGS
+            ]  # fmt: skip
+        out_of_memory: set[str] = set()  # long-context settings that ran out of memory at a smaller context
+        unrun: set[str] = set()  # jobs that need a job that failed
         for i, (key, worker, args) in enumerate(jobs):
+            item = LONG if key.startswith(f"{LONG}/") else key
+            if key in unrun or (item == LONG and key.split("/")[1] in out_of_memory):
+                continue
             if left() < min_start:
                 results["errors"].append(f"{key}: skipped, {left():.0f} s of the {budget:.0f} s budget left")
-                done(key, None, missing=[key] if key in NAMES else [])
+                done(key, None, missing=[item] if item in NAMES and item not in results["missing"] else [])
                 continue
             result = work / f"{key}.json"
             job = launch(
@@ -221,14 +249,21 @@ def run_gpu_suite(
                 records[key] = read_json(result)
                 done(key, job)
                 continue
-            results["errors"].append(f"{key}: {failure_cause(job)}")
+            cause = failure_cause(job)
+            if item == LONG and OOM.search(cause):  # a measurement: this context does not fit
+                records[key] = {"out_of_memory": cause}
+                out_of_memory.add(key.split("/")[1])
+                done(key, job)
+                continue
+            results["errors"].append(f"{key}: {cause}")
             results.setdefault("logs", {})[key] = job.log[-4000:]
-            if key in ("write_model", "peer"):  # nothing after it can be compared
-                rest = [k for k, _, _ in jobs[i + 1 :]]
+            if key in ("write_model", "peer"):  # nothing after it can be compared (after the peer: to the peer)
+                rest = [k for k, _, _ in jobs[i + 1 :] if key == "write_model" or not k.startswith(f"{LONG}/")]
                 results["errors"] += [f"{k}: not run, {key} failed" for k in rest]
-                done(key, job, missing=[k for k in rest if k in NAMES])
-                break
-            done(key, job, missing=[key])
+                unrun.update(rest)
+                done(key, job, missing=[n for n in NAMES if n in {k.split("/")[0] for k in rest}])
+                continue
+            done(key, job, missing=[item] if item not in results["missing"] else [])
     finally:
         shutil.rmtree(work, ignore_errors=True)
     results["wall_time_s"] = time.perf_counter() - suite_start
@@ -286,6 +321,49 @@ def palm_flops_per_token(non_embedding_parameters: int, *, layers: int, hidden: 
     parameter (forward and backward matmuls) plus 12 x layers x hidden x sequence for attention's score and value
     matmuls. Model FLOPs, not hardware FLOPs: recomputation is not counted, so MFU compares across checkpointing."""
     return 6 * non_embedding_parameters + 12 * layers * hidden * sequence
+
+
+def long_key(setting: str, context: int) -> str:
+    return f"{LONG}/{setting}/{context}"
+
+
+def longest_fits(records: dict[str, dict[str, Any]], contexts: tuple[int, ...]) -> dict[str, Any]:
+    """Per long-context setting: the contexts that trained, the first that ran out of memory, and the longest that
+    trained below it (None when nothing did). A context neither trained nor refused was not measured."""
+    out: dict[str, Any] = {}
+    for name, _, _ in LONG_SETTINGS:
+        trained = [c for c in contexts if "tps" in records.get(long_key(name, c), {})]
+        failed = next((c for c in contexts if "out_of_memory" in records.get(long_key(name, c), {})), None)
+        below = [c for c in trained if failed is None or c < failed]
+        out[name] = {"trained": trained, "out_of_memory_at": failed, "longest": max(below) if below else None}
+    return out
+
+
+def _long_rows(records: dict[str, dict[str, Any]], contexts: tuple[int, ...]) -> list[dict[str, Any]]:
+    """Tiled MLP + activation offload against checkpointing alone, at each context both trained, and the longest
+    context each trained when both have one."""
+    (ours, ours_label, _), (base, base_label, _) = LONG_SETTINGS
+    kw = {"ours_label": f"qlora-fsdp CLI code, {ours_label}, 1 process",
+          "peer_label": f"qlora-fsdp CLI code, {base_label}, 1 process"}  # fmt: skip
+    rows = []
+    for context in contexts:
+        o, b = records.get(long_key(ours, context), {}), records.get(long_key(base, context), {})
+        if "tps" not in o or "tps" not in b:
+            continue
+        section = f"long context, batch 1 x {context}"
+        rows += [
+            row(section, f"tokens_per_s_long_{context}", "tokens/s", "tokens/s", "higher", o["tps"], b["tps"], **kw),
+            row(section, f"peak_allocated_long_{context}", "peak allocated memory, training", "bytes", "lower",
+                [o["peak_allocated_bytes"]], [b["peak_allocated_bytes"]], **kw),
+            row(section, f"peak_reserved_long_{context}", "peak reserved memory, training", "bytes", "lower",
+                [o["peak_reserved_bytes"]], [b["peak_reserved_bytes"]], **kw),
+        ]  # fmt: skip
+    fits = longest_fits(records, contexts)
+    if fits[ours]["longest"] and fits[base]["longest"]:
+        note = f"of {', '.join(map(str, contexts))}; a setting that trained the largest may fit more"
+        rows.append(row("long context, longest that trained", "longest_context_long", "longest context", "tokens",
+                        "higher", [fits[ours]["longest"]], [fits[base]["longest"]], note=note, **kw))  # fmt: skip
+    return rows
 
 
 def _rows(
@@ -470,7 +548,7 @@ def ours(args: dict[str, Any]) -> None:
         hqq_bits=4,
         hqq_group_size=64,
         precision="bf16",
-        dataset="dummy",
+        dataset=args["flags"].get("dataset", "dummy"),
         dataset_samples=batch * steps,
         context_length=context,
         batch_size=batch,
@@ -484,10 +562,14 @@ def ours(args: dict[str, Any]) -> None:
         device=args["device"],
         output_dir=str(out),
         **LORA,
-        **args["flags"],
+        **{k: v for k, v in args["flags"].items() if k != "dataset"},
     )
     with open(out / "metrics.jsonl") as fh:
         metrics = [m for m in map(json.loads, filter(str.strip, fh)) if "tokens_per_s" in m]  # steps, not evals
+    if "dataset" in args["flags"] and any(m["tokens"] != batch * context for m in metrics):
+        raise RuntimeError(
+            f"tokens per step {[m['tokens'] for m in metrics]}: the rows did not fill {batch} x {context}"
+        )
     write_json(
         args["result"],
         {

@@ -57,7 +57,7 @@ def render(results: dict[str, Any]) -> str:
         sizes = ", ".join(f"{k} {v}" for k, v in model["sizes"].items())
         lines += ["", f"Model: random Llama, {model['parameters']:,} parameters in {model['shards']} shards ({sizes})."]
     settings = results.get("settings", {})
-    keys = ("precision", "quantization", "threads", "our_training", "adapters", "shapes", "mfu")
+    keys = ("precision", "quantization", "threads", "our_training", "adapters", "shapes", "long_context", "mfu")
     notes = [f"{k}: {settings[k]}" for k in keys if k in settings]
     if notes:
         lines += ["", *[f"- {n}" for n in notes]]

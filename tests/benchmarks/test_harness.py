@@ -57,7 +57,8 @@ GPU_DRY_KEYS = {
         "tokens_per_s", "mfu", "peak_reserved", "peak_allocated", "load_peak_reserved", "load_peak_allocated", "load_s"
     )
     for run in ("bnb", "hqq", "compile", "whole_logits", "fsdp1", "bnb_1x512")
-}  # fmt: skip
+} | {f"{metric}_long_{context}" for metric in ("tokens_per_s", "peak_allocated", "peak_reserved")
+     for context in (128, 256)} | {"longest_context_long"}  # fmt: skip
 
 
 def _env() -> dict[str, str]:
@@ -169,6 +170,12 @@ def test_gpu_script_dry_run(tmp_path: Path) -> None:
         tps, mfu = by_key[f"tokens_per_s_{key}"], by_key[f"mfu_{key}"]
         for side in ("ours", "peer"):
             assert mfu[side] == pytest.approx(per_token * tps[side] / peak, rel=1e-9)
+    # The long-context item trained both settings at both dry contexts on rows that fill them (the worker checks).
+    assert results["details"]["long-context"] == {
+        name: {"trained": [128, 256], "out_of_memory_at": None, "longest": 256}
+        for name in ("tiled_offload", "checkpointing")
+    }
+    assert by_key["longest_context_long"]["ratio"] == 1.0
     # Each variant is compared at its own shape: the peer's batch 1 row is not its batch 2 row.
     assert by_key["tokens_per_s_bnb_1x512"]["runs"]["peer"] != by_key["tokens_per_s_bnb"]["runs"]["peer"]
     report = (out / "results.md").read_text()
@@ -205,10 +212,35 @@ def test_palm_flops_per_token_of_llama2_7b() -> None:
     assert palm_flops_per_token(6_607_343_616, layers=32, hidden=4096, sequence=2048) == 42_865_287_168
 
 
+def test_gpu_long_context_longest_fit() -> None:
+    """The longest context is the largest that trained below a setting's first out-of-memory context; a context
+    that was never measured (budget) is not a fit, and with no baseline fit there is no ratio row."""
+    from benchmarks.gpu_suite import _long_rows, long_key, longest_fits
+
+    contexts = (16384, 32768, 65536)
+    trained = {"tps": [1.0], "peak_allocated_bytes": 2, "peak_reserved_bytes": 3}
+    records = {
+        long_key("tiled_offload", 16384): trained,
+        long_key("tiled_offload", 32768): trained,
+        long_key("checkpointing", 16384): {"out_of_memory": "torch.OutOfMemoryError: CUDA out of memory."},
+    }
+    fits = longest_fits(records, contexts)
+    assert fits["tiled_offload"] == {"trained": [16384, 32768], "out_of_memory_at": None, "longest": 32768}
+    assert fits["checkpointing"] == {"trained": [], "out_of_memory_at": 16384, "longest": None}
+    assert _long_rows(records, contexts) == []
+    records[long_key("checkpointing", 16384)] = trained
+    records[long_key("checkpointing", 32768)] = {"out_of_memory": "CUDA out of memory"}
+    by_key = {r["key"]: r for r in _long_rows(records, contexts)}
+    assert set(by_key) == {"tokens_per_s_long_16384", "peak_allocated_long_16384", "peak_reserved_long_16384",
+                           "longest_context_long"}  # fmt: skip
+    assert by_key["longest_context_long"]["ours"] == 32768 and by_key["longest_context_long"]["ratio"] == 2.0
+
+
 def test_gpu_plan_names() -> None:
     """--only keeps the plan's priority order whatever order it is given in, and refuses unknown names."""
     assert parse_only(None) == NAMES
     assert parse_only("fsdp1,tests") == ("tests", "fsdp1")
+    assert parse_only("long-context") == ("long-context",)
     with pytest.raises(ValueError, match="unknown fsdp3"):
         parse_only("bnb,fsdp3")
 
