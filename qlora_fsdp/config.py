@@ -60,6 +60,8 @@ class ModelConfig:
     """Allow model code from the hub repository (off: only architectures transformers ships)."""
     allow_pickle: bool = False
     """Also load pickle (.bin) checkpoints, with torch.load(weights_only=True); off: safetensors only."""
+    quantize_vision: bool = False
+    """Image-text models: quantize the vision tower's linears too (off: full precision, like the projector)."""
     router_aux_loss_coef: float | None = None
     """Mixture-of-experts models: weight of the router's load-balancing loss added to the training loss (0: none).
     Unset: the model config's own (`router_aux_loss_coef`, when its `output_router_logits` is true)."""
@@ -458,10 +460,7 @@ def check_ranges(cfg: TrainConfig) -> list[str]:
         (cfg.lora.lora_rank < 1, "--lora_rank must be >= 1"),
         (cfg.lora.lora_alpha <= 0, "--lora_alpha must be > 0"),
         (not 0 <= cfg.lora.lora_dropout < 1, "--lora_dropout must be in [0, 1)"),
-        (
-            cfg.model.router_aux_loss_coef is not None and not cfg.model.router_aux_loss_coef >= 0,
-            "--router_aux_loss_coef must be >= 0",
-        ),
+        (not (cfg.model.router_aux_loss_coef or 0) >= 0, "--router_aux_loss_coef must be >= 0"),
         (not cfg.lora.lora_target_modules.strip(), "--lora_target_modules must be 'all' or layer names"),
         (cfg.data.dataset_samples < 0, "--dataset_samples must be >= 0"),
         (cfg.data.dataset_num_proc < 0, "--dataset_num_proc must be >= 0 (0: automatic)"),
@@ -490,10 +489,7 @@ def check_ranges(cfg: TrainConfig) -> list[str]:
         (not cfg.output.output_dir, "--output_dir must not be empty"),
         (cfg.data.max_prompt_length < 0, "--max_prompt_length must be >= 0 (0: no limit of its own)"),
         (cfg.objective.beta is not None and not cfg.objective.beta > 0, "--beta must be > 0"),
-        (
-            cfg.objective.label_smoothing is not None and not 0 <= cfg.objective.label_smoothing < 0.5,
-            "--label_smoothing must be in [0, 0.5)",
-        ),
+        (not 0 <= (cfg.objective.label_smoothing or 0) < 0.5, "--label_smoothing must be in [0, 0.5)"),
         (cfg.objective.simpo_gamma is not None and not cfg.objective.simpo_gamma >= 0, "--simpo_gamma must be >= 0"),
         (cfg.objective.orpo_lambda is not None and not cfg.objective.orpo_lambda >= 0, "--orpo_lambda must be >= 0"),
     ]

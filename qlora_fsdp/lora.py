@@ -16,6 +16,7 @@ from qlora_fsdp.compat import peft_rewrites_target
 from qlora_fsdp.config import LoraConfig
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.quant.experts import FUSED, ExpertAdapter, QuantizedExperts, is_projection, router_gates
+from qlora_fsdp.vision import split_vision_targets, vision_parts
 
 log = logging.getLogger(__name__)
 
@@ -26,10 +27,11 @@ def adapts_experts(spec: str) -> bool:
     return spec.strip() == "all" or "experts" in names
 
 
-def target_modules(spec: str, model: nn.Module) -> list[str]:
-    """`all`: the names of every linear layer (plain or quantized: both are nn.Linear) except the output head, the
-    routing gates and the per-expert layers (adapted through their fused parameters instead); else the listed
-    names, less `experts`. A listed name that would put PEFT's LoRA on a router it cannot wrap is refused."""
+def target_modules(spec: str, model: nn.Module, *, within: str = "") -> list[str]:
+    """`all`: the names of every linear layer under `within` (plain or quantized: both are nn.Linear) except the
+    output head, the routing gates and the per-expert layers (adapted through their fused parameters instead); else
+    the listed names, less `experts`. A listed name that would put PEFT's LoRA on a router it cannot wrap is
+    refused."""
     gates = router_gates(model)
     if spec.strip() != "all":
         names = [name.strip() for name in spec.split(",") if name.strip() and name.strip() != "experts"]
@@ -40,7 +42,11 @@ def target_modules(spec: str, model: nn.Module) -> list[str]:
     adapted = [
         n
         for n, m in model.named_modules()
-        if isinstance(m, nn.Linear) and m is not head and n not in gates and not (inside and n.startswith(inside))
+        if isinstance(m, nn.Linear)
+        and n.startswith(within)
+        and m is not head
+        and n not in gates
+        and not (inside and n.startswith(inside))
     ]
     # PEFT matches names by their last part: one a gate shares with an adapted linear would adapt the gate too.
     return sorted({n.rpartition(".")[2] for n in adapted} - {g.rpartition(".")[2] for g in gates})
@@ -78,10 +84,13 @@ def inject_lora(model: nn.Module, cfg: LoraConfig, *, dtype: torch.dtype) -> nn.
             "--train_type dora: DoRA on routed experts is not supported; use --train_type lora, or name the modules "
             "to adapt in --lora_target_modules without `experts`"
         )
-    names = target_modules(cfg.lora_target_modules, model)
+    parts = vision_parts(model)
+    spec, vision_linears, exclude = split_vision_targets(cfg.lora_target_modules, parts, model)
+    names = target_modules(spec, model, within=f"{parts.language}." if parts else "") if spec else []
     renamed = peft_renamed(cfg.lora_target_modules, names, model)
-    names = [n for n in names if n not in renamed]
+    names = [n for n in names if n not in renamed] + vision_linears
     peft_config = PeftLoraConfig(
+        exclude_modules=exclude,
         r=cfg.lora_rank,
         lora_alpha=cfg.lora_alpha,
         lora_dropout=cfg.lora_dropout,

@@ -31,6 +31,7 @@ from qlora_fsdp.errors import UserError
 from qlora_fsdp.quant import QuantBackend
 from qlora_fsdp.quant.base import QuantizedLinear, QuantizedWeight
 from qlora_fsdp.quant.experts import FUSED, QuantizedExperts, replace_experts, router_gates
+from qlora_fsdp.vision import auto_model_class, vision_parts
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +180,7 @@ def _params_on_meta() -> Iterator[None]:
 def meta_model(path: Path, *, dtype: torch.dtype, trust_remote_code: bool, attention: str = "sdpa") -> nn.Module:
     """The architecture from config.json with every parameter on meta (no memory, no init cost), attending with
     the `attention` implementation of transformers (sdpa; flash_attention_2 for packed rows where it runs)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -188,9 +189,10 @@ def meta_model(path: Path, *, dtype: torch.dtype, trust_remote_code: bool, atten
             f"--model {path}: config.json is not a known architecture ({str(exc).splitlines()[0]})"
         ) from None
     config.use_cache = False
+    auto_class = auto_model_class(config, where=str(path))
     with _params_on_meta():
         try:
-            model = AutoModelForCausalLM.from_config(
+            model = auto_class.from_config(
                 config, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation=attention
             )
         except ValueError as exc:
@@ -198,7 +200,7 @@ def meta_model(path: Path, *, dtype: torch.dtype, trust_remote_code: bool, atten
                 raise
             # An architecture without sdpa (GPT-OSS, say) attends as transformers itself would load it: eagerly.
             log.warning("--model %s: %s attention is not supported by this architecture; using eager", path, attention)
-            model = AutoModelForCausalLM.from_config(
+            model = auto_class.from_config(
                 config, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="eager"
             )
     fix_latent_attention(model)
@@ -269,6 +271,9 @@ def build_skeleton(
     layer_classes = decoder_layer_classes(model)
     head = model.get_output_embeddings()
     head_name = next((n for n, m in model.named_modules() if m is head), None)
+    parts = vision_parts(model)
+    if parts is not None:  # an image-text model's vision tower and projector stay in full precision by default
+        full_precision_prefixes += parts.unquantized(quantize_vision=cfg.quantize_vision)
     if backend is not None:
         # The output head stays in full precision: small next to the body and sensitive to quantization error; so
         # do the gates that route tokens.

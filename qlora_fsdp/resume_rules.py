@@ -20,7 +20,7 @@ from qlora_fsdp.config import TrainConfig
 MUST_MATCH: tuple[str, ...] = (
     # The base model (recorded as a fingerprint of its config and weights) and how it is quantized.
     "model", "quant", "bnb_quant_type", "bnb_double_quant", "hqq_bits", "hqq_group_size", "compute_dtype",
-    "precision",
+    "precision", "quantize_vision",
     # The trained state's shapes and meaning: another scaling or dropout trains another function of the weights.
     "train_type", "lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "optimizer", "objective",
     # The rows and their order: another value trains on other tokens or in another order.

@@ -66,6 +66,9 @@ def parse_messages(turns: Any, where: str, key: str = "messages") -> list[tuple[
             raise UserError(f"{at}: {role_key!r} must be a string, got {type(role).__name__} ({_ROLE_HELP[key]})")
         if role not in _ROLES:
             raise UserError(f"{at}: unknown role {role!r}; {_ROLE_HELP[key]}")
+        if isinstance(content, list):  # TRL's vision rows: a list of {"type": "image"} and {"type": "text"} items
+            raise UserError(f"{at}: {content_key!r} is a list of parts, as in rows with images, which training does "
+                            "not take yet (docs/vision.md); give each turn's content as a string")  # fmt: skip
         if not isinstance(content, str):
             raise UserError(f"{at}: {content_key!r} must be a string, got {type(content).__name__}")
         messages.append((_ROLES[role], content))

@@ -20,28 +20,28 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
-from qlora_fsdp.config import LoraConfig, ModelConfig, QuantConfig
-from qlora_fsdp.data.formats import IGNORE_INDEX, load_examples, pad_token_id
-from qlora_fsdp.data.rows import collate, fit_examples
-from qlora_fsdp.lora import adapter_keys, init_adapters, inject_lora, lora_layers
-from qlora_fsdp.manifest import intra_op_threads, layer_digests, read_manifest
 from qlora_fsdp.metrics import read_metrics
-from qlora_fsdp.model import Skeleton, build_skeleton, load_model, load_tokenizer
-from qlora_fsdp.quant import make_backend
-from qlora_fsdp.quant.base import QuantizedLinear
+from qlora_fsdp.model import Skeleton
 from qlora_fsdp.quant.experts import QuantizedExperts
+from tests import parity
 from tests.conftest import train
 from tests.moe_models import FAMILIES
+from tests.parity import (
+    check_quantized_like,
+    dequantized_transformers_model,
+    initial_adapter,
+    label_loss_sum,
+    quantized_base,
+    trainable_grad_norm,
+)
 
 pytestmark = pytest.mark.distributed
 
 STEPS = 12
 RANK, ALPHA, SEED, CONTEXT = 8, 16, 7, 96
-CPU = torch.device("cpu")
 # Exactly two rows: 2 ranks x batch 1 take the whole file in every step, whatever order the sampler draws. Both fit
 # the context whole (checked), and their prompts are unlabelled: 10 and 11 label tokens with the tiny tokenizer.
 ROWS = [
@@ -127,42 +127,6 @@ def moe_run(
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def make_quant_backend(quant: str):
-    return make_backend(QuantConfig(quant=quant), storage_dtype=torch.uint8, compute_dtype=torch.float32)
-
-
-def initial_adapter(model: Path, quant: str) -> dict[str, torch.Tensor]:
-    """The adapter training starts from, under the keys PEFT saves it by.
-
-    Built as trainer._build_model builds it (skeleton on meta, inject_lora, adapter_keys), and initialised as it is
-    once each decoder layer has loaded: init_adapters on the layer's adapters, drawn from (seed, layer name), B zero.
-    Only the adapters are given memory here; the base stays on meta.
-    """
-    skeleton = build_skeleton(
-        ModelConfig(model=str(model)), backend=make_quant_backend(quant), param_dtype=torch.float32, adapt_experts=True
-    )
-    lora = LoraConfig(lora_rank=RANK, lora_alpha=ALPHA, lora_dropout=0.0, lora_target_modules="all")
-    peft_model = inject_lora(skeleton.model, lora, dtype=torch.float32)
-    keys = adapter_keys(peft_model)
-    inside: set[int] = set()
-    for name, layer in skeleton.units.items():
-        layers = lora_layers(layer)
-        for adapter in layers:
-            adapter.to_empty(device=CPU)
-            inside.add(id(adapter))
-        init_adapters(layers, seed=SEED, name=name)
-    outside = [m for m in lora_layers(peft_model) if id(m) not in inside]
-    for adapter in outside:
-        adapter.to_empty(device=CPU)
-    init_adapters(outside, seed=SEED, name="")
-    values = {}
-    for module, names in keys.items():
-        for attr, key in names.items():
-            values[key] = getattr(module, attr).detach().clone()
-    assert any(".experts." in key for key in values), "no adapter on the experts"
-    return values
-
-
 @dataclass
 class Reference:
     base: Skeleton
@@ -176,75 +140,23 @@ _REFERENCES: dict[tuple[str, str], Reference] = {}
 
 def reference(run: Run) -> Reference:
     key = (run.family, run.quant)
-    manifest = read_manifest(run.out)
-    assert manifest is not None
     if key not in _REFERENCES:
-        # HQQ's optimizer on the CPU gives other bytes with another thread count: quantize with training's.
-        with intra_op_threads(manifest.cpu_threads):
-            base = load_model(
-                ModelConfig(model=str(run.model)),
-                backend=make_quant_backend(run.quant),
-                device=CPU,
-                param_dtype=torch.float32,
-            )
-        _REFERENCES[key] = Reference(base, initial_adapter(run.model, run.quant))
+        initial = initial_adapter(run.model, run.quant, rank=RANK, alpha=ALPHA, seed=SEED)
+        assert any(".experts." in key for key in initial), "no adapter on the experts"
+        _REFERENCES[key] = Reference(quantized_base(run.model, run.quant, run.out), initial)
     ref = _REFERENCES[key]
-    # The premise of every comparison: this process holds the bytes the ranks trained on.
-    assert sorted(manifest.layers) == sorted(ref.base.quantized)
-    differ = [n for n in ref.base.quantized if layer_digests(ref.base.model.get_submodule(n)) != manifest.layers[n]]
-    assert not differ, f"the reference quantized other bytes than training did: {differ[:3]}"
+    check_quantized_like(ref.base, run.out)
     return ref
 
 
 def transformers_base(run: Run, base: Skeleton) -> nn.Module:
-    """transformers' own model of the checkpoint (fp32) with every quantized weight replaced by its dequantization:
-    each quantized linear's into its `weight`, each expert's into its slice of the fused `gate_up_proj`/`down_proj`."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(run.model, dtype=torch.float32)
-    experts = {n: m for n, m in base.model.named_modules() if isinstance(m, QuantizedExperts)}
-    inside = tuple(f"{n}." for n in experts)
-    placed = 0
-    with torch.no_grad():
-        for name, module in experts.items():
-            fused = model.get_submodule(name)
-            for attr, layers in (("gate_up_proj", module.gate_up), ("down_proj", module.down)):
-                weight = torch.stack([layer.dequantize() for layer in layers])
-                assert getattr(fused, attr).shape == weight.shape, (name, attr)
-                getattr(fused, attr).copy_(weight)
-                placed += len(layers)
-        for name, module in base.model.named_modules():
-            if isinstance(module, QuantizedLinear) and not name.startswith(inside):
-                target = model.get_submodule(name).weight
-                assert target.shape == (module.out_features, module.in_features), name
-                target.copy_(module.dequantize())
-                placed += 1
-    assert experts and placed == len(base.quantized)
+    model = dequantized_transformers_model(run.model, base)
+    assert any(isinstance(m, QuantizedExperts) for m in base.model.modules()), "no quantized experts"
     return model
 
 
 def step_batches(run: Run) -> list[dict[str, torch.Tensor]]:
-    """The two rows tokenized and masked as training does, each padded as a batch of one (what each rank gets)."""
-    tokenizer = load_tokenizer(run.model)
-    examples = load_examples(str(run.data))
-    samples, stats = fit_examples(examples, tokenizer, context_length=CONTEXT, train_on_inputs=False)
-    assert stats.samples == 2 and not stats.truncated and not stats.dropped, stats
-    pad = pad_token_id(tokenizer)
-    return [
-        collate([{"input_ids": ids, "labels": labels}], pad_id=pad, context_length=CONTEXT, pad_to_context=False)
-        for ids, labels in samples
-    ]
-
-
-def label_loss_sum(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
-    """Summed next-token cross-entropy over the label tokens of `batch`, from the model's whole logits, and their
-    count."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
-    labels = batch["labels"][:, 1:]
-    loss = F.cross_entropy(
-        logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
-    return loss, int((labels != IGNORE_INDEX).sum())
+    return parity.step_batches(run.model, run.data, context=CONTEXT, rows=2)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -274,15 +186,13 @@ def test_first_step_matches_transformers_with_peft(moe_run: Run) -> None:
     assert not incompatible.unexpected_keys, incompatible.unexpected_keys
     assert not [k for k in incompatible.missing_keys if "lora_" in k], incompatible.missing_keys
     first = moe_run.steps[0]
-    trainable = [p for p in peft_model.parameters() if p.requires_grad]
-    assert sum(p.numel() for p in trainable) == first["trainable_parameters"]
+    assert sum(p.numel() for p in peft_model.parameters() if p.requires_grad) == first["trainable_parameters"]
 
     peft_model.train()
     sums, counts = zip(*(label_loss_sum(peft_model, batch) for batch in step_batches(moe_run)), strict=True)
     loss = sum(sums) / sum(counts)
     loss.backward()
-    assert all(p.grad is not None for p in trainable), "an adapter of the reference is not in its graph"
-    grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in trainable])).item()
+    grad_norm = trainable_grad_norm(peft_model)
 
     assert first["label_tokens"] == sum(counts)
     assert first["loss"] == pytest.approx(loss.item(), rel=1e-5), f"loss: run {first['loss']}, reference {loss}"

@@ -270,6 +270,11 @@ def _one_line_error(path: Path, tokenizer=None, **kwargs) -> str:
         ({"messages": [{"role": "user", "content": None}]}, r"row 2 messages\[1\]: 'content' must be a string"),
         ({"conversations": [{"value": "hi"}]}, r"row 2 conversations\[1\]: 'from' must be a string, got NoneType"),
         ({"messages": ["hi"]}, r"row 2 messages\[1\]: expected an object with 'role' and 'content', got str"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]}],
+             "images": ["red.png"]},
+            r"row 2 messages\[1\]: 'content' is a list of parts, as in rows with images, which training does not",
+        ),
     ],
 )
 def test_bad_chat_rows_name_file_and_row(tmp_path: Path, row: dict, expected: str) -> None:

@@ -1,0 +1,91 @@
+"""Image-text models on the meta device: which class builds them, their parts, what --lora_target_modules adapts,
+and the one-line refusal of a model that is neither a causal LM nor an image-text model."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from qlora_fsdp.config import LoraConfig, ModelConfig
+from qlora_fsdp.errors import UserError
+from qlora_fsdp.lora import inject_lora
+from qlora_fsdp.model import build_skeleton, meta_model
+from qlora_fsdp.vision import VisionParts, split_vision_targets, vision_parts
+from tests.parity import make_quant_backend
+from tests.vlm_models import build_vlm
+
+
+@pytest.fixture(scope="module")
+def vlms(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("vlm-unit")
+    return {f: build_vlm(f, root / f, tokenizer_from=tiny_model) for f in ("qwen2_vl", "llava")}
+
+
+def test_parts_of_each_family(vlms: dict[str, Path]) -> None:
+    qwen = meta_model(vlms["qwen2_vl"], dtype=torch.float32, trust_remote_code=False)
+    llava = meta_model(vlms["llava"], dtype=torch.float32, trust_remote_code=False)
+    assert type(qwen).__name__ == "Qwen2VLForConditionalGeneration"
+    assert vision_parts(qwen) == VisionParts("model.language_model", ("model.visual",), ())
+    parts = vision_parts(llava)
+    assert (parts.language, parts.tower, parts.projector) == (
+        "model.language_model",
+        ("model.vision_tower",),
+        ("model.multi_modal_projector",),
+    )
+    assert parts.unquantized(quantize_vision=True) == ("model.multi_modal_projector.",)
+
+
+def test_quantize_vision_quantizes_the_tower_but_not_the_projector(vlms: dict[str, Path]) -> None:
+    def quantized(flag: bool) -> list[str]:
+        cfg = ModelConfig(model=str(vlms["llava"]), quantize_vision=flag)
+        return build_skeleton(cfg, backend=make_quant_backend("bnb"), param_dtype=torch.float32).quantized
+
+    off, on = quantized(False), quantized(True)
+    assert off and all(n.startswith("model.language_model.") for n in off)
+    tower = [n for n in on if n.startswith("model.vision_tower.")]
+    assert tower and set(on) == set(off) | set(tower)
+    assert not any(n.startswith("model.multi_modal_projector.") for n in on)
+
+
+@pytest.mark.parametrize(
+    ("spec", "adapted_vision", "excluded"),
+    [
+        ("all", (), ("model.vision_tower", "model.multi_modal_projector")),
+        ("q_proj,v_proj", (), ("model.vision_tower", "model.multi_modal_projector")),
+        ("all,multi_modal_projector", ("model.multi_modal_projector",), ("model.vision_tower",)),
+        ("q_proj,vision_tower,model.multi_modal_projector", ("model.vision_tower", "model.multi_modal_projector"), ()),
+    ],
+)
+def test_lora_targets_name_the_language_model_unless_a_vision_part_is_named(
+    vlms: dict[str, Path], spec: str, adapted_vision: tuple[str, ...], excluded: tuple[str, ...]
+) -> None:
+    """A name the language model shares with the vision tower (q_proj) adapts the language model only; naming a
+    part (by attribute or qualified name) adapts every linear in it, as PEFT itself builds it from the config."""
+    skeleton = build_skeleton(ModelConfig(model=str(vlms["llava"])), backend=None, param_dtype=torch.float32)
+    model = skeleton.model
+    _, _, exclude = split_vision_targets(spec, vision_parts(model), model)
+    linears = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    peft_model = inject_lora(model, LoraConfig(lora_target_modules=spec, lora_rank=4), dtype=torch.float32)
+    adapted = {n.removeprefix("base_model.model.").removesuffix(".lora_A") for n, _ in peft_model.named_modules()
+               if n.endswith(".lora_A")}  # fmt: skip
+    vision = {n for n in adapted if not n.startswith("model.language_model.")}
+    assert vision == {n for n in linears if adapted_vision and n.startswith(adapted_vision)}
+    assert any(n.startswith("model.language_model.") and n.endswith("q_proj") for n in adapted)
+    for part in excluded:  # what PEFT is told to leave out, so that PEFT onto transformers' model builds the same
+        assert exclude and all(re.fullmatch(exclude, n) for n in linears if n.startswith(f"{part}."))
+    assert (exclude is None) == (not excluded)
+
+
+def test_a_model_that_is_neither_causal_nor_image_text_is_refused_in_one_line(tmp_path: Path) -> None:
+    from transformers import ViTConfig
+
+    ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64).save_pretrained(
+        tmp_path
+    )
+    with pytest.raises(UserError, match=r"ViTConfig is neither a causal language model nor an image-text model") as exc:
+        meta_model(tmp_path, dtype=torch.float32, trust_remote_code=False)
+    assert "\n" not in str(exc.value)

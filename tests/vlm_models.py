@@ -1,0 +1,83 @@
+"""Tiny random image-text models in the layouts transformers saves them in, with the tiny Llama's tokenizer plus the
+family's image tokens: Qwen2-VL (its own vision transformer, M-RoPE) and LLaVA (CLIP + Llama, saved under the
+names from before transformers 5, which loading converts)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+FAMILIES = ("qwen2_vl", "llava")
+IMAGE_TOKENS = {
+    "qwen2_vl": ["<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|video_pad|>"],
+    "llava": ["<image>"],
+}
+TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+def vlm_config(family: str, *, vocab_size: int, ids: dict[str, int], tokens: dict[str, int]):  # -> PretrainedConfig
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, Qwen2VLConfig
+
+    if family == "qwen2_vl":
+        pad, start, end, video = (tokens[t] for t in IMAGE_TOKENS[family])
+        text = dict(
+            TEXT,
+            vocab_size=vocab_size,
+            max_position_embeddings=512,
+            **ids,
+            rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+        )
+        vision = dict(
+            depth=2,
+            embed_dim=32,
+            hidden_size=64,
+            num_heads=2,
+            mlp_ratio=2,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            in_chans=3,
+        )
+        return Qwen2VLConfig(
+            text_config=text,
+            vision_config=vision,
+            image_token_id=pad,
+            video_token_id=video,
+            vision_start_token_id=start,
+            vision_end_token_id=end,
+            tie_word_embeddings=False,
+        )
+    if family == "llava":
+        return LlavaConfig(
+            text_config=LlamaConfig(vocab_size=vocab_size, **TEXT, **ids),
+            vision_config=CLIPVisionConfig(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                image_size=28,
+                patch_size=14,
+            ),
+            image_token_index=tokens["<image>"],
+            tie_word_embeddings=False,
+        )
+    raise ValueError(f"unknown family {family}")
+
+
+def build_vlm(family: str, out: Path, *, tokenizer_from: Path, seed: int = 0) -> Path:
+    """Save a random `family` model (transformers' own initialisation) to `out` with `tokenizer_from`'s tokenizer
+    and the family's image tokens added to it."""
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
+    tokenizer.add_special_tokens({"additional_special_tokens": IMAGE_TOKENS[family]})
+    vocab_size = max(json.loads((tokenizer_from / "config.json").read_text())["vocab_size"], len(tokenizer))
+    ids = {f"{t}_token_id": getattr(tokenizer, f"{t}_token_id") for t in ("bos", "eos", "pad")}
+    tokens = {t: tokenizer.convert_tokens_to_ids(t) for t in IMAGE_TOKENS[family]}
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(vlm_config(family, vocab_size=vocab_size, ids=ids, tokens=tokens))
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
