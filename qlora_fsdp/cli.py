@@ -50,13 +50,16 @@ def preprocess(config: str | None = None, **flags: Any) -> None:
                             "is no cache to build (drop the flag to build one)")  # fmt: skip
         import torch
 
+        from qlora_fsdp.data.images import load_image_inputs
         from qlora_fsdp.data.loader import prepare_caches
         from qlora_fsdp.distributed import DistEnv
         from qlora_fsdp.model import load_tokenizer, resolve_model_path
 
-        tokenizer = load_tokenizer(resolve_model_path(cfg.model.model))
+        path = resolve_model_path(cfg.model.model)
+        tokenizer, images = load_tokenizer(path), load_image_inputs(path)
         alone = DistEnv(0, 0, 1, 1, torch.device("cpu"), "gloo")
-        for cache, built in prepare_caches(cfg.data, cfg.eval, tokenizer, alone, pairs=cfg.objective.pairs):
+        caches = prepare_caches(cfg.data, cfg.eval, tokenizer, alone, pairs=cfg.objective.pairs, images=images)
+        for cache, built in caches:
             print(cache.describe(built), flush=True)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)

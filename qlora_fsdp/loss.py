@@ -31,6 +31,7 @@ from torch.utils.checkpoint import checkpoint
 from qlora_fsdp.data import IGNORE_INDEX
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.lora import adapters_off
+from qlora_fsdp.vision import hidden_states_model
 
 LM_PREFIX = "lm."
 """What the root's state dict puts before the wrapped model's names."""
@@ -67,11 +68,12 @@ class CausalLMLoss(nn.Module):
         token_mask: torch.Tensor | None = None,
         per_row: bool = False,
         adapters: bool = True,
+        **images: torch.Tensor,
     ) -> torch.Tensor:
         """`token_mask`: which positions are tokens rather than padding, where `attention_mask` is not given (packed
-        rows); only the router's loss reads it."""
+        rows); only the router's loss reads it. `images`: an image-text model's image inputs (pixel_values, ...)."""
         with contextlib.nullcontext() if adapters else adapters_off(self.lm):
-            return self._loss(input_ids, labels, attention_mask, position_ids, token_mask, per_row=per_row)
+            return self._loss(input_ids, labels, attention_mask, position_ids, token_mask, per_row=per_row, **images)
 
     def _loss(
         self,
@@ -82,9 +84,10 @@ class CausalLMLoss(nn.Module):
         token_mask: torch.Tensor | None,
         *,
         per_row: bool,
+        **images: torch.Tensor,
     ) -> torch.Tensor:
         inputs: dict[str, Any] = dict(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **images
         )
         router = self.router if self.training and torch.is_grad_enabled() else None
         if router is not None:
@@ -100,7 +103,7 @@ class CausalLMLoss(nn.Module):
             out = self.lm(**inputs)
             loss = full_loss_sum(out.logits, labels, per_row=per_row)
         else:
-            out = self.lm.get_decoder()(**inputs)
+            out = hidden_states_model(self.lm)(**inputs)
             loss = chunked_loss_sum(
                 out.last_hidden_state, head, labels, chunk_tokens=self.chunk_tokens, per_row=per_row
             )

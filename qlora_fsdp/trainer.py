@@ -32,6 +32,7 @@ from qlora_fsdp.checkpoint import (
     save_trained_blocks,
 )
 from qlora_fsdp.config import OptimConfig, OutputConfig, TrainConfig
+from qlora_fsdp.data.images import load_image_inputs
 from qlora_fsdp.data.loader import build_loaders
 from qlora_fsdp.distributed import DistEnv, broadcast_object, gather_ints, init_distributed, teardown
 from qlora_fsdp.errors import UserError
@@ -233,6 +234,7 @@ def _run(
     precision = PRECISIONS[cfg.fsdp.precision]
     torch.manual_seed(cfg.optim.seed)
     tokenizer = load_tokenizer(model_path)
+    images = load_image_inputs(model_path)
     sequence = sequence_groups(env)
     loader, eval_loader = build_loaders(
         cfg.data,
@@ -244,6 +246,7 @@ def _run(
         pairs=cfg.objective.pairs,
         accumulation=cfg.optim.gradient_accumulation_steps,
         split=None if sequence is None else functools.partial(split_rows, size=sequence.size, index=sequence.index),
+        images=images,
     )
     attention = attention_implementation(packing=cfg.data.packing, device=env.device, dtype=precision.compute_dtype)
     varlen = attention == FLASH_ATTENTION and sequence is None

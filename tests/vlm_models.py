@@ -14,6 +14,13 @@ IMAGE_TOKENS = {
     "qwen2_vl": ["<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|video_pad|>"],
     "llava": ["<image>"],
 }
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m.role }}|>\n{% if m.content is string %}{{ m.content }}{% else %}"
+    "{% for p in m.content %}{% if p.type == 'image' %}IMAGE{% else %}{{ p.text }}{% endif %}{% endfor %}"
+    "{% endif %}<|endoftext|>\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+"""A chat template writing each image part as the family's placeholder (IMAGE is replaced)."""
+PLACEHOLDERS = {"qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>", "llava": "<image>"}
 TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 
 
@@ -79,5 +86,39 @@ def build_vlm(family: str, out: Path, *, tokenizer_from: Path, seed: int = 0) ->
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(vlm_config(family, vocab_size=vocab_size, ids=ids, tokens=tokens))
     model.save_pretrained(out)
+    tokenizer.chat_template = CHAT_TEMPLATE.replace("IMAGE", PLACEHOLDERS[family])
     tokenizer.save_pretrained(out)
+    processor = make_processor(family, tokenizer)
+    if processor is not None:
+        processor.save_pretrained(out)
     return out
+
+
+def make_processor(family: str, tokenizer):  # -> ProcessorMixin | None
+    """The family's processor for 28 x 28 images (LLaVA: 4 patches of 14; Qwen2-VL: 4 patches merged into one
+    token), or None where it needs torchvision and that is not installed (Qwen2-VL's video processor)."""
+    import importlib.util
+
+    from transformers import CLIPImageProcessor, LlavaProcessor, Qwen2VLImageProcessor, Qwen2VLProcessor
+
+    if family == "llava":
+        images = CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+        return LlavaProcessor(
+            image_processor=images,
+            tokenizer=tokenizer,
+            patch_size=14,
+            num_additional_image_tokens=1,
+            vision_feature_select_strategy="default",
+            chat_template=tokenizer.chat_template,
+        )
+    if importlib.util.find_spec("torchvision") is None:
+        return None
+    from transformers import Qwen2VLVideoProcessor
+
+    images = Qwen2VLImageProcessor(min_pixels=28 * 28, max_pixels=28 * 28 * 4, patch_size=14, merge_size=2)
+    return Qwen2VLProcessor(
+        image_processor=images,
+        tokenizer=tokenizer,
+        video_processor=Qwen2VLVideoProcessor(),
+        chat_template=tokenizer.chat_template,
+    )

@@ -43,17 +43,19 @@ from qlora_fsdp.data.formats import (
     learned_tokens,
     special_prefix,
 )
+from qlora_fsdp.data.images import ImageInputs
 from qlora_fsdp.data.rows import FitStats, fit_pair, fit_sample
-from qlora_fsdp.data.sources import read_rows, source_identity, source_names
+from qlora_fsdp.data.sources import read_rows, source_identity, source_names, source_root
 from qlora_fsdp.errors import UserError
 
 logger = logging.getLogger(__name__)
 
-CACHE_VERSION = 2
+CACHE_VERSION = 3
 """Part of every key: raise it when encoding changes what a cached row holds."""
-_CUT = {"whole": 0, "truncated": 1, "split": 2, "no_reply": 3, "identical": 4, "empty": 5}
+_CUT = {"whole": 0, "truncated": 1, "split": 2, "no_reply": 3, "identical": 4, "empty": 5, "images_too_long": 6}
 """How a row's sample was cut; "no_reply": a conversation without an assistant turn to learn (nothing to cut);
-"identical" and "empty": a preference pair dropped for its replies."""
+"identical" and "empty": a preference pair dropped for its replies; "images_too_long": a row with images longer than
+the context, dropped (cutting it could cut an image's tokens short)."""
 PREFERENCE = "preference"
 """CacheSpec.objective of every preference objective: they all read the same pairs."""
 
@@ -103,8 +105,8 @@ def tokenizer_identity(tokenizer: Any) -> str:
     return digest.hexdigest()
 
 
-def cache_key(spec: CacheSpec, tokenizer: Any) -> tuple[str, dict[str, Any]]:
-    """(key, what it fingerprints): the same key means the same rows."""
+def cache_key(spec: CacheSpec, tokenizer: Any, images: ImageInputs | None = None) -> tuple[str, dict[str, Any]]:
+    """(key, what it fingerprints): the same key means the same rows (an image's tokens depend on the processor)."""
     from importlib.metadata import version
 
     flags = {k: v for k, v in asdict(spec).items() if k != "dataset"}  # the sources stand for it, by absolute path
@@ -113,6 +115,7 @@ def cache_key(spec: CacheSpec, tokenizer: Any) -> tuple[str, dict[str, Any]]:
         **flags,
         "sources": [source_identity(name) for name in source_names(spec.dataset)],
         "tokenizer": tokenizer_identity(tokenizer),
+        "images": images.identity() if images is not None else None,
         # They decide how text becomes tokens and how a chat template renders.
         "libraries": {lib: version(lib) for lib in ("tokenizers", "transformers", "jinja2")},
     }
@@ -129,7 +132,8 @@ def _records(names: tuple[str, ...], samples: int, prompt_style: str, pairs: boo
     index = 0
     for source, name in enumerate(names):
         first = index
-        for record in examples_of(read_rows(name, samples=samples), prompt_style=prompt_style, pairs=pairs):
+        rows = read_rows(name, samples=samples)
+        for record in examples_of(rows, prompt_style=prompt_style, pairs=pairs, root=source_root(name)):
             yield {**record, "source": source, "source_row": index}
             index += 1
         if index == first:
@@ -137,28 +141,34 @@ def _records(names: tuple[str, ...], samples: int, prompt_style: str, pairs: boo
 
 
 _ROW_COLUMNS = ("input_ids", "labels", "rejected_input_ids", "rejected_labels", "length", "label_tokens", "source",
-                "source_row", "cut")  # fmt: skip
+                "source_row", "cut", "images")  # fmt: skip
 
 
-def _encode(batch: dict[str, list[Any]], tokenizer: Any, spec: CacheSpec) -> dict[str, list[Any]]:
+def _encode(
+    batch: dict[str, list[Any]], tokenizer: Any, spec: CacheSpec, images: ImageInputs | None = None
+) -> dict[str, list[Any]]:
     """datasets.map's function: a batch of examples -> their samples (pieces), dropped ones with length 0."""
     examples = [from_record({k: batch[k][i] for k in RECORD_COLUMNS}) for i in range(len(batch["where"]))]
     out: dict[str, list[Any]] = {k: [] for k in _ROW_COLUMNS}
     if spec.pairs:
         _encode_pairs(examples, batch, tokenizer, spec, out)
         return out
-    encoded = encode_examples(examples, tokenizer, train_on_inputs=spec.train_on_inputs)
+    encoded = encode_examples(examples, tokenizer, train_on_inputs=spec.train_on_inputs, images=images)
     for i, sample in enumerate(encoded):
+        paths = list(getattr(examples[i], "images", ()))
+        if paths and len(sample[0]) > spec.context_length:
+            _append(out, batch, i, ([], []), ([], []), "images_too_long")
+            continue
         kept, how, dropped = fit_sample(sample, spec.context_length, split=spec.packing_split)
         how = how if sample[0] else "no_reply"
         pieces: list[Sample] = [*kept, *[([], [])] * dropped]
         for ids, labels in pieces:
-            _append(out, batch, i, (ids, labels), ([], []), how)
+            _append(out, batch, i, (ids, labels), ([], []), how, paths)
     return out
 
 
 def _append(out: dict[str, list[Any]], batch: dict[str, list[Any]], i: int, sample: Sample, rejected: Sample,
-            how: str) -> None:  # fmt: skip
+            how: str, images: list[str] | None = None) -> None:  # fmt: skip
     out["input_ids"].append(sample[0])
     out["labels"].append(sample[1])
     out["rejected_input_ids"].append(rejected[0])
@@ -168,6 +178,7 @@ def _append(out: dict[str, list[Any]], batch: dict[str, list[Any]], i: int, samp
     out["source"].append(batch["source"][i])
     out["source_row"].append(batch["source_row"][i])
     out["cut"].append(_CUT[how])
+    out["images"].append(images or [])
 
 
 def _encode_pairs(examples: list[Any], batch: dict[str, list[Any]], tokenizer: Any, spec: CacheSpec,
@@ -196,7 +207,7 @@ def _auto_procs(rows: int) -> int:
     return max(1, min(os.cpu_count() or 1, 16, rows // 5000))
 
 
-def _build(spec: CacheSpec, tokenizer: Any, work: Path, num_proc: int) -> dict[str, Any]:
+def _build(spec: CacheSpec, tokenizer: Any, images: ImageInputs | None, work: Path, num_proc: int) -> dict[str, Any]:
     """Tokenize into `work`/rows; returns the summary written beside them."""
     import datasets
     from datasets.exceptions import DatasetGenerationError
@@ -236,6 +247,7 @@ def _build(spec: CacheSpec, tokenizer: Any, work: Path, num_proc: int) -> dict[s
             **{k: datasets.Value("int32") for k in ("length", "label_tokens", "source")},
             "source_row": datasets.Value("int64"),
             "cut": datasets.Value("int8"),
+            "images": datasets.Sequence(datasets.Value("string")),
         }
     )
     (work / "encoded").mkdir()
@@ -246,7 +258,7 @@ def _build(spec: CacheSpec, tokenizer: Any, work: Path, num_proc: int) -> dict[s
         num_proc=procs if procs > 1 else None,
         remove_columns=records.column_names,
         features=row_features,
-        fn_kwargs={"tokenizer": tokenizer, "spec": spec},
+        fn_kwargs={"tokenizer": tokenizer, "spec": spec, "images": images},
         cache_file_name=str(work / "encoded" / "rows.arrow"),
         new_fingerprint=work.name,
     )
@@ -256,6 +268,7 @@ def _build(spec: CacheSpec, tokenizer: Any, work: Path, num_proc: int) -> dict[s
         "sources": dict(zip(names, per_source.tolist(), strict=True)),
         "examples": len(records),
         "pairs": spec.pairs,
+        "images": images_identity(rows),
         **asdict(_stats(_counts(rows), len(records))),
         "bytes": sum(f.stat().st_size for f in (work / "rows").rglob("*") if f.is_file()),
         "build_s": round(time.perf_counter() - started, 2),
@@ -265,6 +278,39 @@ def _build(spec: CacheSpec, tokenizer: Any, work: Path, num_proc: int) -> dict[s
     shutil.rmtree(work / "read", ignore_errors=True)
     shutil.rmtree(work / "encoded", ignore_errors=True)
     return summary
+
+
+def images_identity(rows: Any) -> str | None:
+    """A digest of every image the rows hold (path, size, modification time), None without images: the cache is
+    keyed by its rows' sources, and a row's image tokens also depend on its image files."""
+    paths = sorted({path for paths in rows.data.column("images").to_pylist() for path in paths or ()})
+    if not paths:
+        return None
+    stats = [(path, *_stat(path)) for path in paths]
+    return hashlib.sha256(json.dumps(stats).encode()).hexdigest()
+
+
+def _stat(path: str) -> tuple[int, int]:
+    try:
+        info = os.stat(path)
+    except OSError:
+        return (-1, -1)
+    return info.st_size, info.st_mtime_ns
+
+
+def _current(final: Path) -> bool:
+    """Whether a complete cache at `final` still describes its image files (a cache without images always does)."""
+    if not (final / "summary.json").is_file():
+        return False
+    recorded = json.loads((final / "summary.json").read_text()).get("images")
+    if recorded is None:
+        return True
+    import datasets
+
+    if images_identity(datasets.load_from_disk(str(final / "rows"))) == recorded:
+        return True
+    logger.info("the images of the tokenized cache %s changed since it was built: building it again", final)
+    return False
 
 
 _COUNTS = ("length", "label_tokens", "source_row", "cut")
@@ -290,6 +336,7 @@ def _stats(counts: dict[str, np.ndarray], examples: int, keep: np.ndarray | None
         label_tokens=int(label_tokens[valid].sum()),
         identical=int((chosen & (cut == _CUT["identical"])).sum()),
         empty=int((chosen & (cut == _CUT["empty"])).sum()),
+        images_too_long=int((chosen & (cut == _CUT["images_too_long"])).sum()),
     )
 
 
@@ -315,9 +362,13 @@ class Samples(Sequence):
         sample = row["input_ids"], row["labels"]
         return (sample, (row["rejected_input_ids"], row["rejected_labels"])) if self.pairs else sample
 
+    def images(self, index: int) -> list[str]:
+        """The paths of the images a sample's image tokens stand for, in order."""
+        return list(self._rows[index]["images"] or [])
+
 
 def _sample_columns(pairs: bool) -> list[str]:
-    return list(_ROW_COLUMNS[: 4 if pairs else 2])
+    return [*_ROW_COLUMNS[: 4 if pairs else 2], "images"]
 
 
 def arrow_samples(rows: Any, *, pairs: bool) -> Samples:
@@ -376,7 +427,9 @@ def _load(path: Path) -> TokenizedCache:
     return TokenizedCache(path, arrow_samples(rows, pairs=summary.get("pairs", False)), _counts(rows), summary)
 
 
-def tokenize_in_memory(spec: CacheSpec, tokenizer: Any, *, batch_size: int = 256) -> TokenizedCache:
+def tokenize_in_memory(
+    spec: CacheSpec, tokenizer: Any, images: ImageInputs | None = None, *, batch_size: int = 256
+) -> TokenizedCache:
     """The rows a cache of `spec` would hold, tokenized in this process by the same encoding and held in memory."""
     started = time.perf_counter()
     names = tuple(source_names(spec.dataset))
@@ -386,7 +439,7 @@ def tokenize_in_memory(spec: CacheSpec, tokenizer: Any, *, batch_size: int = 256
     while chunk := list(itertools.islice(records, batch_size)):
         for record in chunk:
             per_source[record["source"]] += 1
-        encoded = _encode({k: [r[k] for r in chunk] for k in chunk[0]}, tokenizer, spec)
+        encoded = _encode({k: [r[k] for r in chunk] for k in chunk[0]}, tokenizer, spec, images)
         for k, values in encoded.items():
             columns[k] += values
     counts = {k: np.asarray(columns.pop(k), dtype=np.int64) for k in _COUNTS}
@@ -425,15 +478,16 @@ def _cache_dir_error(root: Path, exc: OSError | NotImplementedError) -> UserErro
 
 
 def open_cache(
-    spec: CacheSpec, tokenizer: Any, *, cache_dir: str | Path = "", num_proc: int = 0
+    spec: CacheSpec, tokenizer: Any, images: ImageInputs | None = None, *, cache_dir: str | Path = "", num_proc: int = 0
 ) -> tuple[TokenizedCache, bool]:
-    """The cache for `spec` and this tokenizer, built here if no one has built it: (cache, built here)."""
+    """The cache for `spec` and this tokenizer (and image processor), built here if no one has built it: (cache,
+    built here)."""
     from filelock import FileLock, Timeout
 
-    key, what = cache_key(spec, tokenizer)
+    key, what = cache_key(spec, tokenizer, images)
     root = Path(cache_dir or default_cache_dir()).expanduser()
     final = root / key
-    if (final / "summary.json").is_file():  # complete (renamed into place whole): no lock needed to read it
+    if _current(final):  # complete (renamed into place whole): no lock needed to read it
         return _load(final), False
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -446,19 +500,26 @@ def open_cache(
     except (OSError, NotImplementedError) as exc:
         raise _cache_dir_error(root, exc) from None
     try:
-        if (final / "summary.json").is_file():
+        if _current(final):
             return _load(final), False
         for stale in root.glob(f"{key}.tmp-*"):
             if _stale(stale):
                 shutil.rmtree(stale, ignore_errors=True)
-        shutil.rmtree(final, ignore_errors=True)  # never complete (no summary.json): nobody can be reading it
-        return _build_aside(spec, tokenizer, root, key, what, num_proc)
+        # Never complete (no summary.json), or its images changed: rebuilt under the lock every builder takes.
+        shutil.rmtree(final, ignore_errors=True)
+        return _build_aside(spec, tokenizer, images, root, key, what, num_proc)
     finally:
         lock.release()
 
 
 def _build_aside(
-    spec: CacheSpec, tokenizer: Any, root: Path, key: str, what: dict[str, Any], num_proc: int
+    spec: CacheSpec,
+    tokenizer: Any,
+    images: ImageInputs | None,
+    root: Path,
+    key: str,
+    what: dict[str, Any],
+    num_proc: int,
 ) -> tuple[TokenizedCache, bool]:
     """Build in KEY.tmp-HOST-PID and rename it into place when whole."""
     import datasets
@@ -472,7 +533,7 @@ def _build_aside(
     progress = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()
     try:
-        summary = _build(spec, tokenizer, work, num_proc)
+        summary = _build(spec, tokenizer, images, work, num_proc)
         (work / "spec.json").write_text(json.dumps(what, indent=1, sort_keys=True))
         (work / "summary.json").write_text(json.dumps(summary, indent=1))
         os.replace(work, final)

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from qlora_fsdp.data.images import ImageInputs, resolve_image
 from qlora_fsdp.errors import UserError
 
 # Each format's list field and the keys of one message in it.
@@ -28,19 +30,51 @@ _ROLE_HELP = {
 class Conversation:
     """One chat row, roles normalised to system/user/assistant; only assistant turns are learned by default."""
 
-    messages: tuple[tuple[str, str], ...]
-    """(role, content) pairs in order."""
+    messages: tuple[tuple[str, Content], ...]
+    """(role, content) pairs in order; a content is text, or a tuple of parts (TRL's image rows)."""
     where: str = field(default="", compare=False)
     """The row's location (file and row), for errors raised when it is rendered."""
     learn_from: int = 0
     """Assistant turns before this message are context (a prompt/completion row learns its completion only)."""
+    images: tuple[str, ...] = ()
+    """Absolute paths of the row's images, in the order of its image parts."""
 
     @property
     def has_reply(self) -> bool:
         return any(role == "assistant" for role, _ in self.messages[self.learn_from :])
 
-    def as_dicts(self) -> list[dict[str, str]]:
-        return [{"role": role, "content": content} for role, content in self.messages]
+    def as_dicts(self) -> list[dict[str, Any]]:
+        return [{"role": role, "content": _content(content)} for role, content in self.messages]
+
+
+Content = str | tuple[tuple[str, str], ...]
+"""A message's text, or its parts as (type, text) pairs: ("image", "") or ("text", TEXT)."""
+
+
+def _content(content: Content) -> str | list[dict[str, str]]:
+    """A message's content as chat templates take it."""
+    if isinstance(content, str):
+        return content
+    return [{"type": kind} if kind == "image" else {"type": kind, "text": text} for kind, text in content]
+
+
+def text_of(content: Content) -> str:
+    """A message's text, without its images."""
+    return content if isinstance(content, str) else "".join(text for _, text in content)
+
+
+def _parts(content: list[Any], at: str, key: str) -> tuple[tuple[str, str], ...]:
+    """TRL's content parts: {"type": "image"} and {"type": "text", "text": ...}."""
+    parts = []
+    for j, part in enumerate(content, start=1):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "image":
+            parts.append(("image", ""))
+        elif kind == "text" and isinstance(part.get("text"), str):
+            parts.append(("text", part["text"]))
+        else:
+            raise UserError(f'{at}: {key!r} part {j} must be {{"type": "image"}} or {{"type": "text", "text": ...}}')
+    return tuple(parts)
 
 
 def is_chat_row(row: Any) -> bool:
@@ -48,7 +82,7 @@ def is_chat_row(row: Any) -> bool:
     return isinstance(row, dict) and any(row.get(key) is not None for key in CHAT_FORMATS)
 
 
-def parse_messages(turns: Any, where: str, key: str = "messages") -> list[tuple[str, str]]:
+def parse_messages(turns: Any, where: str, key: str = "messages") -> list[tuple[str, Content]]:
     """A list of messages in `key`'s format as (role, content) pairs, or a UserError naming the row and turn."""
     role_key, content_key = CHAT_FORMATS[key]
     if not isinstance(turns, list) or not turns:
@@ -66,19 +100,31 @@ def parse_messages(turns: Any, where: str, key: str = "messages") -> list[tuple[
             raise UserError(f"{at}: {role_key!r} must be a string, got {type(role).__name__} ({_ROLE_HELP[key]})")
         if role not in _ROLES:
             raise UserError(f"{at}: unknown role {role!r}; {_ROLE_HELP[key]}")
-        if isinstance(content, list):  # TRL's vision rows: a list of {"type": "image"} and {"type": "text"} items
-            raise UserError(f"{at}: {content_key!r} is a list of parts, as in rows with images, which training does "
-                            "not take yet (docs/vision.md); give each turn's content as a string")  # fmt: skip
+        if isinstance(content, list):  # TRL's vision rows: a list of {"type": "image"} and {"type": "text"} parts
+            messages.append((_ROLES[role], _parts(content, at, content_key)))
+            continue
         if not isinstance(content, str):
-            raise UserError(f"{at}: {content_key!r} must be a string, got {type(content).__name__}")
+            raise UserError(f"{at}: {content_key!r} must be a string or a list of parts, got {type(content).__name__}")
         messages.append((_ROLES[role], content))
     return messages
 
 
-def conversation_from_row(row: dict[str, Any], where: str) -> Conversation:
-    """The row's `messages` or `conversations` list as a Conversation, or a UserError naming the row and the field."""
+def conversation_from_row(row: dict[str, Any], where: str, *, root: Path | None = None) -> Conversation:
+    """The row's `messages` or `conversations` list as a Conversation, with its `images` (paths relative to `root`,
+    the dataset file's directory), or a UserError naming the row and the field."""
     key = next(k for k in CHAT_FORMATS if row.get(k) is not None)
-    return Conversation(tuple(parse_messages(row[key], where, key)), where)
+    messages = tuple(parse_messages(row[key], where, key))
+    entries = row.get("images") or []
+    if not isinstance(entries, list):
+        raise UserError(f"{where}: field 'images' must be a list of image paths, got {type(entries).__name__}")
+    placeholders = sum(kind == "image" for _, c in messages if not isinstance(c, str) for kind, _ in c)
+    if placeholders != len(entries):
+        raise UserError(
+            f"{where}: {placeholders} image part(s) in {key!r} but {len(entries)} image(s) in 'images'; give one "
+            '{"type": "image"} part per image, in order'
+        )
+    images = tuple(resolve_image(entry, root=root, where=where) for entry in entries)
+    return Conversation(messages, where, images=images)
 
 
 def conversation_from_pair(prompt: str, response: str, where: str) -> Conversation:
@@ -104,12 +150,20 @@ def load_chat_template(tokenizer: Any, path: str) -> None:
     tokenizer.chat_template = text
 
 
-def encode_conversation(conv: Conversation, tokenizer: Any) -> tuple[list[int], list[bool]]:
+def encode_conversation(
+    conv: Conversation, tokenizer: Any, images: ImageInputs | None = None
+) -> tuple[list[int], list[bool]]:
     """Token ids of the rendered conversation and, per token, whether it belongs to an assistant reply.
 
     A reply's tokens are those overlapping its characters (a token merged across the reply's first character is
-    the model's to predict), plus the template's end-of-turn token when a special token follows the reply.
+    the model's to predict), plus the template's end-of-turn token when a special token follows the reply. Each
+    image's placeholder becomes the tokens the model's processor (`images`) expands it to, never learned.
     """
+    if conv.images and images is None:
+        raise UserError(
+            f"{conv.where}: a row with images, but the model has no image processor (a text-only model); train "
+            "image rows on a vision-language model (docs/vision.md)"
+        )
     if not getattr(tokenizer, "chat_template", None):
         raise UserError(
             f"{conv.where}: a chat row, but the model's tokenizer has no chat template; pass one with "
@@ -126,10 +180,12 @@ def encode_conversation(conv: Conversation, tokenizer: Any) -> tuple[list[int], 
     ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
     # Token [begin, stop) overlaps span [start, end); a zero-width token counts as one character.
     mask = [any(begin < end and max(stop, begin + 1) > start for start, end in spans) for begin, stop in offsets]
+    if conv.images:
+        return images.expand(list(ids), mask, list(conv.images), conv.where)
     return list(ids), mask
 
 
-def _render(tokenizer: Any, messages: list[dict[str, str]], where: str) -> str:
+def _render(tokenizer: Any, messages: list[dict[str, Any]], where: str) -> str:
     """The messages as the template writes them; a template that refuses them is the row's error."""
     import jinja2
 

@@ -22,17 +22,21 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from qlora_fsdp.data.chat import (
+    Content,
     Conversation,
     conversation_from_pair,
     conversation_from_row,
     encode_conversation,
     is_chat_row,
     parse_messages,
+    text_of,
 )
-from qlora_fsdp.data.sources import Located, read_rows, source_names
+from qlora_fsdp.data.images import ImageInputs
+from qlora_fsdp.data.sources import Located, read_rows, source_names, source_root
 from qlora_fsdp.errors import UserError
 
 IGNORE_INDEX = -100
@@ -70,12 +74,12 @@ class Pair:
         replies = [_reply(side) for side in (self.chosen, self.rejected)]
         if replies[0] == replies[1]:
             return "identical"
-        if any(not "".join(content for _, content in reply).strip() for reply in replies):
+        if any(not "".join(text_of(content) for _, content in reply).strip() for reply in replies):
             return "empty"
         return None
 
 
-def _reply(example: AnyExample) -> tuple[tuple[str, str], ...]:
+def _reply(example: AnyExample) -> tuple[tuple[str, Content], ...]:
     if isinstance(example, Example):
         return (("assistant", example.response),)
     return example.messages[example.learn_from :]
@@ -222,7 +226,7 @@ def pair_example(row: Any, where: str, *, prompt_style: str) -> Pair:
     return Pair(*(Example(framed, reply) for reply in replies))
 
 
-def row_example(row: Any, where: str, *, prompt_style: str) -> AnyExample:
+def row_example(row: Any, where: str, *, prompt_style: str, root: Path | None = None) -> AnyExample:
     """The example a row holds, by its fields (see the module docstring); a null field counts as absent."""
     if not isinstance(row, dict):
         raise UserError(f"{where}: expected an object, got {type(row).__name__} ({_ROW_HELP})")
@@ -232,7 +236,7 @@ def row_example(row: Any, where: str, *, prompt_style: str) -> AnyExample:
             "--objective dpo, ipo, orpo or simpo, or give supervised rows"
         )
     if is_chat_row(row):
-        return conversation_from_row(row, where)
+        return conversation_from_row(row, where, root=root)
     if row.get("completion") is not None or row.get("prompt") is not None:
         return _prompt_completion_example(row, where)
     if row.get("instruction") is None and row.get("output") is None and row.get("text") is not None:
@@ -245,7 +249,7 @@ def load_examples(dataset: str, *, samples: int = 0, prompt_style: str = "alpaca
     (qlora_fsdp/data/cache.py), which never holds them all."""
     _check_prompt_style(prompt_style)
     return [
-        row_example(row, where, prompt_style=prompt_style)
+        row_example(row, where, prompt_style=prompt_style, root=source_root(name))
         for name in source_names(dataset)
         for where, row in read_rows(name, samples=samples)
     ]
@@ -261,14 +265,18 @@ RECORD_COLUMNS = ("example", "rejected", "where")
 def _encode_example(example: AnyExample) -> str:
     if isinstance(example, Example):
         return json.dumps({"prompt": example.prompt, "response": example.response})
-    return json.dumps({"messages": example.messages, "learn_from": example.learn_from})
+    return json.dumps({"messages": example.messages, "learn_from": example.learn_from, "images": example.images})
 
 
 def _decode_example(text: str, where: str) -> AnyExample:
     fields = json.loads(text)
     if "messages" in fields:
-        messages = tuple((role, content) for role, content in fields["messages"])
-        return Conversation(messages, where, learn_from=fields["learn_from"])
+        messages = tuple(
+            (role, content if isinstance(content, str) else tuple(tuple(part) for part in content))
+            for role, content in fields["messages"]
+        )
+        images = tuple(fields.get("images", ()))
+        return Conversation(messages, where, learn_from=fields["learn_from"], images=images)
     return Example(fields["prompt"], fields["response"])
 
 
@@ -287,12 +295,16 @@ def from_record(record: dict[str, Any]) -> AnyExample | Pair:
     return example
 
 
-def examples_of(rows: Iterable[Located], *, prompt_style: str, pairs: bool = False) -> Iterable[dict[str, Any]]:
-    """Records of the rows (preference pairs with `pairs`), each validated as it is read."""
+def examples_of(
+    rows: Iterable[Located], *, prompt_style: str, pairs: bool = False, root: Path | None = None
+) -> Iterable[dict[str, Any]]:
+    """Records of the rows (preference pairs with `pairs`), each validated as it is read; `root` is where the
+    rows' relative image paths start."""
     _check_prompt_style(prompt_style)
-    read = pair_example if pairs else row_example
     for where, row in rows:
-        yield to_record(read(row, where, prompt_style=prompt_style), where)
+        example = pair_example(row, where, prompt_style=prompt_style) if pairs else \
+            row_example(row, where, prompt_style=prompt_style, root=root)  # fmt: skip
+        yield to_record(example, where)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -325,7 +337,9 @@ def learned_tokens(labels: list[int]) -> int:
     return sum(label != IGNORE_INDEX for label in labels[1:])
 
 
-def encode_examples(examples: list[AnyExample], tokenizer: Any, *, train_on_inputs: bool) -> list[Sample]:
+def encode_examples(
+    examples: list[AnyExample], tokenizer: Any, *, train_on_inputs: bool, images: ImageInputs | None = None
+) -> list[Sample]:
     """Each example's (ids, labels), untruncated.
 
     Example: [prefix] + prompt + response + eos, the prompt unlabelled unless train_on_inputs. Conversation: the
@@ -352,7 +366,7 @@ def encode_examples(examples: list[AnyExample], tokenizer: Any, *, train_on_inpu
         elif not example.has_reply:
             samples.append(([], []))
         else:
-            ids, learned = encode_conversation(example, tokenizer)
+            ids, learned = encode_conversation(example, tokenizer, images)
             lead = missing_prefix(ids, prefix)
             ids, learned = [*lead, *ids], [False] * len(lead) + learned
             samples.append(

@@ -22,6 +22,7 @@ from qlora_fsdp.config import DataConfig, EvalConfig
 from qlora_fsdp.data.cache import PREFERENCE, CacheSpec, TokenizedCache, open_cache, tokenize_in_memory
 from qlora_fsdp.data.chat import load_chat_template
 from qlora_fsdp.data.formats import IGNORE_INDEX, pad_token_id
+from qlora_fsdp.data.images import ImageInputs
 from qlora_fsdp.data.rows import PackedRows, PairRows, SampleRows, all_dropped_error, build_rows, collate
 from qlora_fsdp.data.sources import synthetic
 from qlora_fsdp.data.stream import StreamRows
@@ -146,11 +147,19 @@ class EvalShard(Dataset):
 
 
 def dataset_cache(
-    dataset: str, samples: int, data: DataConfig, tokenizer: Any, env: DistEnv, *, pairs: bool = False
+    dataset: str,
+    samples: int,
+    data: DataConfig,
+    tokenizer: Any,
+    env: DistEnv,
+    *,
+    pairs: bool = False,
+    images: ImageInputs | None = None,
 ) -> tuple[TokenizedCache, bool]:
     """The tokenized cache of one dataset (--dataset or --eval_dataset) under the data flags (of preference
-    pairs with `pairs`), built by each node's local rank 0 if no one has built it, and logged on rank 0. A
-    synthetic dataset, or any with --dataset_in_memory, is tokenized on every rank into memory instead."""
+    pairs with `pairs`; `images`: a VLM's processor), built by each node's local rank 0 if no one has built it,
+    and logged on rank 0. A synthetic dataset, or any with --dataset_in_memory, is tokenized on every rank into
+    memory instead."""
     spec = CacheSpec(
         dataset=dataset,
         dataset_samples=samples,
@@ -163,10 +172,10 @@ def dataset_cache(
     )
 
     def work() -> tuple[TokenizedCache, bool]:
-        return open_cache(spec, tokenizer, cache_dir=data.dataset_cache_dir, num_proc=data.dataset_num_proc)
+        return open_cache(spec, tokenizer, images, cache_dir=data.dataset_cache_dir, num_proc=data.dataset_num_proc)
 
     if data.dataset_in_memory or synthetic(dataset):
-        cache, built = tokenize_in_memory(spec, tokenizer), True
+        cache, built = tokenize_in_memory(spec, tokenizer, images), True
     else:
         cache, built = leaders_first(work, env)
     if env.is_main:
@@ -175,15 +184,21 @@ def dataset_cache(
 
 
 def prepare_caches(
-    data: DataConfig, ev: EvalConfig, tokenizer: Any, env: DistEnv, *, pairs: bool = False
+    data: DataConfig,
+    ev: EvalConfig,
+    tokenizer: Any,
+    env: DistEnv,
+    *,
+    pairs: bool = False,
+    images: ImageInputs | None = None,
 ) -> list[tuple[TokenizedCache, bool]]:
     """The caches a training run with these flags reads (--dataset, and --eval_dataset if given), built now:
     scripts/preprocess.py runs this ahead of a GPU job."""
     if data.chat_template:
         load_chat_template(tokenizer, data.chat_template)
-    caches = [dataset_cache(data.dataset, data.dataset_samples, data, tokenizer, env, pairs=pairs)]
+    caches = [dataset_cache(data.dataset, data.dataset_samples, data, tokenizer, env, pairs=pairs, images=images)]
     if ev.eval_dataset:
-        caches.append(dataset_cache(ev.eval_dataset, ev.eval_samples, data, tokenizer, env, pairs=pairs))
+        caches.append(dataset_cache(ev.eval_dataset, ev.eval_samples, data, tokenizer, env, pairs=pairs, images=images))
     return caches
 
 
@@ -220,13 +235,19 @@ parallelism (qlora_fsdp.sequence_parallel.split_rows)."""
 
 
 def _loader_kwargs(
-    data: DataConfig, tokenizer: Any, seed: int, fixed_shapes: bool, split: Split | None = None
+    data: DataConfig,
+    tokenizer: Any,
+    seed: int,
+    fixed_shapes: bool,
+    split: Split | None = None,
+    images: ImageInputs | None = None,
 ) -> dict[str, Any]:
     pad = functools.partial(
         collate,
         pad_id=pad_token_id(tokenizer),
         context_length=data.context_length,
         pad_to_context=data.pad_to_context or fixed_shapes,
+        images=images,
     )
     collate_fn = pad if split is None else functools.partial(_split_after, pad=pad, split=split)
     # Its own generator: every new iterator draws a seed, and drawing from the global RNG would shift dropout
@@ -249,6 +270,7 @@ def build_loaders(
     pairs: bool = False,
     accumulation: int = 1,
     split: Split | None = None,
+    images: ImageInputs | None = None,
 ) -> tuple[DataLoader, DataLoader | None]:
     """This rank's training loader (without the rows --eval_split holds out) and evaluation loader (None without
     --eval_dataset or --eval_split). The caller calls loader.sampler.set_epoch(epoch) so each epoch reshuffles.
@@ -256,25 +278,36 @@ def build_loaders(
     `fixed_shapes` (--compile) pads every batch to the context, as --pad_to_context does. `pairs`: the rows are
     preference pairs, a batch of B pairs being 2B sequences (rows.collate). `accumulation`
     (--gradient_accumulation_steps) makes each epoch whole optimizer steps (GlobalOrderSampler). `split` turns
-    each collated batch into what this rank trains on (Split).
+    each collated batch into what this rank trains on (Split). `images`: a vision-language model's processor,
+    which makes rows with images into tokens and pixels.
     """
     if data.chat_template:
         load_chat_template(tokenizer, data.chat_template)
+    if images is not None:
+        _refuse_for_images(data, split)
+    kwargs = _loader_kwargs(data, tokenizer, seed, fixed_shapes, split, images)
     cache, held = None, None
     if data.dataset_streaming:
-        train = DataLoader(_stream(data, tokenizer, env), **_loader_kwargs(data, tokenizer, seed, fixed_shapes, split))
+        train = DataLoader(_stream(data, tokenizer, env), **kwargs)
     else:
-        cache, _ = dataset_cache(data.dataset, data.dataset_samples, data, tokenizer, env, pairs=pairs)
+        cache, _ = dataset_cache(data.dataset, data.dataset_samples, data, tokenizer, env, pairs=pairs, images=images)
         held = held_out(cache.examples, ev.eval_split, seed=seed)
         rows = _rows(cache, ~held, data, "training rows", env)
-        train = DataLoader(rows, sampler=_sampler(rows, data, env, seed, accumulation), drop_last=True,
-                           **_loader_kwargs(data, tokenizer, seed, fixed_shapes, split))  # fmt: skip
-    evaluation = _eval_rows(data, ev, tokenizer, env, cache, held, pairs=pairs)
+        train = DataLoader(rows, sampler=_sampler(rows, data, env, seed, accumulation), drop_last=True, **kwargs)
+    evaluation = _eval_rows(data, ev, tokenizer, env, cache, held, pairs=pairs, images=images)
     if evaluation is None:
         return train, None
     # No sampler and no shuffling: every rank evaluates its share in order.
     shard = EvalShard(evaluation, env, data.batch_size)
-    return train, DataLoader(shard, shuffle=False, **_loader_kwargs(data, tokenizer, seed, fixed_shapes, split))
+    return train, DataLoader(shard, shuffle=False, **_loader_kwargs(data, tokenizer, seed, fixed_shapes, split, images))
+
+
+def _refuse_for_images(data: DataConfig, split: Split | None) -> None:
+    """What a vision-language model's rows cannot do yet, refused before anything is tokenized or loaded."""
+    for bad, flag in ((data.packing, "--packing true"), (data.dataset_streaming, "--dataset_streaming true"),
+                      (split is not None, "--sequence_parallel_size above 1")):  # fmt: skip
+        if bad:
+            raise UserError(f"{flag}: not supported with a vision-language model yet (its image rows); drop it")
 
 
 def _stream(data: DataConfig, tokenizer: Any, env: DistEnv) -> StreamRows:
@@ -322,13 +355,14 @@ def _eval_rows(
     held: np.ndarray | None,
     *,
     pairs: bool,
+    images: ImageInputs | None = None,
 ) -> SampleRows | PackedRows | PairRows | None:
     """The evaluation rows, built like the training rows (same context, prompt style, masking and packing), from
     --eval_dataset or from the examples --eval_split holds out of --dataset (`cache`, `held`; None when
     streamed, which the config allows only with --eval_dataset)."""
     if ev.eval_dataset:
         try:
-            cache, _ = dataset_cache(ev.eval_dataset, ev.eval_samples, data, tokenizer, env, pairs=pairs)
+            cache, _ = dataset_cache(ev.eval_dataset, ev.eval_samples, data, tokenizer, env, pairs=pairs, images=images)
         except UserError as exc:  # the sources name --dataset, the flag they usually serve
             text = str(exc)
             raise UserError(

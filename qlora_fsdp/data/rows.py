@@ -27,8 +27,11 @@ import torch
 from torch.utils.data import Dataset
 
 from qlora_fsdp.data.formats import IGNORE_INDEX, AnyExample, Sample, encode_examples, learned_tokens
+from qlora_fsdp.data.images import ImageInputs
 from qlora_fsdp.errors import UserError
 
+IMAGE_PREFIX = "image:"
+"""A batch's image inputs are under `image:NAME` (NAME as the processor names it: pixel_values, image_grid_thw)."""
 PAD_MULTIPLE = 8
 """Batches are padded to a multiple of this many tokens: tensor-core friendly, and fewer distinct shapes."""
 
@@ -121,15 +124,19 @@ class FitStats:
     """Preference pairs whose two replies are the same, dropped."""
     empty: int = 0
     """Preference pairs with an empty reply, dropped."""
+    images_too_long: int = 0
+    """Rows with images longer than the context, dropped."""
 
     def describe(self, context_length: int) -> str:
         cut = f"{self.split} split" if self.split else f"{self.truncated} truncated"
         pairs = f", {self.identical} identical and {self.empty} empty pairs dropped" if self.identical or self.empty \
             else ""  # fmt: skip
+        if self.images_too_long:
+            pairs += f", {self.images_too_long} rows with images longer than the context dropped"
+        nothing = self.dropped - self.identical - self.empty - self.images_too_long
         return (
-            f"{self.rows} rows, {cut} at {context_length} tokens, {self.dropped - self.identical - self.empty} "
-            f"dropped (nothing left to learn){pairs}, {self.samples} samples of {self.tokens} tokens, "
-            f"{self.label_tokens} label tokens"
+            f"{self.rows} rows, {cut} at {context_length} tokens, {nothing} dropped (nothing left to learn){pairs}, "
+            f"{self.samples} samples of {self.tokens} tokens, {self.label_tokens} label tokens"
         )
 
 
@@ -167,9 +174,11 @@ class SampleRows(Dataset):
     def __len__(self) -> int:
         return len(self.indices)
 
-    def __getitem__(self, index: int) -> dict[str, list[int]]:
-        ids, labels = self.samples[int(self.indices[index])]
-        return {"input_ids": ids, "labels": labels}
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        at = int(self.indices[index])
+        ids, labels = self.samples[at]
+        images = self.samples.images(at) if hasattr(self.samples, "images") else []
+        return {"input_ids": ids, "labels": labels, **({"images": images} if images else {})}
 
 
 class PackedRows(Dataset):
@@ -230,13 +239,19 @@ def build_rows(
 
 
 def collate(
-    items: list[dict[str, list[int]]], *, pad_id: int, context_length: int, pad_to_context: bool
+    items: list[dict[str, Any]],
+    *,
+    pad_id: int,
+    context_length: int,
+    pad_to_context: bool,
+    images: ImageInputs | None = None,
 ) -> dict[str, torch.Tensor]:
     """A batch padded to its longest row rounded up to PAD_MULTIPLE (at most the context), or to the context.
 
     attention_mask marks the real tokens (the trainer counts them; a packed batch goes to the model without it,
     and its padding is a segment of its own: positions from 0, no labels). A batch of preference pairs is 2B rows,
     the B chosen sides then the B rejected ones, so one forward runs both; `pair_index` holds the pairs' indices.
+    Rows with images add the model's image inputs for all of them, in row order (`images`, the model's processor).
     """
     if "rejected_input_ids" in items[0]:
         sides = [{"input_ids": item[f"{side}input_ids"], "labels": item[f"{side}labels"]}
@@ -257,7 +272,13 @@ def collate(
         batch["attention_mask"].append([1] * real + [0] * n_pad)
         if packed:
             batch["position_ids"].append([*item["position_ids"], *range(n_pad)])
-    return {key: torch.tensor(value, dtype=torch.long) for key, value in batch.items()}
+    out = {key: torch.tensor(value, dtype=torch.long) for key, value in batch.items()}
+    paths = [path for item in items for path in item.get("images", ())]
+    if paths:
+        if images is None:
+            raise UserError("a batch holds rows with images, but no image processor was given to the loader")
+        out |= {f"{IMAGE_PREFIX}{k}": v for k, v in images.batch_inputs(out["input_ids"], paths).items()}
+    return out
 
 
 def all_dropped_error(rows: int, context_length: int, *, without_reply: bool) -> UserError:
@@ -277,6 +298,7 @@ def model_inputs(batch: dict[str, torch.Tensor], device: torch.device, *, varlen
     row, its rows are laid end to end: the last logit of a row then meets the next row's first label, which is -100.
     """
     out = {k: batch[k].to(device) for k in ("input_ids", "attention_mask", "labels") if k in batch}
+    out |= {k.removeprefix(IMAGE_PREFIX): v.to(device) for k, v in batch.items() if k.startswith(IMAGE_PREFIX)}
     if "position_ids" not in batch:
         return {**out, "position_ids": None}
     out["position_ids"] = batch["position_ids"].to(device)

@@ -12,6 +12,7 @@ import json
 import os
 import random
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from qlora_fsdp.errors import UserError
@@ -254,6 +255,11 @@ def _local_path(name: str) -> str:
     if not path.lower().endswith(LOCAL_SUFFIXES):
         raise UserError(f"--dataset {name}: unsupported file type; use {', '.join(LOCAL_SUFFIXES)}")
     return path
+
+
+def source_root(name: str) -> Path | None:
+    """The directory a local file's relative image paths start from (None for a named dataset)."""
+    return None if name in NAMED_DATASETS else Path(_local_path(name)).resolve().parent
 
 
 def check_source(name: str) -> None:

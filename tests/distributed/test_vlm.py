@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 from safetensors.torch import load_file
 
 from qlora_fsdp.metrics import read_metrics
@@ -41,6 +42,21 @@ COMMON = [
 ]  # fmt: skip
 # Each family with one backend and one FSDP version: the vision units are wrapped by both versions.
 COMBOS = [("qwen2_vl", "bnb", 2), ("llava", "hqq", 1)]
+COLORS = {"red": (255, 0, 0), "green": (0, 160, 0), "blue": (0, 0, 255)}
+QUESTION = "What color is this square?"
+
+
+def square_rows(directory: Path, colors: list[str]) -> Path:
+    """TRL's image rows: a solid square of each color (28 x 28 PNG, beside the file) and the question about it."""
+    rows = []
+    for i, color in enumerate(colors):
+        Image.new("RGB", (28, 28), COLORS[color]).save(directory / f"{i}-{color}.png")
+        rows.append({"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]},
+                                  {"role": "assistant", "content": [{"type": "text", "text": f"It is {color}."}]}],
+                     "images": [f"{i}-{color}.png"]})  # fmt: skip
+    path = directory / "squares.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
 
 
 @dataclass
@@ -125,3 +141,67 @@ def test_vision_tower_stays_full_precision_and_frozen(vlm_run: Run) -> None:
     exclude = json.loads((vlm_run.out / "adapter_config.json").read_text())["exclude_modules"]
     assert all(re.fullmatch(exclude, name) for name, _ in linears)
     assert not re.fullmatch(exclude, f"{parts.language}.layers.0.self_attn.q_proj")
+
+
+# Image rows: LLaVA's 28 x 28 image is 2 x 2 patches of 14 (4 tokens); Qwen2-VL merges its 2 x 2 patches into one.
+IMAGE_ROWS = [("llava", "bnb", 2, "<image>", 4), ("qwen2_vl", "hqq", 1, "<|image_pad|>", 1)]
+
+
+@pytest.mark.parametrize(("family", "quant", "version", "image_token", "tokens"), IMAGE_ROWS,
+                         ids=[f"{f}-{q}-fsdp{v}" for f, q, v, _, _ in IMAGE_ROWS])  # fmt: skip
+def test_image_rows_first_step_matches_transformers_with_peft(
+    vlms: dict[str, Path],
+    tmp_path_factory: pytest.TempPathFactory,
+    family: str,
+    quant: str,
+    version: int,
+    image_token: str,
+    tokens: int,
+) -> None:
+    """On rows with images (2 ranks): step 1's loss and gradient norm are transformers' + PEFT's on what the
+    family's own processor makes of each row (its chat template, its image tokens, its pixels, and Qwen2-VL's
+    M-RoPE positions from them); the labels are each reply's tokens and the end-of-turn token, counted on the
+    processor's ids."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model, set_peft_model_state_dict
+    from transformers import AutoProcessor
+
+    if family == "qwen2_vl":
+        pytest.importorskip("torchvision", reason="Qwen2-VL's processor needs torchvision (the torch 2.11 set has it)")
+    model = vlms[family]
+    data = square_rows(tmp_path_factory.mktemp("squares"), ["red", "blue"])
+    out = tmp_path_factory.mktemp("vlm-images")
+    train(["--model", str(model), "--quant", quant, "--fsdp_version", str(version), "--dataset", str(data), *COMMON,
+           "--output_dir", str(out)], nproc=2)  # fmt: skip
+    first = next(r for r in read_metrics(out) if "loss" in r)
+
+    base = quantized_base(model, quant, out)
+    check_quantized_like(base, out)
+    peft_model = get_peft_model(dequantized_transformers_model(model, base), PeftLoraConfig.from_pretrained(out))
+    initial = initial_adapter(model, quant, rank=RANK, alpha=ALPHA, seed=SEED)
+    set_peft_model_state_dict(peft_model, {k: v.clone() for k, v in initial.items()})
+    processor = AutoProcessor.from_pretrained(model)
+    eot = processor.tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    peft_model.train()
+    sums, counts = [], []
+    for line in data.read_text().splitlines():
+        row = json.loads(line)
+        text = processor.apply_chat_template(row["messages"], tokenize=False)
+        image = Image.open(data.parent / row["images"][0]).convert("RGB")
+        batch = processor(text=[text], images=[image], add_special_tokens=False, return_tensors="pt")
+        ids = batch["input_ids"][0].tolist()
+        assert ids.count(processor.tokenizer.convert_tokens_to_ids(image_token)) == tokens
+        reply = processor.tokenizer(row["messages"][1]["content"][0]["text"], add_special_tokens=False)["input_ids"]
+        end = len(ids) - 1 - ids[::-1].index(eot)  # the last turn's end-of-turn token
+        labels = torch.full_like(batch["input_ids"], -100)
+        labels[0, end - len(reply) : end + 1] = batch["input_ids"][0, end - len(reply) : end + 1]
+        logits = peft_model(**batch, use_cache=False).logits
+        sums.append(torch.nn.functional.cross_entropy(logits[0, :-1], labels[0, 1:], reduction="sum"))
+        counts.append(int((labels[0, 1:] != -100).sum()))
+    loss = sum(sums) / sum(counts)
+    loss.backward()
+
+    assert first["label_tokens"] == sum(counts)
+    assert first["loss"] == pytest.approx(loss.item(), rel=1e-5), f"loss: run {first['loss']}, reference {loss}"
+    grad_norm = trainable_grad_norm(peft_model)
+    assert first["grad_norm"] == pytest.approx(grad_norm, rel=1e-4), f"grad_norm: run {first['grad_norm']}, {grad_norm}"

@@ -271,9 +271,8 @@ def _one_line_error(path: Path, tokenizer=None, **kwargs) -> str:
         ({"conversations": [{"value": "hi"}]}, r"row 2 conversations\[1\]: 'from' must be a string, got NoneType"),
         ({"messages": ["hi"]}, r"row 2 messages\[1\]: expected an object with 'role' and 'content', got str"),
         (
-            {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]}],
-             "images": ["red.png"]},
-            r"row 2 messages\[1\]: 'content' is a list of parts, as in rows with images, which training does not",
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "?"}, {"type": "video"}]}]},
+            r"row 2 messages\[1\]: 'content' part 2 must be \{\"type\": \"image\"\} or \{\"type\": \"text\"",
         ),
     ],
 )

@@ -89,3 +89,42 @@ def test_a_model_that_is_neither_causal_nor_image_text_is_refused_in_one_line(tm
     with pytest.raises(UserError, match=r"ViTConfig is neither a causal language model nor an image-text model") as exc:
         meta_model(tmp_path, dtype=torch.float32, trust_remote_code=False)
     assert "\n" not in str(exc.value)
+
+
+def test_the_cache_keeps_image_ids_and_paths_and_is_rebuilt_when_an_image_changes(
+    vlms: dict[str, Path], tmp_path: Path
+) -> None:
+    """An image row's cached ids hold the processor's image tokens in place of the placeholder (never labels) and
+    its image's path; a changed image file makes the next run build the cache again, as a changed row would."""
+    import json
+
+    from PIL import Image
+
+    from qlora_fsdp.data.cache import CacheSpec, open_cache
+    from qlora_fsdp.data.formats import IGNORE_INDEX
+    from qlora_fsdp.data.images import load_image_inputs
+    from qlora_fsdp.model import load_tokenizer
+
+    model = vlms["llava"]
+    images, tokenizer = load_image_inputs(model), load_tokenizer(model)
+    assert images is not None and images.placeholder == "<image>"
+    Image.new("RGB", (28, 28), (255, 0, 0)).save(tmp_path / "red.png")
+    row = {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Color?"}]},
+                        {"role": "assistant", "content": "It is red."}], "images": ["red.png"]}  # fmt: skip
+    (tmp_path / "rows.jsonl").write_text(json.dumps(row) + "\n")
+    spec = CacheSpec(dataset=str(tmp_path / "rows.jsonl"), dataset_samples=0, prompt_style="alpaca",
+                     context_length=64, packing_split=False, train_on_inputs=False)  # fmt: skip
+
+    def opened() -> tuple[object, bool]:
+        return open_cache(spec, tokenizer, images, cache_dir=tmp_path / "cache")
+
+    cache, built = opened()
+    ids, labels = cache.samples[0]
+    image_token = tokenizer.convert_tokens_to_ids("<image>")
+    at = [i for i, t in enumerate(ids) if t == image_token]
+    assert built and len(at) == 4 and at == list(range(at[0], at[0] + 4))  # 2 x 2 patches, in one run
+    assert all(labels[i] == IGNORE_INDEX for i in at)
+    assert cache.samples.images(0) == [str((tmp_path / "red.png").resolve())]
+    assert opened()[1] is False
+    Image.new("RGB", (28, 28), (0, 0, 255)).save(tmp_path / "red.png")
+    assert opened()[1] is True

@@ -1,0 +1,134 @@
+"""The image stage: rows with images (TRL's format), made into tokens at tokenization and into pixels per batch.
+
+A row's `messages` hold `{"type": "image"}` parts where its `images` go, in order. The model's processor
+(transformers' `AutoProcessor`) decides both halves:
+- at tokenization, the chat template writes a placeholder for each image (`<image>`, or Qwen2-VL's
+  `<|vision_start|><|image_pad|><|vision_end|>`), which is replaced by the tokens the processor expands it to for
+  that image (their number depends on the image's size for Qwen2-VL), never learned. The cache stores these ids and
+  the images' paths, not pixels;
+- per batch, in the DataLoader's workers, the processor turns the images into the model's image inputs
+  (`pixel_values`, and `image_grid_thw` for Qwen2-VL).
+Both calls go through the processor itself, so whatever it does to the text for an image is what training sees.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qlora_fsdp.errors import UserError
+
+TEXT_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
+"""What the processor returns for the text: the batch has its own; everything else it returns is the images'."""
+
+
+def resolve_image(entry: Any, *, root: Path | None, where: str) -> str:
+    """An `images` entry as an absolute path of a readable image: relative paths are relative to the dataset file.
+    A missing file or one that is not an image is the row's one-line error."""
+    from PIL import Image, UnidentifiedImageError
+
+    if not isinstance(entry, str) or not entry:
+        raise UserError(f"{where}: each 'images' entry must be a file path, got {type(entry).__name__}")
+    path = Path(os.path.expanduser(entry))
+    if not path.is_absolute() and root is not None:
+        path = root / path
+    if not path.is_file():
+        raise UserError(f"{where}: image {entry!r} not found (looked for {path})")
+    try:
+        with Image.open(path) as image:
+            image.verify()
+    except (UnidentifiedImageError, OSError, SyntaxError) as exc:
+        raise UserError(f"{where}: image {entry!r} is not an image PIL can read ({exc.__class__.__name__})") from None
+    return str(path.resolve())
+
+
+class ImageInputs:
+    """The model's processor, as the data pipeline uses it; picklable (it travels to tokenizing processes and
+    DataLoader workers)."""
+
+    def __init__(self, processor: Any) -> None:
+        self.processor = processor
+        tokenizer = processor.tokenizer
+        self.placeholder = _placeholder(processor)
+        self.placeholder_ids: list[int] = tokenizer(self.placeholder, add_special_tokens=False)["input_ids"]
+        # Qwen2-VL's M-RoPE reads which tokens are an image's from `mm_token_type_ids` (1 on image tokens), which
+        # its processor returns beside input_ids.
+        self.token_types = "mm_token_type_ids" in getattr(processor, "model_input_names", ())
+        self.image_token_id: int | None = getattr(processor, "image_token_id", None)
+
+    def identity(self) -> str:
+        """A digest of what decides an image's tokens: the processor's class and settings."""
+        settings = json.dumps(json.loads(self.processor.image_processor.to_json_string()), sort_keys=True)
+        return hashlib.sha256(f"{type(self.processor).__name__}\n{self.placeholder}\n{settings}".encode()).hexdigest()
+
+    def expand(self, ids: list[int], learned: list[bool], paths: list[str], where: str) -> tuple[list[int], list[bool]]:
+        """The conversation's ids with each image placeholder replaced by that image's tokens (never learned)."""
+        n = len(self.placeholder_ids)
+        at = [i for i in range(len(ids) - n + 1) if ids[i : i + n] == self.placeholder_ids]
+        if len(at) != len(paths):
+            raise UserError(
+                f"{where}: {len(at)} image placeholder(s) in the rendered conversation but {len(paths)} image(s) in "
+                "'images'; give one {\"type\": \"image\"} part per image"
+            )
+        out_ids, out_learned, last = [], [], 0
+        for start, path in zip(at, paths, strict=True):
+            tokens = self._processed([path])["input_ids"][0].tolist()
+            out_ids += [*ids[last:start], *tokens]
+            out_learned += [*learned[last:start], *[False] * len(tokens)]
+            last = start + n
+        return out_ids + ids[last:], out_learned + learned[last:]
+
+    def batch_inputs(self, input_ids: torch.Tensor, paths: list[str]) -> dict[str, torch.Tensor]:
+        """The model's image inputs for a batch whose rows hold the images at `paths`, in order."""
+        out = {k: v for k, v in self._processed(paths).items() if k not in TEXT_INPUTS}
+        if self.token_types:
+            out["mm_token_type_ids"] = (input_ids == self.image_token_id).long()
+        return out
+
+    def _processed(self, paths: list[str]) -> dict[str, torch.Tensor]:
+        from PIL import Image
+
+        images = []
+        for path in paths:
+            with Image.open(path) as image:
+                images.append(image.convert("RGB"))
+        text = [self.placeholder] * len(paths)
+        return dict(self.processor(text=text, images=images, add_special_tokens=False, return_tensors="pt"))
+
+
+def _placeholder(processor: Any) -> str:
+    """The text the chat template writes for one image: a user turn with an image, less the same turn without."""
+    import jinja2
+
+    def render(content: list[dict[str, str]]) -> str:
+        return processor.apply_chat_template([{"role": "user", "content": content}], tokenize=False)
+
+    try:
+        with_image, without = render([{"type": "image"}, {"type": "text", "text": "x"}]), render(
+            [{"type": "text", "text": "x"}]
+        )
+    except (jinja2.TemplateError, ValueError) as exc:
+        raise UserError(f"the model's processor cannot render an image turn with its chat template ({exc})") from None
+    start = next((i for i, (a, b) in enumerate(zip(with_image, without, strict=False)) if a != b), len(without))
+    end = len(with_image) - len(without) + start
+    placeholder = with_image[start:end].strip()  # whitespace around it may merge with the text beside it
+    if with_image[:start] + with_image[end:] != without or not placeholder:
+        raise UserError("the model's chat template writes an image turn as more than one inserted placeholder")
+    return placeholder
+
+
+def load_image_inputs(model_path: Path) -> ImageInputs | None:
+    """The model's processor, if it has one that takes images (a VLM's directory holds its processor config)."""
+    if not any((model_path / name).is_file() for name in ("processor_config.json", "preprocessor_config.json")):
+        return None
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(model_path)
+    if getattr(processor, "image_processor", None) is None or getattr(processor, "tokenizer", None) is None:
+        return None
+    return ImageInputs(processor)

@@ -1,0 +1,57 @@
+"""Bad image rows and flags a vision-language model cannot take yet: exit 2, one `error:` line naming the file and
+row (or the flag), before the model loads (the model directories here have no weights)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from tests.cli.test_bad_input import assert_one_line_error, run_cli
+from tests.conftest import without_weights
+from tests.vlm_models import build_vlm
+
+
+@pytest.fixture(scope="module")
+def llava_no_weights(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Path:
+    root = tmp_path_factory.mktemp("vlm-bad")
+    return without_weights(build_vlm("llava", root / "llava", tokenizer_from=tiny_model), root / "no-weights")
+
+
+def _row(parts: int, images: list[str]) -> dict:
+    content = [{"type": "image"}] * parts + [{"type": "text", "text": "What color is this square?"}]
+    return {"messages": [{"role": "user", "content": content}, {"role": "assistant", "content": "It is red."}],
+            "images": images}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("problem", "row", "needles"),
+    [
+        ("missing", _row(1, ["gone.png"]), ("row 2", "image 'gone.png' not found")),
+        ("not-an-image", _row(1, ["notes.png"]), ("row 2", "image 'notes.png' is not an image PIL can read")),
+        ("count", _row(2, ["red.png"]), ("row 2", "2 image part(s) in 'messages' but 1 image(s) in 'images'")),
+        ("text-only-model", _row(1, ["red.png"]), ("row 1", "a row with images, but the model has no image processor")),
+        ("packing", _row(1, ["red.png"]), ("--packing true: not supported with a vision-language model",)),
+    ],
+)
+def test_bad_image_rows_are_one_line_before_the_model_loads(
+    llava_no_weights: Path, tiny_model: Path, tmp_path: Path, problem: str, row: dict, needles: tuple[str, ...]
+) -> None:
+    Image.new("RGB", (28, 28), (255, 0, 0)).save(tmp_path / "red.png")
+    (tmp_path / "notes.png").write_text("not a picture")
+    good = _row(1, ["red.png"])
+    data = tmp_path / "rows.jsonl"
+    rows = [row] if problem in ("text-only-model", "packing") else [good, row]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    model = without_weights(tiny_model, tmp_path / "text") if problem == "text-only-model" else llava_no_weights
+    out = tmp_path / "out"
+    args = ["--model", str(model), "--dataset", str(data), "--output_dir", str(out), "--dataset_cache_dir",
+            str(tmp_path / "cache"), *(["--packing", "true"] if problem == "packing" else [])]  # fmt: skip
+    code, errors, output = run_cli(args)
+    assert code == 2
+    error = assert_one_line_error(code, errors, output, *needles)
+    if problem != "packing":
+        assert str(data) in error
+    assert not out.exists()
