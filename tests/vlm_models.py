@@ -73,9 +73,9 @@ def vlm_config(family: str, *, vocab_size: int, ids: dict[str, int], tokens: dic
     raise ValueError(f"unknown family {family}")
 
 
-def build_vlm(family: str, out: Path, *, tokenizer_from: Path, seed: int = 0) -> Path:
-    """Save a random `family` model (transformers' own initialisation) to `out` with `tokenizer_from`'s tokenizer
-    and the family's image tokens added to it."""
+def build_vlm(family: str, out: Path, *, tokenizer_from: Path, seed: int = 0, init_std: float | None = None) -> Path:
+    """Save a random `family` model (transformers' own initialisation, with weights of `init_std` where given) to
+    `out` with `tokenizer_from`'s tokenizer and the family's image tokens added to it."""
     from transformers import AutoModelForImageTextToText, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
@@ -83,8 +83,11 @@ def build_vlm(family: str, out: Path, *, tokenizer_from: Path, seed: int = 0) ->
     vocab_size = max(json.loads((tokenizer_from / "config.json").read_text())["vocab_size"], len(tokenizer))
     ids = {f"{t}_token_id": getattr(tokenizer, f"{t}_token_id") for t in ("bos", "eos", "pad")}
     tokens = {t: tokenizer.convert_tokens_to_ids(t) for t in IMAGE_TOKENS[family]}
+    config = vlm_config(family, vocab_size=vocab_size, ids=ids, tokens=tokens)
+    for part in (config, config.text_config) if init_std is not None else ():
+        part.initializer_range = init_std
     torch.manual_seed(seed)
-    model = AutoModelForImageTextToText.from_config(vlm_config(family, vocab_size=vocab_size, ids=ids, tokens=tokens))
+    model = AutoModelForImageTextToText.from_config(config)
     model.save_pretrained(out)
     tokenizer.chat_template = CHAT_TEMPLATE.replace("IMAGE", PLACEHOLDERS[family])
     tokenizer.save_pretrained(out)
