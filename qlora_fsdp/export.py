@@ -31,6 +31,7 @@ from torch import nn
 
 from qlora_fsdp.compat import revert_weight_conversion
 from qlora_fsdp.config import ModelConfig, QuantConfig
+from qlora_fsdp.data.images import load_image_inputs
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.manifest import MANIFEST_FILE, intra_op_threads, read_manifest
 from qlora_fsdp.metrics import peak_memory_bytes
@@ -363,6 +364,9 @@ def _save_config(skeleton: Skeleton, out: Path, *, dtype: torch.dtype, quantizat
         generation = GenerationConfig.from_model_config(config)
     generation.save_pretrained(str(out))
     AutoTokenizer.from_pretrained(skeleton.path).save_pretrained(str(out))
+    images = load_image_inputs(skeleton.path)
+    if images is not None:  # a vision-language model's processor (image processor, chat template) goes along
+        images.processor.save_pretrained(str(out))
 
 
 def merge_adapter(model_cfg: ModelConfig, quant: QuantConfig, *, precision: str, options: MergeConfig) -> Written:

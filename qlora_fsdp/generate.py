@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -20,6 +21,7 @@ from torch import nn
 from qlora_fsdp.attention import fix_latent_attention
 from qlora_fsdp.config import PROMPT_STYLES, TrainConfig
 from qlora_fsdp.data.formats import format_prompt, missing_prefix, special_prefix
+from qlora_fsdp.data.images import ImageInputs, load_image_inputs, resolve_image
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.export import (
     ADAPTER_CONFIG,
@@ -36,6 +38,7 @@ from qlora_fsdp.model import build_skeleton, load_tokenizer, resolve_model_path,
 from qlora_fsdp.precision import PRECISIONS, quant_compute_dtype
 from qlora_fsdp.quant.experts import QuantizedExperts
 from qlora_fsdp.tool_config import GenerateConfig
+from qlora_fsdp.vision import auto_model_class
 
 EXIT_WORDS = ("exit", "quit")
 EXPORT_KINDS = {"hqq": "hqq", "bitsandbytes": "bnb"}
@@ -43,7 +46,8 @@ EXPORT_KINDS = {"hqq": "hqq", "bitsandbytes": "bnb"}
 
 
 def load_for_generation(cfg: TrainConfig, options: GenerateConfig) -> tuple[nn.Module, Any]:
-    """(model in eval mode, tokenizer) for --model, with --adapter applied if given."""
+    """(model in eval mode, tokenizer) for --model, with --adapter applied if given; a vision-language model is
+    built by transformers' image-text class."""
     path = resolve_model_path(cfg.model.model)
     adapter = read_adapter(options.adapter) if options.adapter else None
     precision = PRECISIONS[cfg.fsdp.precision]
@@ -64,9 +68,10 @@ def load_for_generation(cfg: TrainConfig, options: GenerateConfig) -> tuple[nn.M
         dtype = quant_compute_dtype(precision, cfg.quant.compute_dtype)
         model = AutoHQQHFModel.from_quantized(str(path), compute_dtype=dtype, device=str(device))
     elif exported or cfg.quant.quant == "none":
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig
 
-        model = AutoModelForCausalLM.from_pretrained(
+        config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
+        model = auto_model_class(config, where=str(path)).from_pretrained(
             path, dtype=precision.param_dtype, device_map=str(device), trust_remote_code=cfg.model.trust_remote_code
         )
     else:
@@ -100,10 +105,10 @@ def _export_kind(path: Path) -> str:
     return str(quantization.get("quant_method", "quantized")) if quantization else ""
 
 
-def prompt_text(tokenizer: Any, history: list[dict[str, str]], style: str) -> str:
+def prompt_text(tokenizer: Any, history: list[dict[str, Any]], style: str) -> str:
     """The text the model continues: the last user turn in the training prompt style, or the whole conversation
-    through the tokenizer's chat template."""
-    if style == "chat_template":
+    through the tokenizer's chat template (always, when a turn holds an image)."""
+    if style == "chat_template" or any(not isinstance(turn["content"], str) for turn in history):
         if not getattr(tokenizer, "chat_template", None):
             raise UserError("--prompt_style chat_template: this tokenizer has no chat template; pick another style")
         return tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
@@ -112,15 +117,20 @@ def prompt_text(tokenizer: Any, history: list[dict[str, str]], style: str) -> st
 
 
 @torch.no_grad()
-def answer(model: nn.Module, tokenizer: Any, text: str, options: GenerateConfig) -> str:
-    """The model's continuation of `text`, up to its end-of-sequence token or --max_new_tokens."""
+def answer(model: nn.Module, tokenizer: Any, text: str, options: GenerateConfig, image: Image | None = None) -> str:
+    """The model's continuation of `text`, up to its end-of-sequence token or --max_new_tokens; `image`: the image
+    `text`'s placeholder stands for, made into tokens and pixels as training makes them."""
     from transformers import GenerationConfig
 
     # Tokenized as training tokenizes a sequence: the tokenizer's BOS (where it adds one) once, unless the chat
     # template already wrote it.
     tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
     tokens = [*missing_prefix(tokens, special_prefix(tokenizer)), *tokens]
+    if image is not None:
+        tokens, _ = image.inputs.expand(tokens, [False] * len(tokens), [image.path], "--image")
     ids = {"input_ids": torch.tensor([tokens]), "attention_mask": torch.ones(1, len(tokens), dtype=torch.long)}
+    if image is not None:
+        ids |= image.inputs.batch_inputs(ids["input_ids"], [image.path])
     device = next(model.parameters()).device
     sampling = {"temperature": options.temperature, "top_p": options.top_p, "top_k": options.top_k}
     generation = GenerationConfig(
@@ -134,7 +144,7 @@ def answer(model: nn.Module, tokenizer: Any, text: str, options: GenerateConfig)
     if options.do_sample:
         torch.manual_seed(options.seed)
     ids = {k: v.to(device) for k, v in ids.items()}
-    out = model.generate(input_ids=ids["input_ids"], attention_mask=ids["attention_mask"], generation_config=generation)
+    out = model.generate(**ids, generation_config=generation)
     return tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True).strip()
 
 
@@ -143,22 +153,46 @@ def run_generate(
 ) -> None:
     """--prompt: print one answer. --chat: answer each line of `stdin` until its end or 'exit'."""
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
+    image = _image(cfg, options)
     model, tokenizer = load_for_generation(cfg, options)
     if not options.chat:
-        text = prompt_text(tokenizer, [_user(options.prompt)], options.prompt_style)
-        print(answer(model, tokenizer, text, options), file=stdout)
+        text = prompt_text(tokenizer, [_user(options.prompt, image)], options.prompt_style)
+        print(answer(model, tokenizer, text, options, image), file=stdout)
         return
-    history: list[dict[str, str]] = []
+    history: list[dict[str, Any]] = []
     for line in _lines(stdin, stdout):
-        # Only the chat template frames a conversation; the training styles frame one instruction at a time.
-        history = [*history, _user(line)] if options.prompt_style == "chat_template" else [_user(line)]
-        reply = answer(model, tokenizer, prompt_text(tokenizer, history, options.prompt_style), options)
+        # Only the chat template frames a conversation; the training styles frame one instruction at a time. The
+        # image goes with the first question.
+        framed = options.prompt_style == "chat_template" or image is not None
+        history = [*history, _user(line, image if not history else None)] if framed else [_user(line)]
+        reply = answer(model, tokenizer, prompt_text(tokenizer, history, options.prompt_style), options, image)
         history.append({"role": "assistant", "content": reply})
         print(reply, file=stdout, flush=True)
 
 
-def _user(text: str) -> dict[str, str]:
-    return {"role": "user", "content": text}
+@dataclass(frozen=True)
+class Image:
+    """--image: its path and the model's processor."""
+
+    path: str
+    inputs: ImageInputs
+
+
+def _image(cfg: TrainConfig, options: GenerateConfig) -> Image | None:
+    """--image, checked before the model loads: a readable image, and a model with an image processor."""
+    if not options.image:
+        return None
+    path = resolve_image(options.image, root=Path.cwd(), where="--image")
+    inputs = load_image_inputs(resolve_model_path(cfg.model.model))
+    if inputs is None:
+        raise UserError(f"--image: --model {cfg.model.model} has no image processor (a text-only model); drop --image")
+    return Image(path, inputs)
+
+
+def _user(text: str, image: Image | None = None) -> dict[str, Any]:
+    if image is None:
+        return {"role": "user", "content": text}
+    return {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}
 
 
 def _lines(stdin: TextIO, stdout: TextIO) -> Iterable[str]:

@@ -102,6 +102,9 @@ class GenerateConfig:
     """With --do_sample: sample among the k most likely tokens (0: all)."""
     seed: int = 0
     """Seed for sampling."""
+    image: str = ""
+    """Vision-language models: an image file the (first) question is about; the prompt is then framed by the chat
+    template, with the image before the text, as TRL's image rows put it."""
 
     def problems(self) -> list[str]:
         checks = [

@@ -36,6 +36,7 @@ export QLORA_GPU_PYTHON="$PWD/${VENV_GPU_MACHINE:-.venv-gpu-machine}/bin/python"
     "tests/distributed/test_elastic_resume.py::test_async_save_writes_what_a_synchronous_save_writes" \
     "tests/distributed/test_elastic_resume.py::test_dcp_async_save_writes_the_state_as_it_was_when_called" \
     tests/unit/test_global_order.py \
-    tests/distributed/test_vlm.py tests/unit/test_vision.py \
+    tests/distributed/test_vlm.py::test_first_step_matches_transformers_with_peft tests/unit/test_vision.py \
+    "tests/distributed/test_vlm.py::test_image_rows_first_step_matches_transformers_with_peft[qwen2_vl-hqq-fsdp1]" \
     tests/unit/test_export.py tests/unit/test_quant.py tests/unit/test_fsdp.py tests/unit/test_moe.py \
     tests/benchmarks/test_harness.py::test_gpu_script_dry_run "$@"

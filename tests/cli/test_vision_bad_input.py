@@ -55,3 +55,21 @@ def test_bad_image_rows_are_one_line_before_the_model_loads(
     if problem != "packing":
         assert str(data) in error
     assert not out.exists()
+
+
+@pytest.mark.parametrize("problem", ["missing", "text-only-model"])
+def test_generate_image_problems_are_one_line(
+    llava_no_weights: Path, tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture, problem: str
+) -> None:
+    """scripts/generate.py --image: a missing file, or a model without an image processor, is one `error:` line,
+    status 2, before the model loads."""
+    from scripts import generate
+
+    Image.new("RGB", (28, 28), (255, 0, 0)).save(tmp_path / "red.png")
+    model, image = (
+        (llava_no_weights, tmp_path / "gone.png") if problem == "missing" else (tiny_model, tmp_path / "red.png")
+    )
+    assert generate.main(["--model", str(model), "--image", str(image), "--prompt", "What color?"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    needle = "image" if problem == "missing" else "has no image processor (a text-only model)"
+    assert len(errors) == 1 and "--image" in errors[0] and needle in errors[0], errors

@@ -5,6 +5,8 @@ projector left in full precision and frozen, checked against transformers' own m
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import random
 import re
@@ -299,9 +301,9 @@ def test_images_matter(color_llava: Path, tmp_path_factory: pytest.TempPathFacto
     shuffled = square_rows(tmp_path_factory.mktemp("shuffled"), colors, answers=rotated, jitter=40, seed=1)
     held = square_rows(tmp_path_factory.mktemp("held"), [c for c in COLORS for _ in range(10)], jitter=40, seed=2)
     processor = AutoProcessor.from_pretrained(color_llava)
-    accuracy = {}
+    accuracy, outs = {}, {}
     for name, rows in (("images", train_rows), ("shuffled", shuffled)):
-        out = tmp_path_factory.mktemp(f"learn-{name}")
+        out = outs[name] = tmp_path_factory.mktemp(f"learn-{name}")
         train(["--model", str(color_llava), "--quant", "bnb", "--dataset", str(rows), *COMMON, "--output_dir",
                str(out), "--batch_size", "2", "--max_steps", str(LEARN_STEPS)], nproc=2)  # fmt: skip
         base = quantized_base(color_llava, "bnb", out)
@@ -312,3 +314,67 @@ def test_images_matter(color_llava: Path, tmp_path_factory: pytest.TempPathFacto
     assert accuracy["images"] >= 0.9, accuracy
     assert accuracy["shuffled"] <= 0.5, accuracy
     assert accuracy["peer"] >= 0.9, accuracy
+    after_training(color_llava, outs["images"], held, tmp_path_factory.mktemp("merged") / "merged")
+
+
+def after_training(model: Path, adapter: Path, held: Path, merged: Path) -> None:
+    """The trained adapter answers about held-out squares through scripts/generate.py --image, on the base
+    quantized as training quantized it; scripts/merge_adapter.py writes a whole VLM that transformers'
+    image-text class loads, its vision tower and projector the base's own weights and its language model merged,
+    and that answers the same."""
+    from transformers import AutoModelForImageTextToText
+
+    from scripts import generate, merge_adapter
+
+    rows = [json.loads(line) for line in held.read_text().splitlines()]
+    picks = [next(row for row in rows if row["messages"][-1]["content"][0]["text"] == f"It is {c}.") for c in COLORS]
+
+    def answers(*flags: str) -> list[str]:
+        said = []
+        for row in picks:
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                assert generate.main([*flags, "--image", str(held.parent / row["images"][0]), "--prompt", QUESTION,
+                                      "--max_new_tokens", "8", "--precision", "fp32"]) == 0  # fmt: skip
+            said.append(out.getvalue().strip().splitlines()[-1])
+        return said
+
+    expected = [f"It is {color}." for color in COLORS]
+    assert answers("--model", str(model), "--adapter", str(adapter)) == expected
+    assert merge_adapter.main(["--model", str(model), "--adapter", str(adapter), "--output", str(merged),
+                               "--dtype", "fp32"]) == 0  # fmt: skip
+    whole = AutoModelForImageTextToText.from_pretrained(merged, dtype=torch.float32).state_dict()
+    base = AutoModelForImageTextToText.from_pretrained(model, dtype=torch.float32).state_dict()
+    assert set(whole) == set(base)
+    language = [k for k in base if k.startswith("model.language_model.layers.")]
+    assert all(torch.equal(whole[k], base[k]) for k in base if k not in language)
+    assert sum(not torch.equal(whole[k], base[k]) for k in language) == 14  # 7 adapted linears in each of 2 layers
+    assert answers("--model", str(merged)) == expected
+
+
+@pytest.mark.parametrize("resume_ranks", [2, 1], ids=["same-world-size", "1-rank"])
+def test_image_rows_resume_exactly(vlms: dict[str, Path], tmp_path: Path, resume_ranks: int) -> None:
+    """LLaVA on image rows (bnb, FSDP2): steps 3-4 after a resume from step 2 equal the uninterrupted 2-rank run's,
+    on 2 ranks (dropout on: the random state is restored) and on 1 rank with the same global batch (2; dropout off,
+    as docs/checkpoints.md says: another world size starts the random state afresh)."""
+    import math
+
+    from tests.conftest import stopped_at
+
+    data = square_rows(tmp_path, ["red", "green", "blue", "red", "blue", "green"])
+    flags = [*COMMON, "--model", str(vlms["llava"]), "--quant", "bnb", "--dataset", str(data), "--lora_dropout",
+             "0.1" if resume_ranks == 2 else "0", "--save_steps", "2", "--max_steps", "4"]  # fmt: skip
+    whole = tmp_path / "whole"
+    train([*flags, "--output_dir", str(whole)], nproc=2)
+    dropout = json.loads((whole / "adapter_config.json").read_text())["lora_dropout"]
+    assert dropout == (0.1 if resume_ranks == 2 else 0.0)
+    out = tmp_path / "resumed"
+    stopped_at(whole, out, step=2)
+    train([*flags, "--output_dir", str(out), "--resume_from", "auto", "--batch_size", str(2 // resume_ranks)],
+          nproc=resume_ranks)  # fmt: skip
+    resumed = [r for r in read_metrics(out) if "loss" in r]
+    uninterrupted = [r for r in read_metrics(whole) if "loss" in r][2:]
+    assert [r["step"] for r in resumed] == [3, 4]
+    for a, b in zip(resumed, uninterrupted, strict=True):
+        for key, tolerance in (("loss", 1e-6), ("grad_norm", 1e-5)):
+            assert math.isclose(a[key], b[key], rel_tol=tolerance), (a["step"], key, a[key], b[key])
