@@ -130,7 +130,7 @@ def answer(model: nn.Module, tokenizer: Any, text: str, options: GenerateConfig,
         tokens, _ = image.inputs.expand(tokens, [False] * len(tokens), [image.path], "--image")
     ids = {"input_ids": torch.tensor([tokens]), "attention_mask": torch.ones(1, len(tokens), dtype=torch.long)}
     if image is not None:
-        ids |= image.inputs.batch_inputs(ids["input_ids"], [image.path])
+        ids |= image.inputs.batch_inputs(ids["input_ids"], [[image.path]])
     device = next(model.parameters()).device
     sampling = {"temperature": options.temperature, "top_p": options.top_p, "top_k": options.top_k}
     generation = GenerationConfig(

@@ -1,6 +1,7 @@
 """Tiny random image-text models in the layouts transformers saves them in, with the tiny Llama's tokenizer plus the
-family's image tokens: Qwen2-VL (its own vision transformer, M-RoPE) and LLaVA (CLIP + Llama, saved under the
-names from before transformers 5, which loading converts)."""
+family's image tokens: Qwen2-VL (its own vision transformer, M-RoPE), LLaVA (CLIP + Llama, saved under the
+names from before transformers 5, which loading converts) and Gemma 3 (SigLIP, pooled image tokens that attend to
+each other both ways)."""
 
 from __future__ import annotations
 
@@ -9,23 +10,30 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = ("qwen2_vl", "llava")
+FAMILIES = ("qwen2_vl", "llava", "gemma3")
 IMAGE_TOKENS = {
     "qwen2_vl": ["<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|video_pad|>"],
     "llava": ["<image>"],
+    "gemma3": ["<start_of_image>", "<image_soft_token>", "<end_of_image>"],
 }
+GEMMA3_TOKENS = dict(zip(("boi_token", "image_token", "eoi_token"), IMAGE_TOKENS["gemma3"], strict=True))
+"""Gemma 3's processor reads these tokenizer attributes (named extra special tokens in tokenizer_config.json)."""
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m.role }}|>\n{% if m.content is string %}{{ m.content }}{% else %}"
     "{% for p in m.content %}{% if p.type == 'image' %}IMAGE{% else %}{{ p.text }}{% endif %}{% endfor %}"
     "{% endif %}<|endoftext|>\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 """A chat template writing each image part as the family's placeholder (IMAGE is replaced)."""
-PLACEHOLDERS = {"qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>", "llava": "<image>"}
+PLACEHOLDERS = {
+    "qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>",
+    "llava": "<image>",
+    "gemma3": "<start_of_image>",
+}
 TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 
 
 def vlm_config(family: str, *, vocab_size: int, ids: dict[str, int], tokens: dict[str, int]):  # -> PretrainedConfig
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, Qwen2VLConfig
+    from transformers import CLIPVisionConfig, Gemma3Config, LlamaConfig, LlavaConfig, Qwen2VLConfig
 
     if family == "qwen2_vl":
         pad, start, end, video = (tokens[t] for t in IMAGE_TOKENS[family])
@@ -70,6 +78,26 @@ def vlm_config(family: str, *, vocab_size: int, ids: dict[str, int], tokens: dic
             image_token_index=tokens["<image>"],
             tie_word_embeddings=False,
         )
+    if family == "gemma3":
+        boi, image, eoi = (tokens[t] for t in IMAGE_TOKENS[family])
+        text = dict(TEXT, vocab_size=vocab_size, head_dim=16, max_position_embeddings=512, **ids)
+        vision = dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=28,
+            patch_size=14,
+        )
+        return Gemma3Config(
+            text_config=text,
+            vision_config=vision,
+            mm_tokens_per_image=4,
+            boi_token_index=boi,
+            image_token_index=image,
+            eoi_token_index=eoi,
+            tie_word_embeddings=False,
+        )
     raise ValueError(f"unknown family {family}")
 
 
@@ -91,6 +119,11 @@ def build_vlm(family: str, out: Path, *, tokenizer_from: Path, seed: int = 0, in
     model.save_pretrained(out)
     tokenizer.chat_template = CHAT_TEMPLATE.replace("IMAGE", PLACEHOLDERS[family])
     tokenizer.save_pretrained(out)
+    if family == "gemma3":  # named special tokens, as Gemma 3's own tokenizer_config.json declares them
+        config_file = out / "tokenizer_config.json"
+        saved = json.loads(config_file.read_text())
+        config_file.write_text(json.dumps({**saved, "extra_special_tokens": GEMMA3_TOKENS}, indent=1))
+        tokenizer = AutoTokenizer.from_pretrained(out)
     processor = make_processor(family, tokenizer)
     if processor is not None:
         processor.save_pretrained(out)
@@ -102,7 +135,14 @@ def make_processor(family: str, tokenizer):  # -> ProcessorMixin | None
     token), or None where it needs torchvision and that is not installed (Qwen2-VL's video processor)."""
     import importlib.util
 
-    from transformers import CLIPImageProcessor, LlavaProcessor, Qwen2VLImageProcessor, Qwen2VLProcessor
+    from transformers import (
+        CLIPImageProcessor,
+        Gemma3ImageProcessor,
+        Gemma3Processor,
+        LlavaProcessor,
+        Qwen2VLImageProcessor,
+        Qwen2VLProcessor,
+    )
 
     if family == "llava":
         images = CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
@@ -113,6 +153,11 @@ def make_processor(family: str, tokenizer):  # -> ProcessorMixin | None
             num_additional_image_tokens=1,
             vision_feature_select_strategy="default",
             chat_template=tokenizer.chat_template,
+        )
+    if family == "gemma3":
+        images = Gemma3ImageProcessor(size={"height": 28, "width": 28})
+        return Gemma3Processor(
+            image_processor=images, tokenizer=tokenizer, image_seq_length=4, chat_template=tokenizer.chat_template
         )
     if importlib.util.find_spec("torchvision") is None:
         return None

@@ -23,8 +23,11 @@ import torch
 
 from qlora_fsdp.errors import UserError
 
-TEXT_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids")
+TEXT_INPUTS = ("input_ids", "attention_mask")
 """What the processor returns for the text: the batch has its own; everything else it returns is the images'."""
+TOKEN_TYPES = ("mm_token_type_ids", "token_type_ids")
+"""Per-token marks of which tokens are an image's (Qwen2-VL's M-RoPE, Gemma 3's bidirectional image attention):
+the processor's own marks for each image's tokens, placed where those tokens are in the batch's rows."""
 
 
 def resolve_image(entry: Any, *, root: Path | None, where: str) -> str:
@@ -56,10 +59,8 @@ class ImageInputs:
         tokenizer = processor.tokenizer
         self.placeholder = _placeholder(processor)
         self.placeholder_ids: list[int] = tokenizer(self.placeholder, add_special_tokens=False)["input_ids"]
-        # Qwen2-VL's M-RoPE reads which tokens are an image's from `mm_token_type_ids` (1 on image tokens), which
-        # its processor returns beside input_ids.
-        self.token_types = "mm_token_type_ids" in getattr(processor, "model_input_names", ())
-        self.image_token_id: int | None = getattr(processor, "image_token_id", None)
+        names = getattr(processor, "model_input_names", ())
+        self.token_types = next((name for name in TOKEN_TYPES if name in names), None)
 
     def identity(self) -> str:
         """A digest of what decides an image's tokens: the processor's class and settings."""
@@ -73,7 +74,7 @@ class ImageInputs:
         if len(at) != len(paths):
             raise UserError(
                 f"{where}: {len(at)} image placeholder(s) in the rendered conversation but {len(paths)} image(s) in "
-                "'images'; give one {\"type\": \"image\"} part per image"
+                '\'images\'; give one {"type": "image"} part per image'
             )
         out_ids, out_learned, last = [], [], 0
         for start, path in zip(at, paths, strict=True):
@@ -83,11 +84,26 @@ class ImageInputs:
             last = start + n
         return out_ids + ids[last:], out_learned + learned[last:]
 
-    def batch_inputs(self, input_ids: torch.Tensor, paths: list[str]) -> dict[str, torch.Tensor]:
-        """The model's image inputs for a batch whose rows hold the images at `paths`, in order."""
-        out = {k: v for k, v in self._processed(paths).items() if k not in TEXT_INPUTS}
-        if self.token_types:
-            out["mm_token_type_ids"] = (input_ids == self.image_token_id).long()
+    def batch_inputs(self, input_ids: torch.Tensor, images: list[list[str]]) -> dict[str, torch.Tensor]:
+        """The model's image inputs for a batch whose row i holds the images at `images[i]`, in order."""
+        paths = [path for row in images for path in row]
+        processed = self._processed(paths)
+        out = {k: v for k, v in processed.items() if k not in (*TEXT_INPUTS, *TOKEN_TYPES)}
+        if self.token_types is None:
+            return out
+        types = torch.zeros_like(input_ids)
+        expanded = iter(
+            zip(processed["input_ids"], processed["attention_mask"], processed[self.token_types], strict=True)
+        )
+        for row, row_images in enumerate(images):
+            ids, start = input_ids[row].tolist(), 0
+            for _ in row_images:
+                tokens, real, marks = next(expanded)
+                tokens, marks = tokens[real.bool()].tolist(), marks[real.bool()]
+                start = next(i for i in range(start, len(ids)) if ids[i : i + len(tokens)] == tokens)
+                types[row, start : start + len(tokens)] = marks
+                start += len(tokens)
+        out[self.token_types] = types
         return out
 
     def _processed(self, paths: list[str]) -> dict[str, torch.Tensor]:
@@ -96,9 +112,12 @@ class ImageInputs:
         images = []
         for path in paths:
             with Image.open(path) as image:
-                images.append(image.convert("RGB"))
+                images.append([image.convert("RGB")])  # one text per image, and its image (Gemma 3 takes no less)
         text = [self.placeholder] * len(paths)
-        return dict(self.processor(text=text, images=images, add_special_tokens=False, return_tensors="pt"))
+        # Padded: images of other sizes take other numbers of tokens (Qwen2-VL); attention_mask says which are real.
+        return dict(
+            self.processor(text=text, images=images, add_special_tokens=False, padding=True, return_tensors="pt")
+        )
 
 
 def _placeholder(processor: Any) -> str:
@@ -109,8 +128,9 @@ def _placeholder(processor: Any) -> str:
         return processor.apply_chat_template([{"role": "user", "content": content}], tokenize=False)
 
     try:
-        with_image, without = render([{"type": "image"}, {"type": "text", "text": "x"}]), render(
-            [{"type": "text", "text": "x"}]
+        with_image, without = (
+            render([{"type": "image"}, {"type": "text", "text": "x"}]),
+            render([{"type": "text", "text": "x"}]),
         )
     except (jinja2.TemplateError, ValueError) as exc:
         raise UserError(f"the model's processor cannot render an image turn with its chat template ({exc})") from None

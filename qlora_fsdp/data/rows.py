@@ -273,11 +273,11 @@ def collate(
         if packed:
             batch["position_ids"].append([*item["position_ids"], *range(n_pad)])
     out = {key: torch.tensor(value, dtype=torch.long) for key, value in batch.items()}
-    paths = [path for item in items for path in item.get("images", ())]
-    if paths:
+    rows_images = [list(item.get("images", ())) for item in items]
+    if any(rows_images):
         if images is None:
             raise UserError("a batch holds rows with images, but no image processor was given to the loader")
-        out |= {f"{IMAGE_PREFIX}{k}": v for k, v in images.batch_inputs(out["input_ids"], paths).items()}
+        out |= {f"{IMAGE_PREFIX}{k}": v for k, v in images.batch_inputs(out["input_ids"], rows_images).items()}
     return out
 
 

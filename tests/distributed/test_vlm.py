@@ -53,14 +53,16 @@ QUESTION = "What color is this square?"
 
 
 def square_rows(directory: Path, colors: list[str], *, answers: list[str] | None = None, jitter: int = 0,
-                seed: int = 0) -> Path:  # fmt: skip
+                noise: int = 0, seed: int = 0) -> Path:  # fmt: skip
     """TRL's image rows: a square of each color (28 x 28 PNG beside the file; each channel moved by up to `jitter`,
-    seeded) and the question about it, answered with its color (or with `answers`, in order)."""
+    and each pixel's by up to `noise` more, seeded) and the question about it, answered with its color (or with
+    `answers`, in order)."""
     rng = random.Random(seed)
     rows = []
     for i, (color, answer) in enumerate(zip(colors, answers or colors, strict=True)):
-        rgb = tuple(min(255, max(0, v + rng.randint(-jitter, jitter))) for v in COLORS[color])
-        Image.new("RGB", (28, 28), rgb).save(directory / f"{i}-{color}.png")
+        rgb = [v + rng.randint(-jitter, jitter) for v in COLORS[color]]
+        pixels = [min(255, max(0, rgb[k % 3] + rng.randint(-noise, noise))) for k in range(28 * 28 * 3)]
+        Image.frombytes("RGB", (28, 28), bytes(pixels)).save(directory / f"{i}-{color}.png")
         rows.append({"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]},
                                   {"role": "assistant", "content": [{"type": "text", "text": f"It is {answer}."}]}],
                      "images": [f"{i}-{color}.png"]})  # fmt: skip
@@ -172,8 +174,10 @@ def test_vision_tower_stays_full_precision_and_frozen(vlm_run: Run) -> None:
     assert not re.fullmatch(exclude, f"{parts.language}.layers.0.self_attn.q_proj")
 
 
-# Image rows: LLaVA's 28 x 28 image is 2 x 2 patches of 14 (4 tokens); Qwen2-VL merges its 2 x 2 patches into one.
-IMAGE_ROWS = [("llava", "bnb", 2, "<image>", 4), ("qwen2_vl", "hqq", 1, "<|image_pad|>", 1)]
+# Image rows: LLaVA's 28 x 28 image is 2 x 2 patches of 14 (4 tokens); Qwen2-VL merges its 2 x 2 patches into one;
+# Gemma 3 pools its patches into 4 tokens that attend to each other both ways (token_type_ids).
+IMAGE_ROWS = [("llava", "bnb", 2, "<image>", 4), ("qwen2_vl", "hqq", 1, "<|image_pad|>", 1),
+              ("gemma3", "hqq", 2, "<image_soft_token>", 4)]  # fmt: skip
 
 
 @pytest.mark.parametrize(("family", "quant", "version", "image_token", "tokens"), IMAGE_ROWS,
@@ -198,7 +202,8 @@ def test_image_rows_first_step_matches_transformers_with_peft(
     if family == "qwen2_vl":
         pytest.importorskip("torchvision", reason="Qwen2-VL's processor needs torchvision (the torch 2.11 set has it)")
     model = vlms[family]
-    data = square_rows(tmp_path_factory.mktemp("squares"), ["red", "blue"])
+    # Noisy pixels: a solid square's image tokens are all alike, and would hide how they attend to each other.
+    data = square_rows(tmp_path_factory.mktemp("squares"), ["red", "blue"], noise=60)
     out = tmp_path_factory.mktemp("vlm-images")
     train(["--model", str(model), "--quant", quant, "--fsdp_version", str(version), "--dataset", str(data), *COMMON,
            "--output_dir", str(out)], nproc=2)  # fmt: skip

@@ -22,7 +22,7 @@ from tests.vlm_models import build_vlm
 @pytest.fixture(scope="module")
 def vlms(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("vlm-unit")
-    return {f: build_vlm(f, root / f, tokenizer_from=tiny_model) for f in ("qwen2_vl", "llava")}
+    return {f: build_vlm(f, root / f, tokenizer_from=tiny_model) for f in ("qwen2_vl", "llava", "gemma3")}
 
 
 def test_parts_of_each_family(vlms: dict[str, Path]) -> None:
@@ -37,6 +37,9 @@ def test_parts_of_each_family(vlms: dict[str, Path]) -> None:
         ("model.multi_modal_projector",),
     )
     assert parts.unquantized(quantize_vision=True) == ("model.multi_modal_projector.",)
+    gemma = meta_model(vlms["gemma3"], dtype=torch.float32, trust_remote_code=False)
+    assert vision_parts(gemma) == VisionParts("model.language_model", ("model.vision_tower",),
+                                              ("model.multi_modal_projector",))  # fmt: skip
 
 
 def test_quantize_vision_quantizes_the_tower_but_not_the_projector(vlms: dict[str, Path]) -> None:
@@ -128,3 +131,55 @@ def test_the_cache_keeps_image_ids_and_paths_and_is_rebuilt_when_an_image_change
     assert opened()[1] is False
     Image.new("RGB", (28, 28), (0, 0, 255)).save(tmp_path / "red.png")
     assert opened()[1] is True
+
+
+@pytest.mark.parametrize("family", ["llava", "gemma3", "qwen2_vl"])
+def test_a_collated_image_row_is_what_the_processor_makes_of_it(
+    vlms: dict[str, Path], tmp_path: Path, family: str
+) -> None:
+    """A cached image row, collated: its ids, pixels and per-token image marks (Gemma 3's token_type_ids, Qwen2-VL's
+    mm_token_type_ids) equal what the family's own processor returns for the rendered row with its image, and its
+    labels are the reply's tokens and end-of-turn token alone."""
+    import json
+    import random
+
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    from qlora_fsdp.data.cache import CacheSpec, tokenize_in_memory
+    from qlora_fsdp.data.formats import IGNORE_INDEX
+    from qlora_fsdp.data.images import load_image_inputs
+    from qlora_fsdp.data.rows import IMAGE_PREFIX, collate
+    from qlora_fsdp.model import load_tokenizer
+
+    model = vlms[family]
+    if not (model / "processor_config.json").is_file():
+        pytest.skip("Qwen2-VL's processor needs torchvision (the torch 2.11 set has it)")
+    rng = random.Random(0)
+    Image.frombytes("RGB", (28, 28), bytes(rng.randrange(256) for _ in range(28 * 28 * 3))).save(tmp_path / "x.png")
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Color?"}]},
+                {"role": "assistant", "content": [{"type": "text", "text": "It is red."}]}]  # fmt: skip
+    (tmp_path / "rows.jsonl").write_text(json.dumps({"messages": messages, "images": ["x.png"]}) + "\n")
+    spec = CacheSpec(dataset=str(tmp_path / "rows.jsonl"), dataset_samples=0, prompt_style="alpaca",
+                     context_length=128, packing_split=False, train_on_inputs=False)  # fmt: skip
+    images, tokenizer = load_image_inputs(model), load_tokenizer(model)
+    cache = tokenize_in_memory(spec, tokenizer, images)
+    (ids, labels), paths = cache.samples[0], cache.samples.images(0)
+    batch = collate([{"input_ids": ids, "labels": labels, "images": paths}], pad_id=0, context_length=128,
+                    pad_to_context=False, images=images)  # fmt: skip
+
+    processor = AutoProcessor.from_pretrained(model)
+    text = processor.apply_chat_template(messages, tokenize=False)
+    expected = processor(text=[text], images=[Image.open(tmp_path / "x.png").convert("RGB")], add_special_tokens=False,
+                         return_tensors="pt")  # fmt: skip
+    n = expected["input_ids"].shape[1]
+    assert batch["input_ids"][0, :n].tolist() == expected["input_ids"][0].tolist() and len(ids) == n
+    for key, value in expected.items():
+        if key not in ("input_ids", "attention_mask"):
+            got = batch[f"{IMAGE_PREFIX}{key}"]
+            assert torch.equal(got[..., :n] if got.dim() == 2 and key.endswith("type_ids") else got, value), key
+    marks = [k for k in expected if k.endswith("token_type_ids")]
+    assert bool(marks) == (family != "llava") and all(expected[k].sum() > 0 for k in marks)
+    reply = tokenizer("It is red.", add_special_tokens=False)["input_ids"]
+    eot = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    assert [t for t in labels if t != IGNORE_INDEX] == [*reply, eot]
