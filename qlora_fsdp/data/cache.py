@@ -151,7 +151,7 @@ def _encode(
     examples = [from_record({k: batch[k][i] for k in RECORD_COLUMNS}) for i in range(len(batch["where"]))]
     out: dict[str, list[Any]] = {k: [] for k in _ROW_COLUMNS}
     if spec.pairs:
-        _encode_pairs(examples, batch, tokenizer, spec, out)
+        _encode_pairs(examples, batch, tokenizer, spec, out, images)
         return out
     encoded = encode_examples(examples, tokenizer, train_on_inputs=spec.train_on_inputs, images=images)
     for i, sample in enumerate(encoded):
@@ -182,11 +182,11 @@ def _append(out: dict[str, list[Any]], batch: dict[str, list[Any]], i: int, samp
 
 
 def _encode_pairs(examples: list[Any], batch: dict[str, list[Any]], tokenizer: Any, spec: CacheSpec,
-                  out: dict[str, list[Any]]) -> None:  # fmt: skip
+                  out: dict[str, list[Any]], images: ImageInputs | None = None) -> None:  # fmt: skip
     """Each pair's sides fitted together (rows.fit_pair); a pair with an empty or repeated reply, or a side left
-    with nothing to learn, is a row of length 0."""
+    with nothing to learn, is a row of length 0, and so is a pair with images that fitting would cut."""
     sides = [side for pair in examples for side in (pair.chosen, pair.rejected)]
-    encoded = encode_examples(sides, tokenizer, train_on_inputs=False)
+    encoded = encode_examples(sides, tokenizer, train_on_inputs=False, images=images)
     prefix = special_prefix(tokenizer)
     for i, pair in enumerate(examples):
         chosen, rejected = encoded[2 * i], encoded[2 * i + 1]
@@ -197,9 +197,13 @@ def _encode_pairs(examples: list[Any], batch: dict[str, list[Any]], tokenizer: A
         head = len(prefix) if chosen[0][: len(prefix)] == prefix else 0
         chosen, rejected, how = fit_pair(chosen, rejected, spec.context_length,
                                          max_prompt_length=spec.max_prompt_length, keep_head=head)  # fmt: skip
+        paths = list(getattr(pair.chosen, "images", ()))
+        if paths and how != "whole":
+            _append(out, batch, i, ([], []), ([], []), "images_too_long")
+            continue
         if not (learned_tokens(chosen[1]) and learned_tokens(rejected[1])):
             chosen = rejected = ([], [])
-        _append(out, batch, i, chosen, rejected, how)
+        _append(out, batch, i, chosen, rejected, how, paths)
 
 
 def _auto_procs(rows: int) -> int:

@@ -114,6 +114,13 @@ def conversation_from_row(row: dict[str, Any], where: str, *, root: Path | None 
     the dataset file's directory), or a UserError naming the row and the field."""
     key = next(k for k in CHAT_FORMATS if row.get(k) is not None)
     messages = tuple(parse_messages(row[key], where, key))
+    return Conversation(messages, where, images=row_images(row, messages, where, key, root=root))
+
+
+def row_images(
+    row: dict[str, Any], messages: tuple[tuple[str, Content], ...], where: str, key: str, *, root: Path | None
+) -> tuple[str, ...]:
+    """The row's `images`, resolved (see resolve_image), one per image part of `messages` (from the row's `key`)."""
     entries = row.get("images") or []
     if not isinstance(entries, list):
         raise UserError(f"{where}: field 'images' must be a list of image paths, got {type(entries).__name__}")
@@ -123,8 +130,7 @@ def conversation_from_row(row: dict[str, Any], where: str, *, root: Path | None 
             f"{where}: {placeholders} image part(s) in {key!r} but {len(entries)} image(s) in 'images'; give one "
             '{"type": "image"} part per image, in order'
         )
-    images = tuple(resolve_image(entry, root=root, where=where) for entry in entries)
-    return Conversation(messages, where, images=images)
+    return tuple(resolve_image(entry, root=root, where=where) for entry in entries)
 
 
 def conversation_from_pair(prompt: str, response: str, where: str) -> Conversation:

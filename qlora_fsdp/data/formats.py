@@ -33,6 +33,7 @@ from qlora_fsdp.data.chat import (
     encode_conversation,
     is_chat_row,
     parse_messages,
+    row_images,
     text_of,
 )
 from qlora_fsdp.data.images import ImageInputs
@@ -195,8 +196,9 @@ def _is_pair_row(row: dict[str, Any]) -> bool:
     return row.get("chosen") is not None or row.get("rejected") is not None
 
 
-def pair_example(row: Any, where: str, *, prompt_style: str) -> Pair:
-    """The preference pair a row holds (see the module docstring), or a UserError naming the row."""
+def pair_example(row: Any, where: str, *, prompt_style: str, root: Path | None = None) -> Pair:
+    """The preference pair a row holds (see the module docstring), or a UserError naming the row; TRL's vision pairs
+    hold their images in the prompt's turns (`images`, relative to `root`)."""
     if not isinstance(row, dict) or not _is_pair_row(row):
         got = "an object without them" if isinstance(row, dict) else type(row).__name__
         raise UserError(f"{where}: expected a preference pair, got {got} ({_PAIR_HELP})")
@@ -216,7 +218,10 @@ def pair_example(row: Any, where: str, *, prompt_style: str) -> Pair:
                 raise UserError(f"{where}: {name!r} must hold only assistant messages after the prompt's turns")
         if not turns:
             raise UserError(f"{where}: no prompt: 'chosen' and 'rejected' share no turn and there is no 'prompt'")
-        chosen_side, rejected_side = (Conversation((*turns, *reply), where, learn_from=len(turns)) for reply in replies)
+        images = row_images(row, tuple(turns), where, "prompt" if prompt is not None else "chosen", root=root)
+        chosen_side, rejected_side = (
+            Conversation((*turns, *reply), where, learn_from=len(turns), images=images) for reply in replies
+        )
         return Pair(chosen_side, rejected_side)
     text = _field(row, "prompt", where, formats=_PAIR_HELP)
     replies = (_field(row, "chosen", where, formats=_PAIR_HELP), _field(row, "rejected", where, formats=_PAIR_HELP))
@@ -302,8 +307,8 @@ def examples_of(
     rows' relative image paths start."""
     _check_prompt_style(prompt_style)
     for where, row in rows:
-        example = pair_example(row, where, prompt_style=prompt_style) if pairs else \
-            row_example(row, where, prompt_style=prompt_style, root=root)  # fmt: skip
+        read = pair_example if pairs else row_example
+        example = read(row, where, prompt_style=prompt_style, root=root)
         yield to_record(example, where)
 
 

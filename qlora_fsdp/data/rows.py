@@ -207,8 +207,10 @@ class PairRows(Dataset):
     def __getitem__(self, index: int) -> dict[str, list[int]]:
         at = int(self.indices[index])
         (chosen_ids, chosen_labels), (rejected_ids, rejected_labels) = self.pairs[at]
+        images = self.pairs.images(at) if hasattr(self.pairs, "images") else []
         return {"input_ids": chosen_ids, "labels": chosen_labels, "rejected_input_ids": rejected_ids,
-                "rejected_labels": rejected_labels, "pair_index": [at]}  # fmt: skip
+                "rejected_labels": rejected_labels, "pair_index": [at],
+                **({"images": images} if images else {})}  # fmt: skip
 
 
 def packed_row(parts: list[Sample]) -> dict[str, list[int]]:
@@ -254,9 +256,11 @@ def collate(
     Rows with images add the model's image inputs for all of them, in row order (`images`, the model's processor).
     """
     if "rejected_input_ids" in items[0]:
-        sides = [{"input_ids": item[f"{side}input_ids"], "labels": item[f"{side}labels"]}
-                 for side in ("", "rejected_") for item in items]  # fmt: skip
-        batch = collate(sides, pad_id=pad_id, context_length=context_length, pad_to_context=pad_to_context)
+        # Both sides of a pair show the same images.
+        sides = [{"input_ids": item[f"{side}input_ids"], "labels": item[f"{side}labels"],
+                  "images": item.get("images", [])} for side in ("", "rejected_") for item in items]  # fmt: skip
+        batch = collate(sides, pad_id=pad_id, context_length=context_length, pad_to_context=pad_to_context,
+                        images=images)  # fmt: skip
         return {**batch, "pair_index": torch.tensor([item["pair_index"][0] for item in items], dtype=torch.long)}
     longest = max(len(item["input_ids"]) for item in items)
     width = context_length if pad_to_context else min(context_length, -(-longest // PAD_MULTIPLE) * PAD_MULTIPLE)

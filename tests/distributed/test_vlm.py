@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
 import random
 import re
 from dataclasses import dataclass
@@ -261,9 +262,10 @@ def held_out_accuracy(model: nn.Module, processor: Any, rows_file: Path) -> floa
     return right / len(rows)
 
 
-def peer_accuracy(model: Path, train_rows: Path, held: Path, processor: Any) -> float:
+def peer_accuracy(model: Path, train_rows: Path, held: Path, processor: Any) -> tuple[float, int]:
     """transformers' own 4-bit loading (bitsandbytes, the language model's linears) + PEFT's LoRA on them + AdamW,
-    the run's settings (rank, alpha, lr, batch 4, LEARN_STEPS steps), then the held-out accuracy."""
+    the run's settings (rank, alpha, lr, batch 4, LEARN_STEPS steps): the held-out accuracy, and the bytes of the
+    loaded model's parameters and buffers (before the adapters)."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
     from transformers import AutoModelForImageTextToText
@@ -273,6 +275,7 @@ def peer_accuracy(model: Path, train_rows: Path, held: Path, processor: Any) -> 
     quantization = bnb_config(dtype=torch.float32)
     quantization.llm_int8_skip_modules = ["model.vision_tower", "model.multi_modal_projector", "lm_head"]  # as ours
     base = AutoModelForImageTextToText.from_pretrained(model, quantization_config=quantization, dtype=torch.float32)
+    resident = sum(t.numel() * t.element_size() for t in (*base.parameters(), *base.buffers()))
     targets = rf"model\.language_model\..*\.({'|'.join(LLAMA_LINEARS)})"
     config = PeftLoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=targets)
     peft_model = get_peft_model(base, config)
@@ -287,7 +290,7 @@ def peer_accuracy(model: Path, train_rows: Path, held: Path, processor: Any) -> 
         (total / sum(int((labels[0, 1:] != -100).sum()) for _, labels in examples)).backward()
         optimizer.step()
         optimizer.zero_grad()
-    return held_out_accuracy(peft_model.eval(), processor, held)
+    return held_out_accuracy(peft_model.eval(), processor, held), resident
 
 
 def test_images_matter(color_llava: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
@@ -314,8 +317,14 @@ def test_images_matter(color_llava: Path, tmp_path_factory: pytest.TempPathFacto
         base = quantized_base(color_llava, "bnb", out)
         trained = PeftModel.from_pretrained(dequantized_transformers_model(color_llava, base), out).eval()
         accuracy[name] = held_out_accuracy(trained, processor, held)
-    accuracy["peer"] = peer_accuracy(color_llava, train_rows, held, processor)
+    accuracy["peer"], peer_bytes = peer_accuracy(color_llava, train_rows, held, processor)
     print(f"held-out accuracy after {LEARN_STEPS} steps: {accuracy}")
+    # Memory: the ranks hold between them what transformers' 4-bit loading holds in one process (plus the fp32
+    # adapters), each about half of it.
+    first = next(r for r in read_metrics(outs["images"]) if "loss" in r)
+    per_rank, adapters = first["param_bytes_per_rank"], 4 * first["trainable_parameters"]
+    print(f"resident bytes per rank {per_rank} (adapters {adapters} in all), transformers 4-bit {peer_bytes}")
+    assert sum(per_rank) - adapters <= 1.05 * peer_bytes and max(per_rank) <= 0.51 * sum(per_rank)
     assert accuracy["images"] >= 0.9, accuracy
     assert accuracy["shuffled"] <= 0.5, accuracy
     assert accuracy["peer"] >= 0.9, accuracy
@@ -362,8 +371,6 @@ def test_image_rows_resume_exactly(vlms: dict[str, Path], tmp_path: Path, resume
     """LLaVA on image rows (bnb, FSDP2): steps 3-4 after a resume from step 2 equal the uninterrupted 2-rank run's,
     on 2 ranks (dropout on: the random state is restored) and on 1 rank with the same global batch (2; dropout off,
     as docs/checkpoints.md says: another world size starts the random state afresh)."""
-    import math
-
     from tests.conftest import stopped_at
 
     data = square_rows(tmp_path, ["red", "green", "blue", "red", "blue", "green"])
@@ -383,3 +390,50 @@ def test_image_rows_resume_exactly(vlms: dict[str, Path], tmp_path: Path, resume
     for a, b in zip(resumed, uninterrupted, strict=True):
         for key, tolerance in (("loss", 1e-6), ("grad_norm", 1e-5)):
             assert math.isclose(a[key], b[key], rel_tol=tolerance), (a["step"], key, a[key], b[key])
+
+
+def test_dpo_on_image_pairs_first_step_matches_transformers_with_peft(
+    vlms: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """TRL's vision preference rows (images, prompt, chosen, rejected) train DPO on LLaVA (bnb, FSDP2, 2 ranks x 1
+    pair). At step 1 the policy is the reference, so the loss is ln 2 and its gradient is that of
+    -(beta / 2) x the mean over pairs of (log p(chosen) - log p(rejected)): its norm is computed here with
+    transformers + PEFT on what LLaVA's processor makes of each side, as is the label-token count."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model, set_peft_model_state_dict
+    from transformers import AutoProcessor
+
+    model, beta = vlms["llava"], 0.1
+    root = tmp_path_factory.mktemp("image-pairs")
+    squares = [json.loads(line) for line in square_rows(root, ["red", "blue"], noise=60).read_text().splitlines()]
+    pairs = [{"images": row["images"], "prompt": row["messages"][:1],
+              "chosen": [{"role": "assistant", "content": [{"type": "text", "text": f"It is {right}."}]}],
+              "rejected": [{"role": "assistant", "content": [{"type": "text", "text": f"It is {wrong}."}]}]}
+             for row, right, wrong in zip(squares, ["red", "blue"], ["green", "red"], strict=True)]  # fmt: skip
+    data = root / "pairs.jsonl"
+    data.write_text("".join(json.dumps(pair) + "\n" for pair in pairs))
+    out = tmp_path_factory.mktemp("image-dpo")
+    train(["--model", str(model), "--quant", "bnb", "--dataset", str(data), "--objective", "dpo", "--beta", str(beta),
+           *COMMON, "--output_dir", str(out), "--max_steps", "1"], nproc=2)  # fmt: skip
+    first = next(r for r in read_metrics(out) if "loss" in r)
+
+    base = quantized_base(model, "bnb", out)
+    peft_model = get_peft_model(dequantized_transformers_model(model, base), PeftLoraConfig.from_pretrained(out))
+    set_peft_model_state_dict(peft_model, initial_adapter(model, "bnb", rank=RANK, alpha=ALPHA, seed=SEED))
+    processor = AutoProcessor.from_pretrained(model)
+    peft_model.train()
+    margins, tokens = [], 0
+    for pair in pairs:
+        logp = {}
+        for side in ("chosen", "rejected"):
+            batch, labels = processor_example(processor, {"images": pair["images"],
+                                                          "messages": pair["prompt"] + pair[side]}, root)  # fmt: skip
+            logp[side] = -reply_loss_sum(peft_model, batch, labels)
+            tokens += int((labels[0, 1:] != -100).sum())
+        margins.append(logp["chosen"] - logp["rejected"])
+    (-(beta / 2) * torch.stack(margins).mean()).backward()
+
+    assert first["label_tokens"] == tokens
+    assert first["loss"] == pytest.approx(math.log(2), rel=1e-6)
+    grad_norm = trainable_grad_norm(peft_model)
+    assert first["grad_norm"] == pytest.approx(grad_norm, rel=1e-4), f"grad_norm: run {first['grad_norm']}, {grad_norm}"
