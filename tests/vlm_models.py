@@ -10,11 +10,12 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = ("qwen2_vl", "llava", "gemma3")
+FAMILIES = ("qwen2_vl", "llava", "gemma3", "idefics3")
 IMAGE_TOKENS = {
     "qwen2_vl": ["<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|video_pad|>"],
     "llava": ["<image>"],
     "gemma3": ["<start_of_image>", "<image_soft_token>", "<end_of_image>"],
+    "idefics3": ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"],
 }
 GEMMA3_TOKENS = dict(zip(("boi_token", "image_token", "eoi_token"), IMAGE_TOKENS["gemma3"], strict=True))
 """Gemma 3's processor reads these tokenizer attributes (named extra special tokens in tokenizer_config.json)."""
@@ -28,12 +29,13 @@ PLACEHOLDERS = {
     "qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>",
     "llava": "<image>",
     "gemma3": "<start_of_image>",
+    "idefics3": "<image>",
 }
 TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 
 
 def vlm_config(family: str, *, vocab_size: int, ids: dict[str, int], tokens: dict[str, int]):  # -> PretrainedConfig
-    from transformers import CLIPVisionConfig, Gemma3Config, LlamaConfig, LlavaConfig, Qwen2VLConfig
+    from transformers import CLIPVisionConfig, Gemma3Config, Idefics3Config, LlamaConfig, LlavaConfig, Qwen2VLConfig
 
     if family == "qwen2_vl":
         pad, start, end, video = (tokens[t] for t in IMAGE_TOKENS[family])
@@ -76,6 +78,22 @@ def vlm_config(family: str, *, vocab_size: int, ids: dict[str, int], tokens: dic
                 patch_size=14,
             ),
             image_token_index=tokens["<image>"],
+            tie_word_embeddings=False,
+        )
+    if family == "idefics3":  # SmolVLM's architecture: a SigLIP-like encoder, pixel shuffle, Llama
+        vision = dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=28,
+            patch_size=14,
+        )
+        return Idefics3Config(
+            text_config=LlamaConfig(vocab_size=vocab_size, **TEXT, **ids),
+            vision_config=vision,
+            scale_factor=2,
+            image_token_id=tokens["<image>"],
             tie_word_embeddings=False,
         )
     if family == "gemma3":
@@ -139,6 +157,8 @@ def make_processor(family: str, tokenizer):  # -> ProcessorMixin | None
         CLIPImageProcessor,
         Gemma3ImageProcessor,
         Gemma3Processor,
+        Idefics3ImageProcessor,
+        Idefics3Processor,
         LlavaProcessor,
         Qwen2VLImageProcessor,
         Qwen2VLProcessor,
@@ -158,6 +178,13 @@ def make_processor(family: str, tokenizer):  # -> ProcessorMixin | None
         images = Gemma3ImageProcessor(size={"height": 28, "width": 28})
         return Gemma3Processor(
             image_processor=images, tokenizer=tokenizer, image_seq_length=4, chat_template=tokenizer.chat_template
+        )
+    if family == "idefics3":  # one 28 x 28 tile: 2 x 2 patches shuffled into 1 token
+        images = Idefics3ImageProcessor(
+            do_image_splitting=False, size={"longest_edge": 28}, max_image_size={"longest_edge": 28}
+        )
+        return Idefics3Processor(
+            image_processor=images, tokenizer=tokenizer, image_seq_len=1, chat_template=tokenizer.chat_template
         )
     if importlib.util.find_spec("torchvision") is None:
         return None

@@ -176,9 +176,10 @@ def test_vision_tower_stays_full_precision_and_frozen(vlm_run: Run) -> None:
 
 
 # Image rows: LLaVA's 28 x 28 image is 2 x 2 patches of 14 (4 tokens); Qwen2-VL merges its 2 x 2 patches into one;
-# Gemma 3 pools its patches into 4 tokens that attend to each other both ways (token_type_ids).
+# Gemma 3 pools its patches into 4 tokens that attend to each other both ways (token_type_ids); Idefics3 (SmolVLM)
+# shuffles its 2 x 2 patches into 1 token between <fake_token_around_image> and <global-img> tokens.
 IMAGE_ROWS = [("llava", "bnb", 2, "<image>", 4), ("qwen2_vl", "hqq", 1, "<|image_pad|>", 1),
-              ("gemma3", "hqq", 2, "<image_soft_token>", 4)]  # fmt: skip
+              ("gemma3", "hqq", 2, "<image_soft_token>", 4), ("idefics3", "bnb", 1, "<image>", 1)]  # fmt: skip
 
 
 @pytest.mark.parametrize(("family", "quant", "version", "image_token", "tokens"), IMAGE_ROWS,

@@ -22,7 +22,7 @@ from tests.vlm_models import build_vlm
 @pytest.fixture(scope="module")
 def vlms(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("vlm-unit")
-    return {f: build_vlm(f, root / f, tokenizer_from=tiny_model) for f in ("qwen2_vl", "llava", "gemma3")}
+    return {f: build_vlm(f, root / f, tokenizer_from=tiny_model) for f in ("qwen2_vl", "llava", "gemma3", "idefics3")}
 
 
 def test_parts_of_each_family(vlms: dict[str, Path]) -> None:
@@ -37,6 +37,8 @@ def test_parts_of_each_family(vlms: dict[str, Path]) -> None:
         ("model.multi_modal_projector",),
     )
     assert parts.unquantized(quantize_vision=True) == ("model.multi_modal_projector.",)
+    idefics = meta_model(vlms["idefics3"], dtype=torch.float32, trust_remote_code=False)
+    assert vision_parts(idefics) == VisionParts("model.text_model", ("model.vision_model",), ("model.connector",))
     gemma = meta_model(vlms["gemma3"], dtype=torch.float32, trust_remote_code=False)
     assert vision_parts(gemma) == VisionParts("model.language_model", ("model.vision_tower",),
                                               ("model.multi_modal_projector",))  # fmt: skip
@@ -133,7 +135,7 @@ def test_the_cache_keeps_image_ids_and_paths_and_is_rebuilt_when_an_image_change
     assert opened()[1] is True
 
 
-@pytest.mark.parametrize("family", ["llava", "gemma3", "qwen2_vl"])
+@pytest.mark.parametrize("family", ["llava", "gemma3", "idefics3", "qwen2_vl"])
 def test_a_collated_image_row_is_what_the_processor_makes_of_it(
     vlms: dict[str, Path], tmp_path: Path, family: str
 ) -> None:
@@ -179,7 +181,7 @@ def test_a_collated_image_row_is_what_the_processor_makes_of_it(
             got = batch[f"{IMAGE_PREFIX}{key}"]
             assert torch.equal(got[..., :n] if got.dim() == 2 and key.endswith("type_ids") else got, value), key
     marks = [k for k in expected if k.endswith("token_type_ids")]
-    assert bool(marks) == (family != "llava") and all(expected[k].sum() > 0 for k in marks)
+    assert bool(marks) == (family in ("gemma3", "qwen2_vl")) and all(expected[k].sum() > 0 for k in marks)
     reply = tokenizer("It is red.", add_special_tokens=False)["input_ids"]
     eot = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     assert [t for t in labels if t != IGNORE_INDEX] == [*reply, eot]
