@@ -1,7 +1,7 @@
 """Tiny random image-text models in the layouts transformers saves them in, with the tiny Llama's tokenizer plus the
 family's image tokens: Qwen2-VL (its own vision transformer, M-RoPE), LLaVA (CLIP + Llama, saved under the
-names from before transformers 5, which loading converts) and Gemma 3 (SigLIP, pooled image tokens that attend to
-each other both ways)."""
+names from before transformers 5, which loading converts), Gemma 3 (SigLIP, pooled image tokens that attend to
+each other both ways) and Idefics3 (SmolVLM's architecture: pixel shuffle into a Llama)."""
 
 from __future__ import annotations
 
