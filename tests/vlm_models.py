@@ -31,6 +31,10 @@ PLACEHOLDERS = {
     "gemma3": "<start_of_image>",
     "idefics3": "<image>",
 }
+VISION = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=28, patch_size=14
+)
+"""A 28 x 28 image is 2 x 2 patches of 14 (CLIP, SigLIP, Idefics3's encoder)."""
 TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 
 
@@ -59,7 +63,7 @@ def vlm_config(family: str, *, vocab_size: int, ids: dict[str, int], tokens: dic
         )
         return Qwen2VLConfig(
             text_config=text,
-            vision_config=vision,
+            vision_config=dict(VISION),
             image_token_id=pad,
             video_token_id=video,
             vision_start_token_id=start,
@@ -69,29 +73,14 @@ def vlm_config(family: str, *, vocab_size: int, ids: dict[str, int], tokens: dic
     if family == "llava":
         return LlavaConfig(
             text_config=LlamaConfig(vocab_size=vocab_size, **TEXT, **ids),
-            vision_config=CLIPVisionConfig(
-                hidden_size=32,
-                intermediate_size=64,
-                num_hidden_layers=2,
-                num_attention_heads=2,
-                image_size=28,
-                patch_size=14,
-            ),
+            vision_config=CLIPVisionConfig(**VISION),
             image_token_index=tokens["<image>"],
             tie_word_embeddings=False,
         )
     if family == "idefics3":  # SmolVLM's architecture: a SigLIP-like encoder, pixel shuffle, Llama
-        vision = dict(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            image_size=28,
-            patch_size=14,
-        )
         return Idefics3Config(
             text_config=LlamaConfig(vocab_size=vocab_size, **TEXT, **ids),
-            vision_config=vision,
+            vision_config=dict(VISION),
             scale_factor=2,
             image_token_id=tokens["<image>"],
             tie_word_embeddings=False,
@@ -99,17 +88,9 @@ def vlm_config(family: str, *, vocab_size: int, ids: dict[str, int], tokens: dic
     if family == "gemma3":
         boi, image, eoi = (tokens[t] for t in IMAGE_TOKENS[family])
         text = dict(TEXT, vocab_size=vocab_size, head_dim=16, max_position_embeddings=512, **ids)
-        vision = dict(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            image_size=28,
-            patch_size=14,
-        )
         return Gemma3Config(
             text_config=text,
-            vision_config=vision,
+            vision_config=dict(VISION),
             mm_tokens_per_image=4,
             boi_token_index=boi,
             image_token_index=image,
