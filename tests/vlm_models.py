@@ -63,7 +63,7 @@ def vlm_config(family: str, *, vocab_size: int, ids: dict[str, int], tokens: dic
         )
         return Qwen2VLConfig(
             text_config=text,
-            vision_config=dict(VISION),
+            vision_config=vision,
             image_token_id=pad,
             video_token_id=video,
             vision_start_token_id=start,
