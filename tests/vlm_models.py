@@ -16,6 +16,7 @@ IMAGE_TOKENS = {
     "llava": ["<image>"],
     "gemma3": ["<start_of_image>", "<image_soft_token>", "<end_of_image>"],
     "idefics3": ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"],
+    "mllama": ["<|image|>", "<|python_tag|>"],
 }
 GEMMA3_TOKENS = dict(zip(("boi_token", "image_token", "eoi_token"), IMAGE_TOKENS["gemma3"], strict=True))
 """Gemma 3's processor reads these tokenizer attributes (named extra special tokens in tokenizer_config.json)."""
@@ -30,6 +31,7 @@ PLACEHOLDERS = {
     "llava": "<image>",
     "gemma3": "<start_of_image>",
     "idefics3": "<image>",
+    "mllama": "<|image|>",
 }
 VISION = dict(
     hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=28, patch_size=14
@@ -39,7 +41,15 @@ TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 
 
 def vlm_config(family: str, *, vocab_size: int, ids: dict[str, int], tokens: dict[str, int]):  # -> PretrainedConfig
-    from transformers import CLIPVisionConfig, Gemma3Config, Idefics3Config, LlamaConfig, LlavaConfig, Qwen2VLConfig
+    from transformers import (
+        CLIPVisionConfig,
+        Gemma3Config,
+        Idefics3Config,
+        LlamaConfig,
+        LlavaConfig,
+        MllamaConfig,
+        Qwen2VLConfig,
+    )
 
     if family == "qwen2_vl":
         pad, start, end, video = (tokens[t] for t in IMAGE_TOKENS[family])
@@ -97,6 +107,13 @@ def vlm_config(family: str, *, vocab_size: int, ids: dict[str, int], tokens: dic
             eoi_token_index=eoi,
             tie_word_embeddings=False,
         )
+    if family == "mllama":  # Llama-3.2-Vision: cross-attention layers read the image (not in FAMILIES: refused)
+        text = dict(TEXT, vocab_size=vocab_size, cross_attention_layers=[1], **ids)
+        vision = dict(
+            VISION, num_global_layers=1, max_num_tiles=4, vision_output_dim=64, intermediate_layers_indices=[0]
+        )
+        vision["attention_heads"] = vision.pop("num_attention_heads")
+        return MllamaConfig(text_config=text, vision_config=vision, image_token_index=tokens["<|image|>"])
     raise ValueError(f"unknown family {family}")
 
 
@@ -141,6 +158,8 @@ def make_processor(family: str, tokenizer):  # -> ProcessorMixin | None
         Idefics3ImageProcessor,
         Idefics3Processor,
         LlavaProcessor,
+        MllamaImageProcessor,
+        MllamaProcessor,
         Qwen2VLImageProcessor,
         Qwen2VLProcessor,
     )
@@ -167,6 +186,9 @@ def make_processor(family: str, tokenizer):  # -> ProcessorMixin | None
         return Idefics3Processor(
             image_processor=images, tokenizer=tokenizer, image_seq_len=1, chat_template=tokenizer.chat_template
         )
+    if family == "mllama":
+        images = MllamaImageProcessor(size={"height": 28, "width": 28}, max_image_tiles=4)
+        return MllamaProcessor(image_processor=images, tokenizer=tokenizer, chat_template=tokenizer.chat_template)
     if importlib.util.find_spec("torchvision") is None:
         return None
     from transformers import Qwen2VLVideoProcessor

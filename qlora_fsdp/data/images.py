@@ -25,6 +25,8 @@ from qlora_fsdp.errors import UserError
 
 TEXT_INPUTS = ("input_ids", "attention_mask")
 """What the processor returns for the text: the batch has its own; everything else it returns is the images'."""
+REFUSED = {"mllama": "its cross-attention layers take a per-token image mask (cross_attention_mask) not built yet"}
+"""Model types whose rows with images cannot train yet, and why (their text rows can)."""
 TOKEN_TYPES = ("mm_token_type_ids", "token_type_ids")
 """Per-token marks of which tokens are an image's (Qwen2-VL's M-RoPE, Gemma 3's bidirectional image attention):
 the processor's own marks for each image's tokens, placed where those tokens are in the batch's rows."""
@@ -54,8 +56,9 @@ class ImageInputs:
     """The model's processor, as the data pipeline uses it; picklable (it travels to tokenizing processes and
     DataLoader workers)."""
 
-    def __init__(self, processor: Any) -> None:
+    def __init__(self, processor: Any, *, model_type: str = "") -> None:
         self.processor = processor
+        self.model_type = model_type
         tokenizer = processor.tokenizer
         self.placeholder = _placeholder(processor)
         self.placeholder_ids: list[int] = tokenizer(self.placeholder, add_special_tokens=False)["input_ids"]
@@ -69,6 +72,11 @@ class ImageInputs:
 
     def expand(self, ids: list[int], learned: list[bool], paths: list[str], where: str) -> tuple[list[int], list[bool]]:
         """The conversation's ids with each image placeholder replaced by that image's tokens (never learned)."""
+        if self.model_type in REFUSED:
+            raise UserError(
+                f"{where}: rows with images do not train on {self.model_type} yet: {REFUSED[self.model_type]}; "
+                "use Qwen2-VL, LLaVA, Gemma 3 or Idefics3, or text rows"
+            )
         n = len(self.placeholder_ids)
         at = [i for i in range(len(ids) - n + 1) if ids[i : i + n] == self.placeholder_ids]
         if len(at) != len(paths):
@@ -151,4 +159,5 @@ def load_image_inputs(model_path: Path) -> ImageInputs | None:
     processor = AutoProcessor.from_pretrained(model_path)
     if getattr(processor, "image_processor", None) is None or getattr(processor, "tokenizer", None) is None:
         return None
-    return ImageInputs(processor)
+    model_type = json.loads((model_path / "config.json").read_text()).get("model_type", "")
+    return ImageInputs(processor, model_type=model_type)

@@ -73,3 +73,19 @@ def test_generate_image_problems_are_one_line(
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     needle = "image" if problem == "missing" else "has no image processor (a text-only model)"
     assert len(errors) == 1 and "--image" in errors[0] and needle in errors[0], errors
+
+
+def test_image_rows_on_llama_3_2_vision_are_refused_in_one_line(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Mllama's cross-attention mask is not built yet: its image rows stop with one line naming the row and the
+    families that train, before the model loads, instead of a shape error deep in attention."""
+    root = tmp_path_factory.mktemp("mllama")
+    model = without_weights(build_vlm("mllama", root / "mllama", tokenizer_from=tiny_model), root / "no-weights")
+    Image.new("RGB", (28, 28), (255, 0, 0)).save(root / "red.png")
+    data = root / "rows.jsonl"
+    data.write_text(json.dumps(_row(1, ["red.png"])) + "\n")
+    code, errors, output = run_cli(["--model", str(model), "--dataset", str(data), "--output_dir", str(root / "out"),
+                                    "--dataset_cache_dir", str(root / "cache")])  # fmt: skip
+    assert code == 2
+    assert_one_line_error(code, errors, output, f"--dataset {data} row 1", "rows with images do not train on mllama")
