@@ -56,7 +56,8 @@ def preprocess(config: str | None = None, **flags: Any) -> None:
         from qlora_fsdp.model import load_tokenizer, resolve_model_path
 
         path = resolve_model_path(cfg.model.model)
-        tokenizer, images = load_tokenizer(path), load_image_inputs(path)
+        tokenizer = load_tokenizer(path)
+        images = load_image_inputs(path, trust_remote_code=cfg.model.trust_remote_code)
         alone = DistEnv(0, 0, 1, 1, torch.device("cpu"), "gloo")
         caches = prepare_caches(cfg.data, cfg.eval, tokenizer, alone, pairs=cfg.objective.pairs, images=images)
         for cache, built in caches:

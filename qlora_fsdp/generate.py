@@ -124,10 +124,10 @@ def answer(model: nn.Module, tokenizer: Any, text: str, options: GenerateConfig,
 
     # Tokenized as training tokenizes a sequence: the tokenizer's BOS (where it adds one) once, unless the chat
     # template already wrote it.
+    if image is not None:
+        text, _, _, _ = image.inputs.expand_text(text, [], [image.path], "--image")
     tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
     tokens = [*missing_prefix(tokens, special_prefix(tokenizer)), *tokens]
-    if image is not None:
-        tokens, _ = image.inputs.expand(tokens, [False] * len(tokens), [image.path], "--image")
     ids = {"input_ids": torch.tensor([tokens]), "attention_mask": torch.ones(1, len(tokens), dtype=torch.long)}
     if image is not None:
         ids |= image.inputs.batch_inputs(ids["input_ids"], [[image.path]])
@@ -183,7 +183,7 @@ def _image(cfg: TrainConfig, options: GenerateConfig) -> Image | None:
     if not options.image:
         return None
     path = resolve_image(options.image, root=Path.cwd(), where="--image")
-    inputs = load_image_inputs(resolve_model_path(cfg.model.model))
+    inputs = load_image_inputs(resolve_model_path(cfg.model.model), trust_remote_code=cfg.model.trust_remote_code)
     if inputs is None:
         raise UserError(f"--image: --model {cfg.model.model} has no image processor (a text-only model); drop --image")
     return Image(path, inputs)

@@ -55,7 +55,9 @@ class CausalLMLoss(nn.Module):
         super().__init__()
         self.lm = lm
         self.chunk_tokens = chunk_tokens
-        transformed = any(getattr(lm.config, a, None) not in (None, 1.0) for a in LOGIT_TRANSFORMS)
+        # A VLM's logit transforms are its text config's (Aya Vision's logit_scale, Gemma 3n's soft-capping).
+        text_config = lm.config.get_text_config()
+        transformed = any(getattr(text_config, a, None) not in (None, 1.0) for a in LOGIT_TRANSFORMS)
         self.chunked = chunk_tokens > 0 and not transformed
         self.router = router
 

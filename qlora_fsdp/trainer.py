@@ -234,7 +234,7 @@ def _run(
     precision = PRECISIONS[cfg.fsdp.precision]
     torch.manual_seed(cfg.optim.seed)
     tokenizer = load_tokenizer(model_path)
-    images = load_image_inputs(model_path)
+    images = load_image_inputs(model_path, trust_remote_code=cfg.model.trust_remote_code)
     sequence = sequence_groups(env)
     loader, eval_loader = build_loaders(
         cfg.data,

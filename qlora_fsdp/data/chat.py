@@ -43,8 +43,11 @@ class Conversation:
     def has_reply(self) -> bool:
         return any(role == "assistant" for role, _ in self.messages[self.learn_from :])
 
-    def as_dicts(self) -> list[dict[str, Any]]:
-        return [{"role": role, "content": _content(content)} for role, content in self.messages]
+    def as_dicts(self, *, parts: bool = True) -> list[dict[str, Any]]:
+        """The messages as chat templates take them; without `parts` (a text-only model's template) a content of
+        text parts is their joined text."""
+        return [{"role": role, "content": _content(content) if parts else text_of(content)}
+                for role, content in self.messages]  # fmt: skip
 
 
 Content = str | tuple[tuple[str, str], ...]
@@ -180,15 +183,20 @@ def encode_conversation(
             f"{conv.where}: chat rows need a fast tokenizer (its character offsets place the loss mask); "
             "add the model's tokenizer.json to its directory"
         )
-    text = _render(tokenizer, conv.as_dicts(), conv.where)
-    spans = _reply_spans(conv, text, tokenizer)
+    text = _render(tokenizer, conv.as_dicts(parts=images is not None), conv.where)
+    spans = _reply_spans(conv, text, tokenizer, parts=images is not None)
+    regions: list[tuple[int, int]] = []
+    expansions: list[list[int]] = []
+    if conv.images:
+        text, regions, spans, expansions = images.expand_text(text, spans, list(conv.images), conv.where)
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
+    ids, offsets = list(encoded["input_ids"]), encoded["offset_mapping"]
     # Token [begin, stop) overlaps span [start, end); a zero-width token counts as one character.
     mask = [any(begin < end and max(stop, begin + 1) > start for start, end in spans) for begin, stop in offsets]
-    if conv.images:
-        return images.expand(list(ids), mask, list(conv.images), conv.where)
-    return list(ids), mask
+    if images is not None:
+        image = images.check_regions(ids, offsets, regions, expansions, conv.where)
+        mask = [m and not i for m, i in zip(mask, image, strict=True)]
+    return ids, mask
 
 
 def _render(tokenizer: Any, messages: list[dict[str, Any]], where: str) -> str:
@@ -211,7 +219,7 @@ _PLACEHOLDER = "QloraFsdpReplyPlaceholder"
 """Stands in for one reply: templates that trim a reply or cut reasoning out of it leave this word as it is."""
 
 
-def _reply_spans(conv: Conversation, text: str, tokenizer: Any) -> list[tuple[int, int]]:
+def _reply_spans(conv: Conversation, text: str, tokenizer: Any, *, parts: bool = True) -> list[tuple[int, int]]:
     """Character spans [start, end) of each assistant reply in `text`, end-of-turn token included.
 
     The conversation is rendered again with the reply replaced by a placeholder. Where the two renderings differ
@@ -223,7 +231,7 @@ def _reply_spans(conv: Conversation, text: str, tokenizer: Any) -> list[tuple[in
     for i, (role, _) in enumerate(conv.messages):
         if role != "assistant" or i < conv.learn_from:
             continue
-        messages = conv.as_dicts()
+        messages = conv.as_dicts(parts=parts)
         messages[i] = {"role": role, "content": _PLACEHOLDER}
         probe = _render(tokenizer, messages, conv.where)
         if probe.count(_PLACEHOLDER) != 1:

@@ -70,7 +70,7 @@ class Pair:
     rejected: AnyExample
 
     def defect(self) -> str | None:
-        """"identical" when both replies are the same, "empty" when a side has no reply text: such a pair teaches
+        """ "identical" when both replies are the same, "empty" when a side has no reply text: such a pair teaches
         nothing and is dropped (and counted)."""
         replies = [_reply(side) for side in (self.chosen, self.rejected)]
         if replies[0] == replies[1]:
@@ -84,6 +84,7 @@ def _reply(example: AnyExample) -> tuple[tuple[str, Content], ...]:
     if isinstance(example, Example):
         return (("assistant", example.response),)
     return example.messages[example.learn_from :]
+
 
 Sample = tuple[list[int], list[int]]
 """(input_ids, labels) of one example at its full length, labels -100 where nothing is learned."""
@@ -145,9 +146,7 @@ def format_prompt(instruction: str, inp: str = "", *, prompt_style: str = "alpac
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _field(
-    row: dict[str, Any], name: str, where: str, *, optional: bool = False, formats: str = _ROW_HELP
-) -> str:
+def _field(row: dict[str, Any], name: str, where: str, *, optional: bool = False, formats: str = _ROW_HELP) -> str:
     """row[name] as a string, or a one-line UserError saying where the row is and what is wrong (and `formats`,
     what a row may hold)."""
     value = row.get(name)
@@ -170,15 +169,17 @@ def _alpaca_example(row: dict[str, Any], where: str, prompt_style: str) -> AnyEx
     return Example(format_prompt(instruction, inp, prompt_style=prompt_style), output)
 
 
-def _prompt_completion_example(row: dict[str, Any], where: str) -> AnyExample:
-    """TRL's prompt/completion form: two strings, used verbatim, or two message lists (chat template)."""
+def _prompt_completion_example(row: dict[str, Any], where: str, root: Path | None) -> AnyExample:
+    """TRL's prompt/completion form: two strings, used verbatim, or two message lists (chat template), the
+    prompt's image parts with the row's `images`."""
     prompt, completion = row.get("prompt"), row.get("completion")
     if isinstance(prompt, list) or isinstance(completion, list):
         if not (isinstance(prompt, list) and isinstance(completion, list)):
             raise UserError(f"{where}: 'prompt' and 'completion' must both be strings or both message lists")
         turns = parse_messages(prompt, f"{where} prompt")
         replies = parse_messages(completion, f"{where} completion")
-        return Conversation((*turns, *replies), where, learn_from=len(turns))
+        images = row_images(row, (*turns, *replies), where, "prompt", root=root)
+        return Conversation((*turns, *replies), where, learn_from=len(turns), images=images)
     return Example(_field(row, "prompt", where), _field(row, "completion", where))
 
 
@@ -243,7 +244,7 @@ def row_example(row: Any, where: str, *, prompt_style: str, root: Path | None = 
     if is_chat_row(row):
         return conversation_from_row(row, where, root=root)
     if row.get("completion") is not None or row.get("prompt") is not None:
-        return _prompt_completion_example(row, where)
+        return _prompt_completion_example(row, where, root)
     if row.get("instruction") is None and row.get("output") is None and row.get("text") is not None:
         return Example("", _field(row, "text", where))
     return _alpaca_example(row, where, prompt_style)
@@ -306,8 +307,8 @@ def examples_of(
     """Records of the rows (preference pairs with `pairs`), each validated as it is read; `root` is where the
     rows' relative image paths start."""
     _check_prompt_style(prompt_style)
+    read = pair_example if pairs else row_example
     for where, row in rows:
-        read = pair_example if pairs else row_example
         example = read(row, where, prompt_style=prompt_style, root=root)
         yield to_record(example, where)
 

@@ -20,8 +20,8 @@ def llava_no_weights(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path)
     return without_weights(build_vlm("llava", root / "llava", tokenizer_from=tiny_model), root / "no-weights")
 
 
-def _row(parts: int, images: list[str]) -> dict:
-    content = [{"type": "image"}] * parts + [{"type": "text", "text": "What color is this square?"}]
+def _row(parts: int, images: list[str], text: str = "What color is this square?") -> dict:
+    content = [{"type": "image"}] * parts + [{"type": "text", "text": text}]
     return {"messages": [{"role": "user", "content": content}, {"role": "assistant", "content": "It is red."}],
             "images": images}  # fmt: skip
 
@@ -32,6 +32,12 @@ def _row(parts: int, images: list[str]) -> dict:
         ("missing", _row(1, ["gone.png"]), ("row 2", "image 'gone.png' not found")),
         ("not-an-image", _row(1, ["notes.png"]), ("row 2", "image 'notes.png' is not an image PIL can read")),
         ("count", _row(2, ["red.png"]), ("row 2", "2 image part(s) in 'messages' but 1 image(s) in 'images'")),
+        ("truncated", _row(1, ["cut.png"]), ("row 2", "image 'cut.png' is not an image PIL can read")),
+        (
+            "image-token-in-text",
+            _row(1, ["red.png"], "What is <image>?"),
+            ("row 2", "2 image placeholder(s) in the rendered conversation but 1 image(s) in 'images'"),
+        ),
         ("text-only-model", _row(1, ["red.png"]), ("row 1", "a row with images, but the model has no image processor")),
         ("packing", _row(1, ["red.png"]), ("--packing true: not supported with a vision-language model",)),
     ],
@@ -41,6 +47,7 @@ def test_bad_image_rows_are_one_line_before_the_model_loads(
 ) -> None:
     Image.new("RGB", (28, 28), (255, 0, 0)).save(tmp_path / "red.png")
     (tmp_path / "notes.png").write_text("not a picture")
+    (tmp_path / "cut.png").write_bytes((tmp_path / "red.png").read_bytes()[:-40])  # its pixel data cut short
     good = _row(1, ["red.png"])
     data = tmp_path / "rows.jsonl"
     rows = [row] if problem in ("text-only-model", "packing") else [good, row]
@@ -88,4 +95,4 @@ def test_image_rows_on_llama_3_2_vision_are_refused_in_one_line(
     code, errors, output = run_cli(["--model", str(model), "--dataset", str(data), "--output_dir", str(root / "out"),
                                     "--dataset_cache_dir", str(root / "cache")])  # fmt: skip
     assert code == 2
-    assert_one_line_error(code, errors, output, f"--dataset {data} row 1", "rows with images do not train on mllama")
+    assert_one_line_error(code, errors, output, f"--dataset {data} row 1", "images on mllama are not supported yet")

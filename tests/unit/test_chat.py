@@ -372,3 +372,18 @@ def test_mixture_with_an_empty_name_is_an_error(tmp_path: Path) -> None:
         source_names(f"{path},")
     with pytest.raises(UserError, match=r"--dataset .*nope\.jsonl: no such file"):
         load_examples(f"{path},{tmp_path / 'nope.jsonl'}")
+
+
+def test_text_parts_on_a_text_only_model_train_as_their_text(chatml, tmp_path: Path) -> None:
+    """OpenAI-style content lists of text parts, on a model without an image processor: the template gets their
+    joined text, so the tokens and labels equal those of the same row with string contents (a template that printed
+    the list would train on its repr)."""
+    from qlora_fsdp.data.formats import encode_examples
+
+    as_parts = [{"role": "user", "content": [{"type": "text", "text": "Name a "}, {"type": "text", "text": "color."}]},
+                {"role": "assistant", "content": [{"type": "text", "text": "Blue."}]}]  # fmt: skip
+    as_text = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "Blue."}]
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"messages": m}) + "\n" for m in (as_parts, as_text)))
+    parts, text = encode_examples(load_examples(str(rows)), chatml, train_on_inputs=False)
+    assert parts == text and "type" not in chatml.decode(parts[0])

@@ -135,13 +135,21 @@ def test_the_cache_keeps_image_ids_and_paths_and_is_rebuilt_when_an_image_change
     assert opened()[1] is True
 
 
-@pytest.mark.parametrize("family", ["llava", "gemma3", "idefics3", "qwen2_vl"])
+@pytest.fixture(scope="module")
+def gemma3_smollm2_tokenizer(tmp_path_factory: pytest.TempPathFactory, smollm2: Path) -> Path:
+    """Gemma 3 with SmolLM2's byte-level tokenizer, which has tokens for runs of newlines (as Gemma's own has): the
+    newlines its processor puts around an image merge with the text beside them."""
+    return build_vlm("gemma3", tmp_path_factory.mktemp("gemma3-smollm2") / "gemma3", tokenizer_from=smollm2)
+
+
+@pytest.mark.parametrize("family", ["llava", "gemma3", "gemma3-smollm2-tokenizer", "idefics3", "qwen2_vl"])
 def test_a_collated_image_row_is_what_the_processor_makes_of_it(
-    vlms: dict[str, Path], tmp_path: Path, family: str
+    vlms: dict[str, Path], request: pytest.FixtureRequest, tmp_path: Path, family: str
 ) -> None:
     """A cached image row, collated: its ids, pixels and per-token image marks (Gemma 3's token_type_ids, Qwen2-VL's
     mm_token_type_ids) equal what the family's own processor returns for the rendered row with its image, and its
-    labels are the reply's tokens and end-of-turn token alone."""
+    labels are the reply's tokens and end-of-turn token alone. With a tokenizer that merges newlines, Gemma 3's
+    image text is tokenized with its neighbours, as the processor does (tokenizing it alone split them otherwise)."""
     import json
     import random
 
@@ -154,7 +162,7 @@ def test_a_collated_image_row_is_what_the_processor_makes_of_it(
     from qlora_fsdp.data.rows import IMAGE_PREFIX, collate
     from qlora_fsdp.model import load_tokenizer
 
-    model = vlms[family]
+    model = request.getfixturevalue("gemma3_smollm2_tokenizer") if family.endswith("tokenizer") else vlms[family]
     if not (model / "processor_config.json").is_file():
         pytest.skip("Qwen2-VL's processor needs torchvision (the torch 2.11 set has it)")
     rng = random.Random(0)
@@ -181,7 +189,66 @@ def test_a_collated_image_row_is_what_the_processor_makes_of_it(
             got = batch[f"{IMAGE_PREFIX}{key}"]
             assert torch.equal(got[..., :n] if got.dim() == 2 and key.endswith("type_ids") else got, value), key
     marks = [k for k in expected if k.endswith("token_type_ids")]
-    assert bool(marks) == (family in ("gemma3", "qwen2_vl")) and all(expected[k].sum() > 0 for k in marks)
+    assert bool(marks) == (family.startswith("gemma3") or family == "qwen2_vl") and all(
+        expected[k].sum() > 0 for k in marks
+    )
     reply = tokenizer("It is red.", add_special_tokens=False)["input_ids"]
-    eot = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    eot = tokenizer.convert_tokens_to_ids("<|endoftext|>" if "<|endoftext|>" in tokenizer.get_vocab() else "<|im_end|>")
     assert [t for t in labels if t != IGNORE_INDEX] == [*reply, eot]
+
+
+def test_the_cache_key_follows_the_processor_settings_and_prompt_completion_rows_carry_images(
+    vlms: dict[str, Path], tmp_path: Path
+) -> None:
+    """Gemma 3's image_seq_length (a processor setting, not the image processor's) decides how many tokens an image
+    takes, so it is in the cache key; TRL's conversational prompt/completion rows take images too."""
+    import json
+    import shutil
+
+    from PIL import Image
+
+    from qlora_fsdp.data.cache import CacheSpec, cache_key, tokenize_in_memory
+    from qlora_fsdp.data.images import load_image_inputs
+    from qlora_fsdp.model import load_tokenizer
+
+    model = tmp_path / "gemma3"
+    shutil.copytree(vlms["gemma3"], model)
+    Image.new("RGB", (28, 28), (255, 0, 0)).save(tmp_path / "red.png")
+    prompt = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Color?"}]}]
+    completion = [{"role": "assistant", "content": [{"type": "text", "text": "It is red."}]}]
+    (tmp_path / "rows.jsonl").write_text(json.dumps({"prompt": prompt, "completion": completion,
+                                                     "images": ["red.png"]}) + "\n")  # fmt: skip
+    spec = CacheSpec(dataset=str(tmp_path / "rows.jsonl"), dataset_samples=0, prompt_style="alpaca",
+                     context_length=64, packing_split=False, train_on_inputs=False)  # fmt: skip
+    tokenizer = load_tokenizer(model)
+    before = load_image_inputs(model)
+    cache = tokenize_in_memory(spec, tokenizer, before)
+    image_token = tokenizer.convert_tokens_to_ids("<image_soft_token>")
+    assert cache.samples.images(0) and cache.samples[0][0].count(image_token) == 4
+    config = json.loads((model / "processor_config.json").read_text())
+    (model / "processor_config.json").write_text(json.dumps({**config, "image_seq_length": 9}))
+    assert cache_key(spec, tokenizer, load_image_inputs(model))[0] != cache_key(spec, tokenizer, before)[0]
+
+
+def test_an_image_token_written_in_the_text_is_refused(vlms: dict[str, Path], tmp_path: Path) -> None:
+    """Gemma 3's image token typed into a row's text would give the image more tokens than it has features: the row
+    is refused in one line, as is a text-only row holding it."""
+    import json
+
+    from PIL import Image
+
+    from qlora_fsdp.data.cache import CacheSpec, tokenize_in_memory
+    from qlora_fsdp.data.images import load_image_inputs
+    from qlora_fsdp.model import load_tokenizer
+
+    model = vlms["gemma3"]
+    Image.new("RGB", (28, 28), (255, 0, 0)).save(tmp_path / "red.png")
+    for name, images in (("image", ["red.png"]), ("text", [])):
+        content = [{"type": "image"}] * len(images) + [{"type": "text", "text": "Is <image_soft_token> red?"}]
+        row = {"messages": [{"role": "user", "content": content}, {"role": "assistant", "content": "Yes."}],
+               "images": images}  # fmt: skip
+        (tmp_path / f"{name}.jsonl").write_text(json.dumps(row) + "\n")
+        spec = CacheSpec(dataset=str(tmp_path / f"{name}.jsonl"), dataset_samples=0, prompt_style="alpaca",
+                         context_length=64, packing_split=False, train_on_inputs=False)  # fmt: skip
+        with pytest.raises(UserError, match=r"row 1: the text holds the image token '<image_soft_token>' outside"):
+            tokenize_in_memory(spec, load_tokenizer(model), load_image_inputs(model))
