@@ -157,7 +157,7 @@ def _encode(
     for i, sample in enumerate(encoded):
         paths = list(getattr(examples[i], "images", ()))
         if paths and len(sample[0]) > spec.context_length:
-            _append(out, batch, i, ([], []), ([], []), "images_too_long")
+            _append(out, batch, i, ([], []), ([], []), "images_too_long", paths)  # its images still key the cache
             continue
         kept, how, dropped = fit_sample(sample, spec.context_length, split=spec.packing_split)
         how = how if sample[0] else "no_reply"
@@ -199,7 +199,7 @@ def _encode_pairs(examples: list[Any], batch: dict[str, list[Any]], tokenizer: A
                                          max_prompt_length=spec.max_prompt_length, keep_head=head)  # fmt: skip
         paths = list(getattr(pair.chosen, "images", ()))
         if paths and how != "whole":
-            _append(out, batch, i, ([], []), ([], []), "images_too_long")
+            _append(out, batch, i, ([], []), ([], []), "images_too_long", paths)  # its images still key the cache
             continue
         if not (learned_tokens(chosen[1]) and learned_tokens(rejected[1])):
             chosen = rejected = ([], [])
