@@ -223,7 +223,8 @@ def run_gpu_suite(
         ]  # fmt: skip
         if LONG in only:
             rows = write_long_rows(work / "long-rows.jsonl", rows=2, words=max(p["long"]) + 8, seed=0)
-            data = {"dataset": str(rows), "dataset_cache_dir": str(work / "tokenized"), "dataset_num_proc": 1}
+            # Tokenized in memory: the GPU machine has no `datasets`, which the tokenized cache is built with.
+            data = {"dataset": str(rows), "dataset_in_memory": True}
             jobs += [
                 (long_key(name, context), "ours", {**common, "shape": (1, context), "quant": "bnb", "fsdp_version": 2,
                                                    "flags": {**flags, **data}, "warmup": 1, "measured": 1})
