@@ -59,7 +59,7 @@ def preprocess(config: str | None = None, **flags: Any) -> None:
         tokenizer = load_tokenizer(path)
         images = load_image_inputs(path, trust_remote_code=cfg.model.trust_remote_code)
         alone = DistEnv(0, 0, 1, 1, torch.device("cpu"), "gloo")
-        caches = prepare_caches(cfg.data, cfg.eval, tokenizer, alone, pairs=cfg.objective.pairs, images=images)
+        caches = prepare_caches(cfg.data, cfg.eval, tokenizer, alone, kind=cfg.objective.rows, images=images)
         for cache, built in caches:
             print(cache.describe(built), flush=True)
     except UserError as exc:

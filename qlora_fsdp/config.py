@@ -16,6 +16,14 @@ from typing import Any, get_type_hints
 import yaml
 
 from qlora_fsdp.errors import UserError
+from qlora_fsdp.objective_config import (
+    OBJECTIVE_SETTINGS,
+    OBJECTIVES,
+    REFERENCE_OBJECTIVES,
+    SETTING_FLAGS,
+    ObjectiveConfig,
+    objective_ranges,
+)
 
 
 class ConfigError(UserError):
@@ -35,18 +43,6 @@ LOG_TARGETS = ("tqdm", "stdout", "wandb")
 DEVICES = ("auto", "cpu", "cuda")
 PROMPT_STYLES = ("alpaca", "guanaco", "qna", "chat")  # kept in step with qlora_fsdp.data by a unit test
 COMPUTE_DTYPES = ("auto", "bf16", "fp16", "fp32")
-OBJECTIVES = ("sft", "dpo", "ipo", "orpo", "simpo")  # kept in step with qlora_fsdp/objectives by a unit test
-REFERENCE_OBJECTIVES = ("dpo", "ipo")
-"""Objectives whose loss compares the policy with a reference model (the base, adapters off)."""
-# Each objective's own settings and the default of each (TRL's): a flag given to an objective it does not apply
-# to is refused.
-OBJECTIVE_SETTINGS: dict[str, dict[str, float]] = {
-    "sft": {},
-    "dpo": {"beta": 0.1, "label_smoothing": 0.0},
-    "ipo": {"beta": 0.1},
-    "orpo": {"orpo_lambda": 0.1},
-    "simpo": {"beta": 0.1, "simpo_gamma": 0.5, "label_smoothing": 0.0},
-}
 
 
 @dataclass
@@ -180,34 +176,6 @@ class DataConfig:
     max_prompt_length: int = 0
     """Preference objectives: cut a pair's prompt from the left to at most N tokens (0: only as far as the context
     needs; the replies are always kept)."""
-
-
-@dataclass
-class ObjectiveConfig:
-    objective: str = "sft"
-    """What training minimises: sft (cross-entropy on the responses), or on preference pairs dpo, ipo (against the
-    base model, adapters off, as reference), orpo or simpo (reference-free)."""
-    beta: float | None = None
-    """dpo, ipo, simpo: the paper's beta (IPO's tau), how far the policy may move from the reference (default 0.1)."""
-    label_smoothing: float | None = None
-    """dpo, simpo: the probability that a pair's preference is flipped, for conservative DPO (default 0)."""
-    simpo_gamma: float | None = None
-    """simpo: the target reward margin gamma (default 0.5)."""
-    orpo_lambda: float | None = None
-    """orpo: lambda, the weight of the odds-ratio term against the chosen reply's cross-entropy (default 0.1)."""
-    precompute_reference: bool = False
-    """dpo, ipo: compute the reference log-probs of every training pair once, before training, and keep them in
-    --output_dir (a resume reuses them), instead of a reference forward in every step."""
-
-    def setting(self, name: str) -> float:
-        """A setting of the chosen objective: the flag's value, or its default."""
-        value = getattr(self, name)
-        return OBJECTIVE_SETTINGS[self.objective][name] if value is None else value
-
-    @property
-    def pairs(self) -> bool:
-        """Whether the objective trains on preference pairs."""
-        return self.objective != "sft"
 
 
 @dataclass
@@ -488,12 +456,8 @@ def check_ranges(cfg: TrainConfig) -> list[str]:
         (not (cfg.fsdp.tiled_mlp == "auto" or cfg.fsdp.tiled_mlp.isdigit()), "--tiled_mlp must be N tiles or auto"),
         (not cfg.output.output_dir, "--output_dir must not be empty"),
         (cfg.data.max_prompt_length < 0, "--max_prompt_length must be >= 0 (0: no limit of its own)"),
-        (cfg.objective.beta is not None and not cfg.objective.beta > 0, "--beta must be > 0"),
-        (not 0 <= (cfg.objective.label_smoothing or 0) < 0.5, "--label_smoothing must be in [0, 0.5)"),
-        (cfg.objective.simpo_gamma is not None and not cfg.objective.simpo_gamma >= 0, "--simpo_gamma must be >= 0"),
-        (cfg.objective.orpo_lambda is not None and not cfg.objective.orpo_lambda >= 0, "--orpo_lambda must be >= 0"),
     ]
-    return [message for bad, message in checks if bad]
+    return [message for bad, message in checks if bad] + objective_ranges(cfg.objective)
 
 
 def _is_step_window(spec: str) -> bool:
@@ -558,12 +522,12 @@ def _objective_problems(cfg: TrainConfig) -> list[str]:
     problems = [
         f"--{flag} does not apply to --objective {name}" + (f" (its settings: {', '.join('--' + f for f in own)})"
                                                             if own else "")
-        for flag in ("beta", "label_smoothing", "simpo_gamma", "orpo_lambda")
+        for flag in SETTING_FLAGS
         if getattr(cfg.objective, flag) is not None and flag not in own
     ]  # fmt: skip
     reference = name in REFERENCE_OBJECTIVES
     if cfg.objective.precompute_reference and not reference:
-        problems.append(f"--precompute_reference applies to dpo and ipo, which have a reference; {name} has none")
+        problems.append(f"--precompute_reference applies to dpo, ipo and kto, which have a reference; {name} has none")
     if not cfg.objective.pairs:
         if cfg.data.max_prompt_length:
             problems.append("--max_prompt_length cuts preference pairs' prompts; --objective sft has none")

@@ -37,7 +37,7 @@ RESHARDED: tuple[str, ...] = (
 MAY_CHANGE: tuple[str, ...] = (
     # The schedule and the loss weights: rebuilt from the flags at the resumed step, not restored.
     "lr", "wd", "lr_scheduler", "warmup_ratio", "cosine_min_lr_ratio", "max_steps", "num_epochs", "grad_norm",
-    "beta", "label_smoothing", "simpo_gamma", "orpo_lambda",
+    "beta", "label_smoothing", "simpo_gamma", "orpo_lambda", "desirable_weight", "undesirable_weight",
     "router_aux_loss_coef",  # a loss weight like --beta: the saved state means the same under another one
     "nan_policy",  # acts only on a non-finite step
     # Memory and speed: the same tokens train in the same order; named because rounding may differ.

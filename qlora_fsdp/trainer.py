@@ -243,7 +243,7 @@ def _run(
         env,
         seed=cfg.optim.seed,
         fixed_shapes=cfg.fsdp.compile,
-        pairs=cfg.objective.pairs,
+        kind=cfg.objective.rows,
         accumulation=cfg.optim.gradient_accumulation_steps,
         split=None if sequence is None else functools.partial(split_rows, size=sequence.size, index=sequence.index),
         images=images,

@@ -36,6 +36,7 @@ import numpy as np
 
 from qlora_fsdp.data.formats import (
     RECORD_COLUMNS,
+    Labelled,
     Sample,
     encode_examples,
     examples_of,
@@ -50,7 +51,7 @@ from qlora_fsdp.errors import UserError
 
 logger = logging.getLogger(__name__)
 
-CACHE_VERSION = 3
+CACHE_VERSION = 4
 """Part of every key: raise it when encoding changes what a cached row holds."""
 _CUT = {"whole": 0, "truncated": 1, "split": 2, "no_reply": 3, "identical": 4, "empty": 5, "images_too_long": 6}
 """How a row's sample was cut; "no_reply": a conversation without an assistant turn to learn (nothing to cut);
@@ -58,6 +59,9 @@ _CUT = {"whole": 0, "truncated": 1, "split": 2, "no_reply": 3, "identical": 4, "
 the context, dropped (cutting it could cut an image's tokens short)."""
 PREFERENCE = "preference"
 """CacheSpec.objective of every preference objective: they all read the same pairs."""
+UNPAIRED = "unpaired"
+"""CacheSpec.objective of KTO: completions labelled desirable or not, each stored as a pair's one side (the chosen
+side for a desirable completion, the rejected side for an undesirable one; the other side empty)."""
 
 
 @dataclass(frozen=True)
@@ -71,12 +75,13 @@ class CacheSpec:
     packing_split: bool
     train_on_inputs: bool
     objective: str = "sft"
-    """"sft", or PREFERENCE for pairs."""
+    """The kind of rows: "sft", PREFERENCE for pairs or UNPAIRED for labelled completions."""
     max_prompt_length: int = 0
 
     @property
     def pairs(self) -> bool:
-        return self.objective == PREFERENCE
+        """Whether a row is stored as two sides."""
+        return self.objective != "sft"
 
 
 def default_cache_dir() -> Path:
@@ -127,13 +132,13 @@ def cache_key(spec: CacheSpec, tokenizer: Any, images: ImageInputs | None = None
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _records(names: tuple[str, ...], samples: int, prompt_style: str, pairs: bool) -> Iterator[dict[str, Any]]:
+def _records(names: tuple[str, ...], samples: int, prompt_style: str, kind: str) -> Iterator[dict[str, Any]]:
     """Every example of the sources, validated as it is read, with its source and its index over all sources."""
     index = 0
     for source, name in enumerate(names):
         first = index
         rows = read_rows(name, samples=samples)
-        for record in examples_of(rows, prompt_style=prompt_style, pairs=pairs, root=source_root(name)):
+        for record in examples_of(rows, prompt_style=prompt_style, kind=kind, root=source_root(name)):
             yield {**record, "source": source, "source_row": index}
             index += 1
         if index == first:
@@ -150,6 +155,9 @@ def _encode(
     """datasets.map's function: a batch of examples -> their samples (pieces), dropped ones with length 0."""
     examples = [from_record({k: batch[k][i] for k in RECORD_COLUMNS}) for i in range(len(batch["where"]))]
     out: dict[str, list[Any]] = {k: [] for k in _ROW_COLUMNS}
+    if spec.objective == UNPAIRED:
+        _encode_unpaired(examples, batch, tokenizer, spec, out)
+        return out
     if spec.pairs:
         _encode_pairs(examples, batch, tokenizer, spec, out, images)
         return out
@@ -206,6 +214,25 @@ def _encode_pairs(examples: list[Any], batch: dict[str, list[Any]], tokenizer: A
         _append(out, batch, i, chosen, rejected, how, paths)
 
 
+def _encode_unpaired(examples: list[Labelled], batch: dict[str, list[Any]], tokenizer: Any, spec: CacheSpec,
+                     out: dict[str, list[Any]]) -> None:  # fmt: skip
+    """Each completion fitted as a pair's side is (its prompt cut from the left, --max_prompt_length), stored on the
+    chosen side if desirable, else on the rejected side; one left with nothing to learn is a row of length 0."""
+    encoded = encode_examples([e.example for e in examples], tokenizer, train_on_inputs=False)
+    prefix = special_prefix(tokenizer)
+    for i, (example, sample) in enumerate(zip(examples, encoded, strict=True)):
+        if not sample[0]:
+            _append(out, batch, i, ([], []), ([], []), "no_reply")
+            continue
+        head = len(prefix) if sample[0][: len(prefix)] == prefix else 0
+        sample, _, how = fit_pair(sample, sample, spec.context_length, max_prompt_length=spec.max_prompt_length,
+                                  keep_head=head)  # fmt: skip
+        if not learned_tokens(sample[1]):
+            sample = ([], [])
+        sides = (sample, ([], [])) if example.desirable else (([], []), sample)
+        _append(out, batch, i, *sides, how)
+
+
 def _auto_procs(rows: int) -> int:
     """One process per ~5,000 examples, at most the CPUs (and 16): small datasets skip the pool's start-up."""
     return max(1, min(os.cpu_count() or 1, 16, rows // 5000))
@@ -235,7 +262,7 @@ def _build(spec: CacheSpec, tokenizer: Any, images: ImageInputs | None, work: Pa
                 "names": tuple(names),
                 "samples": spec.dataset_samples,
                 "prompt_style": spec.prompt_style,
-                "pairs": spec.pairs,
+                "kind": spec.objective,
             },
         )
     except DatasetGenerationError as exc:
@@ -272,6 +299,7 @@ def _build(spec: CacheSpec, tokenizer: Any, images: ImageInputs | None, work: Pa
         "sources": dict(zip(names, per_source.tolist(), strict=True)),
         "examples": len(records),
         "pairs": spec.pairs,
+        "kind": spec.objective,
         "images": images_identity(rows),
         **asdict(_stats(_counts(rows), len(records))),
         "bytes": sum(f.stat().st_size for f in (work / "rows").rglob("*") if f.is_file()),
@@ -406,6 +434,11 @@ class TokenizedCache:
     def examples(self) -> int:
         return int(self.summary["examples"])
 
+    @property
+    def kind(self) -> str:
+        """The kind of rows (CacheSpec.objective)."""
+        return self.summary["kind"]
+
     def stats(self, keep: np.ndarray | None = None) -> FitStats:
         return _stats(self.counts, self.examples, keep)
 
@@ -439,7 +472,7 @@ def tokenize_in_memory(
     names = tuple(source_names(spec.dataset))
     columns: dict[str, list[Any]] = {k: [] for k in _ROW_COLUMNS}
     per_source = [0] * len(names)
-    records = _records(names, spec.dataset_samples, spec.prompt_style, spec.pairs)
+    records = _records(names, spec.dataset_samples, spec.prompt_style, spec.objective)
     while chunk := list(itertools.islice(records, batch_size)):
         for record in chunk:
             per_source[record["source"]] += 1
@@ -452,6 +485,7 @@ def tokenize_in_memory(
         "sources": dict(zip(names, per_source, strict=True)),
         "examples": examples,
         "pairs": spec.pairs,
+        "kind": spec.objective,
         **asdict(_stats(counts, examples)),
         "build_s": round(time.perf_counter() - started, 2),
     }

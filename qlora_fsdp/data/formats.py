@@ -12,7 +12,9 @@ Formats, recognised per row by their fields:
 - preference pairs (--objective dpo, ipo, orpo, simpo): `prompt` + `chosen` + `rejected` strings, the prompt framed
   by --prompt_style; or TRL's conversational form, `chosen`/`rejected` message lists sharing their prompt turns, or
   `prompt` messages + `chosen`/`rejected` assistant messages. Each side is an example of its own (the prompt, its
-  reply); only the replies are labelled.
+  reply); only the replies are labelled;
+- unpaired completions (--objective kto): `prompt` + `completion` + a boolean `label` (true: desirable), TRL's
+  unpaired preference form; strings are framed as a pair's, message lists by the chat template.
 --train_on_inputs learns the prompt too. Every sequence begins as the tokenizer begins one (its BOS, where it adds
 one) exactly once, and every non-chat sequence ends with EOS.
 """
@@ -78,6 +80,14 @@ class Pair:
         if any(not "".join(text_of(content) for _, content in reply).strip() for reply in replies):
             return "empty"
         return None
+
+
+@dataclass(frozen=True)
+class Labelled:
+    """An unpaired completion (--objective kto): a prompt and one reply, labelled desirable or not."""
+
+    example: AnyExample
+    desirable: bool
 
 
 def _reply(example: AnyExample) -> tuple[tuple[str, Content], ...]:
@@ -232,6 +242,28 @@ def pair_example(row: Any, where: str, *, prompt_style: str, root: Path | None =
     return Pair(*(Example(framed, reply) for reply in replies))
 
 
+_UNPAIRED_HELP = "each row needs 'prompt' and 'completion' (strings or message lists) and a boolean 'label'"
+
+
+def unpaired_example(row: Any, where: str, *, prompt_style: str, root: Path | None = None) -> Labelled:
+    """The labelled completion a row holds, or a UserError naming the row. String prompts are framed as a
+    preference pair's are (--prompt_style), so KTO and DPO read the same prompts the same way."""
+    if not isinstance(row, dict) or row.get("prompt") is None or row.get("completion") is None:
+        got = "a preference pair" if isinstance(row, dict) and _is_pair_row(row) else "a row without them"
+        raise UserError(f"{where}: --objective kto reads unpaired completions, got {got} ({_UNPAIRED_HELP})")
+    label = row.get("label")
+    if not isinstance(label, bool):
+        raise UserError(f"{where}: 'label' must be true (desirable) or false (undesirable), got {label!r}")
+    example = _prompt_completion_example(row, where, root)
+    if isinstance(example, Conversation):
+        if example.images:
+            raise UserError(f"{where}: rows with images are not supported by --objective kto yet; drop 'images'")
+        return Labelled(example, label)
+    if prompt_style == CHAT_STYLE:
+        return Labelled(conversation_from_pair(example.prompt, example.response, where), label)
+    return Labelled(Example(format_prompt(example.prompt, prompt_style=prompt_style), example.response), label)
+
+
 def row_example(row: Any, where: str, *, prompt_style: str, root: Path | None = None) -> AnyExample:
     """The example a row holds, by its fields (see the module docstring); a null field counts as absent."""
     if not isinstance(row, dict):
@@ -265,7 +297,7 @@ def load_examples(dataset: str, *, samples: int = 0, prompt_style: str = "alpaca
 # Examples as Arrow records (the cache stores them between reading and tokenizing)
 # ---------------------------------------------------------------------------------------------------------------
 
-RECORD_COLUMNS = ("example", "rejected", "where")
+RECORD_COLUMNS = ("example", "rejected", "where", "label")
 
 
 def _encode_example(example: AnyExample) -> str:
@@ -286,28 +318,34 @@ def _decode_example(text: str, where: str) -> AnyExample:
     return Example(fields["prompt"], fields["response"])
 
 
-def to_record(example: AnyExample | Pair, where: str) -> dict[str, Any]:
-    """One example (or pair: its chosen side and its rejected side) as JSON columns, so every row has one schema."""
+def to_record(example: AnyExample | Pair | Labelled, where: str) -> dict[str, Any]:
+    """One example (or pair: its chosen side and its rejected side; or labelled completion) as JSON columns, so
+    every row has one schema."""
     if isinstance(example, Pair):
         return {"example": _encode_example(example.chosen), "rejected": _encode_example(example.rejected),
-                "where": where}  # fmt: skip
-    return {"example": _encode_example(example), "rejected": "", "where": where}
+                "where": where, "label": ""}  # fmt: skip
+    if isinstance(example, Labelled):
+        label = "desirable" if example.desirable else "undesirable"
+        return {"example": _encode_example(example.example), "rejected": "", "where": where, "label": label}
+    return {"example": _encode_example(example), "rejected": "", "where": where, "label": ""}
 
 
-def from_record(record: dict[str, Any]) -> AnyExample | Pair:
+def from_record(record: dict[str, Any]) -> AnyExample | Pair | Labelled:
     example = _decode_example(record["example"], record["where"])
     if record["rejected"]:
         return Pair(example, _decode_example(record["rejected"], record["where"]))
+    if record["label"]:
+        return Labelled(example, record["label"] == "desirable")
     return example
 
 
 def examples_of(
-    rows: Iterable[Located], *, prompt_style: str, pairs: bool = False, root: Path | None = None
+    rows: Iterable[Located], *, prompt_style: str, kind: str = "sft", root: Path | None = None
 ) -> Iterable[dict[str, Any]]:
-    """Records of the rows (preference pairs with `pairs`), each validated as it is read; `root` is where the
-    rows' relative image paths start."""
+    """Records of the rows (of the `kind` an objective reads: "sft", "preference" pairs or "unpaired" labelled
+    completions), each validated as it is read; `root` is where the rows' relative image paths start."""
     _check_prompt_style(prompt_style)
-    read = pair_example if pairs else row_example
+    read = {"sft": row_example, "preference": pair_example, "unpaired": unpaired_example}[kind]
     for where, row in rows:
         example = read(row, where, prompt_style=prompt_style, root=root)
         yield to_record(example, where)

@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from qlora_fsdp.config import DataConfig, EvalConfig
-from qlora_fsdp.data.cache import PREFERENCE, CacheSpec, TokenizedCache, open_cache, tokenize_in_memory
+from qlora_fsdp.data.cache import CacheSpec, TokenizedCache, open_cache, tokenize_in_memory
 from qlora_fsdp.data.chat import load_chat_template
 from qlora_fsdp.data.formats import IGNORE_INDEX, pad_token_id
 from qlora_fsdp.data.images import ImageInputs
@@ -153,12 +153,12 @@ def dataset_cache(
     tokenizer: Any,
     env: DistEnv,
     *,
-    pairs: bool = False,
+    kind: str = "sft",
     images: ImageInputs | None = None,
 ) -> tuple[TokenizedCache, bool]:
-    """The tokenized cache of one dataset (--dataset or --eval_dataset) under the data flags (of preference
-    pairs with `pairs`; `images`: a VLM's processor), built by each node's local rank 0 if no one has built it,
-    and logged on rank 0. A synthetic dataset, or any with --dataset_in_memory, is tokenized on every rank into
+    """The tokenized cache of one dataset (--dataset or --eval_dataset) under the data flags (its rows of the `kind`
+    CacheSpec.objective names; `images`: a VLM's processor), built by each node's local rank 0 if no one has built
+    it, and logged on rank 0. A synthetic dataset, or any with --dataset_in_memory, is tokenized on every rank into
     memory instead."""
     spec = CacheSpec(
         dataset=dataset,
@@ -167,8 +167,8 @@ def dataset_cache(
         context_length=data.context_length,
         packing_split=data.packing_split,
         train_on_inputs=data.train_on_inputs,
-        objective=PREFERENCE if pairs else "sft",
-        max_prompt_length=data.max_prompt_length if pairs else 0,
+        objective=kind,
+        max_prompt_length=data.max_prompt_length if kind != "sft" else 0,
     )
 
     def work() -> tuple[TokenizedCache, bool]:
@@ -189,16 +189,16 @@ def prepare_caches(
     tokenizer: Any,
     env: DistEnv,
     *,
-    pairs: bool = False,
+    kind: str = "sft",
     images: ImageInputs | None = None,
 ) -> list[tuple[TokenizedCache, bool]]:
     """The caches a training run with these flags reads (--dataset, and --eval_dataset if given), built now:
     scripts/preprocess.py runs this ahead of a GPU job."""
     if data.chat_template:
         load_chat_template(tokenizer, data.chat_template)
-    caches = [dataset_cache(data.dataset, data.dataset_samples, data, tokenizer, env, pairs=pairs, images=images)]
+    caches = [dataset_cache(data.dataset, data.dataset_samples, data, tokenizer, env, kind=kind, images=images)]
     if ev.eval_dataset:
-        caches.append(dataset_cache(ev.eval_dataset, ev.eval_samples, data, tokenizer, env, pairs=pairs, images=images))
+        caches.append(dataset_cache(ev.eval_dataset, ev.eval_samples, data, tokenizer, env, kind=kind, images=images))
     return caches
 
 
@@ -222,7 +222,7 @@ def _rows(
         cache.lengths,
         context_length=data.context_length,
         packing=data.packing,
-        pairs=cache.samples.pairs,
+        kind=cache.kind,
     )
     if env.is_main:
         logger.info("%s: %s%s", name, cache.stats(keep).describe(data.context_length), packed)
@@ -267,7 +267,7 @@ def build_loaders(
     *,
     seed: int,
     fixed_shapes: bool = False,
-    pairs: bool = False,
+    kind: str = "sft",
     accumulation: int = 1,
     split: Split | None = None,
     images: ImageInputs | None = None,
@@ -275,11 +275,11 @@ def build_loaders(
     """This rank's training loader (without the rows --eval_split holds out) and evaluation loader (None without
     --eval_dataset or --eval_split). The caller calls loader.sampler.set_epoch(epoch) so each epoch reshuffles.
 
-    `fixed_shapes` (--compile) pads every batch to the context, as --pad_to_context does. `pairs`: the rows are
-    preference pairs, a batch of B pairs being 2B sequences (rows.collate). `accumulation`
-    (--gradient_accumulation_steps) makes each epoch whole optimizer steps (GlobalOrderSampler). `split` turns
-    each collated batch into what this rank trains on (Split). `images`: a vision-language model's processor,
-    which makes rows with images into tokens and pixels.
+    `fixed_shapes` (--compile) pads every batch to the context, as --pad_to_context does. `kind`: "sft", or rows of
+    two sequences each (preference pairs, KTO's labelled completions), a batch of B being 2B sequences
+    (rows.collate). `accumulation` (--gradient_accumulation_steps) makes each epoch whole optimizer steps
+    (GlobalOrderSampler). `split` turns each collated batch into what this rank trains on (Split). `images`: a
+    vision-language model's processor, which makes rows with images into tokens and pixels.
     """
     if data.chat_template:
         load_chat_template(tokenizer, data.chat_template)
@@ -290,11 +290,11 @@ def build_loaders(
     if data.dataset_streaming:
         train = DataLoader(_stream(data, tokenizer, env), **kwargs)
     else:
-        cache, _ = dataset_cache(data.dataset, data.dataset_samples, data, tokenizer, env, pairs=pairs, images=images)
+        cache, _ = dataset_cache(data.dataset, data.dataset_samples, data, tokenizer, env, kind=kind, images=images)
         held = held_out(cache.examples, ev.eval_split, seed=seed)
         rows = _rows(cache, ~held, data, "training rows", env)
         train = DataLoader(rows, sampler=_sampler(rows, data, env, seed, accumulation), drop_last=True, **kwargs)
-    evaluation = _eval_rows(data, ev, tokenizer, env, cache, held, pairs=pairs, images=images)
+    evaluation = _eval_rows(data, ev, tokenizer, env, cache, held, kind=kind, images=images)
     if evaluation is None:
         return train, None
     # No sampler and no shuffling: every rank evaluates its share in order.
@@ -354,7 +354,7 @@ def _eval_rows(
     cache: TokenizedCache | None,
     held: np.ndarray | None,
     *,
-    pairs: bool,
+    kind: str,
     images: ImageInputs | None = None,
 ) -> SampleRows | PackedRows | PairRows | None:
     """The evaluation rows, built like the training rows (same context, prompt style, masking and packing), from
@@ -362,7 +362,7 @@ def _eval_rows(
     streamed, which the config allows only with --eval_dataset)."""
     if ev.eval_dataset:
         try:
-            cache, _ = dataset_cache(ev.eval_dataset, ev.eval_samples, data, tokenizer, env, pairs=pairs, images=images)
+            cache, _ = dataset_cache(ev.eval_dataset, ev.eval_samples, data, tokenizer, env, kind=kind, images=images)
         except UserError as exc:  # the sources name --dataset, the flag they usually serve
             text = str(exc)
             raise UserError(

@@ -32,6 +32,8 @@ from qlora_fsdp.errors import UserError
 
 IMAGE_PREFIX = "image:"
 """A batch's image inputs are under `image:NAME` (NAME as the processor names it: pixel_values, image_grid_thw)."""
+DESIRABLE = "desirable"
+"""A KTO batch's per-row labels (UnpairedRows): 1 for a desirable completion, 0 for an undesirable one."""
 PAD_MULTIPLE = 8
 """Batches are padded to a multiple of this many tokens: tensor-core friendly, and fewer distinct shapes."""
 
@@ -213,6 +215,36 @@ class PairRows(Dataset):
                 **({"images": images} if images else {})}  # fmt: skip
 
 
+class UnpairedRows(PairRows):
+    """One labelled completion per row (--objective kto), as a pair of sequences: the completion, and its KL sequence
+    (the row's prompt with the previous row's completion, the last row's for the first; cut to the context), and
+    `desirable`. As TRL's KTOTrainer does, mismatched completions are fixed per row, so a row's KL sequence is the
+    same whatever the ranks and batches; a precomputed reference holds both sequences' log-probs."""
+
+    def __init__(self, pairs: Sequence[tuple[Sample, Sample]], indices: np.ndarray, lengths: np.ndarray, *,
+                 context_length: int) -> None:  # fmt: skip
+        super().__init__(pairs, indices, lengths)
+        self.context_length = context_length
+
+    def __getitem__(self, index: int) -> dict[str, list[int]]:
+        at = int(self.indices[index])
+        (ids, labels), desirable = self._completion(at)
+        other, other_labels = self._completion(int(self.indices[index - 1]))[0]
+        start, other_start = _first_label(labels), _first_label(other_labels)
+        kl_ids = [*ids[:start], *other[other_start:]][: self.context_length]
+        kl_labels = [*labels[:start], *other_labels[other_start:]][: self.context_length]
+        return {"input_ids": ids, "labels": labels, "rejected_input_ids": kl_ids, "rejected_labels": kl_labels,
+                "pair_index": [at], DESIRABLE: [int(desirable)]}  # fmt: skip
+
+    def _completion(self, at: int) -> tuple[Sample, bool]:
+        chosen, rejected = self.pairs[at]
+        return (chosen, True) if chosen[0] else (rejected, False)
+
+
+def _first_label(labels: list[int]) -> int:
+    return next((i for i, label in enumerate(labels) if label != IGNORE_INDEX), len(labels))
+
+
 def packed_row(parts: list[Sample]) -> dict[str, list[int]]:
     """Samples laid end to end: labels -100 on each sample's first token, positions restarting at every sample."""
     row: dict[str, list[int]] = {"input_ids": [], "labels": [], "position_ids": []}
@@ -225,11 +257,13 @@ def packed_row(parts: list[Sample]) -> dict[str, list[int]]:
 
 def build_rows(
     samples: Sequence[Any], indices: np.ndarray, lengths: np.ndarray, *, context_length: int, packing: bool,
-    pairs: bool = False,
+    kind: str = "sft",
 ) -> tuple[SampleRows | PackedRows | PairRows, str]:
-    """The rows of the samples (or pairs) at `indices` (each no longer than the context), and a line on how full
-    they are."""
-    if pairs:
+    """The rows of the samples (or pairs, or labelled completions: `kind`) at `indices` (each no longer than the
+    context), and a line on how full they are."""
+    if kind == "unpaired":
+        return UnpairedRows(samples, indices, lengths[indices], context_length=context_length), ""
+    if kind != "sft":
         return PairRows(samples, indices, lengths[indices]), ""
     if not packing:
         return SampleRows(samples, indices, lengths[indices]), ""
@@ -252,7 +286,8 @@ def collate(
 
     attention_mask marks the real tokens (the trainer counts them; a packed batch goes to the model without it,
     and its padding is a segment of its own: positions from 0, no labels). A batch of preference pairs is 2B rows,
-    the B chosen sides then the B rejected ones, so one forward runs both; `pair_index` holds the pairs' indices.
+    the B chosen sides then the B rejected ones, so one forward runs both; `pair_index` holds the pairs' indices (and
+`desirable` KTO's labels, its rows being pairs of a completion and its KL sequence).
     Rows with images add the model's image inputs for all of them, in row order (`images`, the model's processor).
     """
     if "rejected_input_ids" in items[0]:
@@ -261,7 +296,9 @@ def collate(
                   "images": item.get("images", [])} for side in ("", "rejected_") for item in items]  # fmt: skip
         batch = collate(sides, pad_id=pad_id, context_length=context_length, pad_to_context=pad_to_context,
                         images=images)  # fmt: skip
-        return {**batch, "pair_index": torch.tensor([item["pair_index"][0] for item in items], dtype=torch.long)}
+        per_pair = {key: torch.tensor([item[key][0] for item in items], dtype=torch.long)
+                    for key in ("pair_index", DESIRABLE) if key in items[0]}  # fmt: skip
+        return batch | per_pair
     longest = max(len(item["input_ids"]) for item in items)
     width = context_length if pad_to_context else min(context_length, -(-longest // PAD_MULTIPLE) * PAD_MULTIPLE)
     batch: dict[str, list[list[int]]] = {"input_ids": [], "labels": [], "attention_mask": []}

@@ -1,21 +1,23 @@
 """Training objectives: what a batch's loss is, what it is divided by, and what the step logs besides the loss.
 
 The training loop and evaluation call an Objective and nothing else about it (`base.py`); supervised fine-tuning's
-token-level cross-entropy is one of them (`sft.py`), the preference objectives the others (`preference.py`).
+token-level cross-entropy is one of them (`sft.py`), the preference objectives on pairs (`preference.py`) and KTO
+on unpaired completions (`kto.py`) the others.
 """
 
 from __future__ import annotations
 
-from qlora_fsdp.config import ObjectiveConfig
+from qlora_fsdp.objective_config import ObjectiveConfig
 from qlora_fsdp.objectives.base import Forward, Objective, combined_loss
+from qlora_fsdp.objectives.kto import KtoObjective
 from qlora_fsdp.objectives.preference import (
     DpoObjective,
     IpoObjective,
     OrpoObjective,
     PreferenceObjective,
-    ReferenceLookup,
     SimpoObjective,
 )
+from qlora_fsdp.objectives.reference import ReferenceLookup
 from qlora_fsdp.objectives.sft import SftObjective
 
 __all__ = ["Forward", "Objective", "PreferenceObjective", "SftObjective", "combined_loss", "make_objective"]
@@ -36,4 +38,7 @@ def make_objective(cfg: ObjectiveConfig, forward: Forward, *, reference: Referen
     if name == "simpo":
         return SimpoObjective(forward, beta=cfg.setting("beta"), gamma=cfg.setting("simpo_gamma"),
                               label_smoothing=cfg.setting("label_smoothing"))  # fmt: skip
+    if name == "kto":
+        return KtoObjective(forward, beta=cfg.setting("beta"), desirable_weight=cfg.setting("desirable_weight"),
+                            undesirable_weight=cfg.setting("undesirable_weight"), reference=reference)  # fmt: skip
     raise ValueError(f"unknown objective {name!r}")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 from abc import abstractmethod
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -25,10 +24,9 @@ from torch import nn
 
 from qlora_fsdp.data import IGNORE_INDEX
 from qlora_fsdp.objectives.base import Forward, Objective
+from qlora_fsdp.objectives.reference import ReferenceLookup, reference_logps
 from qlora_fsdp.sequence_parallel import ROW_LABEL_TOKENS
 
-ReferenceLookup = Callable[[torch.Tensor], torch.Tensor]
-"""Pair indices -> their precomputed reference log-probs [pairs, 2] (chosen, rejected)."""
 PairLosses = tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, list[torch.Tensor]]
 
 
@@ -48,7 +46,7 @@ class PreferenceObjective(Objective):
         return (int(_pairs_present(batch).sum()),)
 
     def loss_sum(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens = _reply_tokens(batch).to(self.forward.device)
+        tokens = reply_tokens(batch).to(self.forward.device)
         logps = self.reply_logps(model, batch, tokens)
         present = _pairs_present(batch).to(self.forward.device)
         parts, chosen_rewards, rejected_rewards, extra = self.pair_losses(model, batch, logps, tokens)
@@ -82,15 +80,7 @@ class _ReferenceObjective(PreferenceObjective):
 
     def reference_logps(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The reference's summed reply log-probs of every sequence (chosen sides first)."""
-        if self.reference is not None:
-            return self.reference(batch["pair_index"]).T.reshape(-1).to(self.forward.device)
-        was_training = model.training
-        model.eval()  # the reference has no dropout (the base model's own, where its config has some)
-        try:
-            with torch.no_grad():
-                return -self.forward(model, batch, per_row=True, adapters=False)
-        finally:
-            model.train(was_training)
+        return reference_logps(model, batch, forward=self.forward, table=self.reference)
 
     def pair_losses(
         self, model: nn.Module, batch: dict[str, torch.Tensor], logps: torch.Tensor, tokens: torch.Tensor
@@ -154,7 +144,7 @@ class OrpoObjective(PreferenceObjective):
         super().__init__(forward, beta=lam)
 
     def weights(self, batch: dict[str, torch.Tensor]) -> tuple[int, ...]:
-        chosen_tokens = int(_reply_tokens(batch).chunk(2)[0].sum())
+        chosen_tokens = int(reply_tokens(batch).chunk(2)[0].sum())
         return (*super().weights(batch), chosen_tokens)
 
     def pair_losses(
@@ -183,7 +173,7 @@ def log1mexp(x: torch.Tensor) -> torch.Tensor:
                        torch.log1p(-torch.exp(torch.where(near, -1.0, x))))  # fmt: skip
 
 
-def _reply_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def reply_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Each sequence's label tokens (chosen sides first): the whole sequence's where a batch holds slices of its
     rows (sequence parallelism)."""
     if ROW_LABEL_TOKENS in batch:
@@ -193,4 +183,4 @@ def _reply_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 def _pairs_present(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Which pairs have labels: an evaluation shard's padding pair has none."""
-    return _reply_tokens(batch).chunk(2)[0] > 0
+    return reply_tokens(batch).chunk(2)[0] > 0

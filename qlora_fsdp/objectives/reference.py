@@ -1,4 +1,5 @@
-"""Reference log-probs computed once, before training (--precompute_reference), instead of in every step.
+"""The reference's log-probs: the model's with its adapters off, in each step, or computed once before training
+(--precompute_reference) and looked up.
 
 Every training pair's chosen and rejected reply log-probs under the reference (the model with its adapters off)
 are computed with each rank taking every world_size-th pair, summed over ranks into one table indexed by the
@@ -23,6 +24,26 @@ from qlora_fsdp.distributed import DistEnv
 from qlora_fsdp.objectives.base import Forward
 
 REFERENCE_FILE = "reference_logps.safetensors"
+ReferenceLookup = Callable[[torch.Tensor], torch.Tensor]
+"""Row indices -> their precomputed reference log-probs [rows, 2] (a pair's chosen and rejected sides; a KTO row's
+completion and KL sequence)."""
+
+
+def reference_logps(
+    model: nn.Module, batch: dict[str, torch.Tensor], *, forward: Forward, table: ReferenceLookup | None
+) -> torch.Tensor:
+    """The reference's summed reply log-probs of a batch's 2B sequences (first sides first): looked up in the
+    precomputed `table`, or the model's with its adapters off, in eval mode (the reference has no dropout: the base
+    model's own, where its config has some)."""
+    if table is not None:
+        return table(batch["pair_index"]).T.reshape(-1).to(forward.device)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            return -forward(model, batch, per_row=True, adapters=False)
+    finally:
+        model.train(was_training)
 
 
 def reference_table(

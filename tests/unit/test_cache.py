@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from qlora_fsdp.data.cache import PREFERENCE, CacheSpec, cache_key, open_cache, tokenize_in_memory
+from qlora_fsdp.data.cache import PREFERENCE, UNPAIRED, CacheSpec, cache_key, open_cache, tokenize_in_memory
 from qlora_fsdp.data.formats import load_examples
 from qlora_fsdp.data.rows import fit_examples
 from qlora_fsdp.errors import UserError
@@ -59,8 +59,9 @@ def test_cached_samples_are_the_in_memory_ones(tmp_path: Path, tokenizer, num_pr
 
 @pytest.mark.parametrize(
     ("dataset", "changes"),
-    [("alpaca_tiny.jsonl", {}), ("preference_tiny.jsonl", {"objective": PREFERENCE, "max_prompt_length": 24})],
-    ids=["sft", "pairs"],
+    [("alpaca_tiny.jsonl", {}), ("preference_tiny.jsonl", {"objective": PREFERENCE, "max_prompt_length": 24}),
+     ("kto_tiny.jsonl", {"objective": UNPAIRED, "max_prompt_length": 12})],
+    ids=["sft", "pairs", "unpaired"],
 )
 def test_rows_tokenized_in_memory_are_the_cached_rows(tmp_path: Path, tokenizer, monkeypatch, dataset: str,
                                                        changes: dict) -> None:  # fmt: skip
@@ -125,13 +126,21 @@ CHANGES = {
     "train_on_inputs": lambda p, s, t: (dataclasses.replace(s, train_on_inputs=True), t),
     "packing_split": lambda p, s, t: (dataclasses.replace(s, packing_split=True), t),
     "dataset_samples": lambda p, s, t: (dataclasses.replace(s, dataset_samples=10), t),
-    "objective": lambda p, s, t: (dataclasses.replace(s, objective="dpo"), t),
 }
 
 
 @pytest.mark.parametrize("what", CHANGES)
 def test_what_decides_the_rows_rebuilds_the_cache(tmp_path: Path, tokenizer, what: str) -> None:
     assert _rebuilds(tmp_path, tokenizer, CHANGES[what])
+
+
+def test_the_kind_of_rows_rebuilds_the_cache(tmp_path: Path, tokenizer) -> None:
+    """KTO's rows (prompt, completion, label) are also supervised prompt/completion rows: the same file read for
+    --objective kto is another cache."""
+    spec = _spec(REPO_ROOT / "data" / "kto_tiny.jsonl")
+    sft, _ = open_cache(spec, tokenizer, cache_dir=tmp_path)
+    kto, built = open_cache(dataclasses.replace(spec, objective=UNPAIRED), tokenizer, cache_dir=tmp_path)
+    assert built and kto.path != sft.path and (sft.kind, kto.kind) == ("sft", UNPAIRED)
 
 
 def test_an_untouched_file_and_the_same_flags_do_not_rebuild(tmp_path: Path, tokenizer) -> None:

@@ -167,7 +167,7 @@ def test_a_batch_of_pairs_is_the_chosen_sides_then_the_rejected(tmp_path: Path, 
     rows = [{"prompt": f"Count to {i}.", "chosen": " ".join(map(str, range(i))), "rejected": "No."}
             for i in range(2, 5)]  # fmt: skip
     cache, _ = open_cache(_spec(_file(tmp_path, rows)), tokenizer, cache_dir=tmp_path / "cache")
-    rows_, _ = build_rows(cache.samples, np.arange(3), cache.lengths, context_length=64, packing=False, pairs=True)
+    rows_, _ = build_rows(cache.samples, np.arange(3), cache.lengths, context_length=64, packing=False, kind=PREFERENCE)
     batch = collate([rows_[i] for i in range(3)], pad_id=0, context_length=64, pad_to_context=False)
     assert batch["input_ids"].shape[0] == 6 and batch["pair_index"].tolist() == [0, 1, 2]
     for i in range(3):

@@ -27,7 +27,7 @@ from datasets import Dataset
 from peft import LoraConfig
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer
-from trl import DPOConfig, DPOTrainer
+from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
 from trl.trainer.dpo_trainer import DataCollatorForPreference
 
 from qlora_fsdp.config import ObjectiveConfig
@@ -95,6 +95,8 @@ def _cpo_inputs(pairs: list[Pair]) -> dict[str, torch.Tensor]:
 def _trl_classes(kind: str) -> tuple[type, type[Trainer]]:
     if kind == "dpo":
         return DPOConfig, DPOTrainer
+    if kind == "kto":
+        return KTOConfig, KTOTrainer
     with warnings.catch_warnings():  # "APIs here are unstable"
         warnings.simplefilter("ignore")
         from trl.experimental.cpo import CPOConfig, CPOTrainer
@@ -112,7 +114,8 @@ def _perturb(model: nn.Module, *, seed: int = 1, scale: float = 0.05) -> None:
 
 
 def _trainer(kind: str, model_dir: Path, out: Path, **settings: Any) -> Trainer:
-    """TRL's trainer (dpo, orpo or cpo) on the tiny base model, wrapped by TRL with a LoRA adapter, then perturbed."""
+    """TRL's trainer (dpo, orpo, cpo or kto, which unpairs the pair) on the tiny base model, wrapped by TRL with a
+    LoRA adapter, then perturbed."""
     config_class, trainer_class = _trl_classes(kind)
     args = config_class(output_dir=str(out), report_to="none", use_cpu=True, bf16=False, gradient_checkpointing=False,
                         max_length=64, seed=0, **settings)  # fmt: skip
