@@ -310,6 +310,7 @@ def _run(
         return checkpointer.save(at, wait=wait)
 
     forward = Forward(env.device, precision, varlen=varlen, sequence=sequence)
+    unit = "rows" if cfg.objective.rows == "unpaired" else "pairs"  # what the preference objectives count
     reference = None
     if cfg.objective.precompute_reference:
         started = time.perf_counter()
@@ -321,7 +322,7 @@ def _run(
             ),
         )  # fmt: skip
         how = "read back from" if reused else f"computed in {time.perf_counter() - started:.1f}s and saved to"
-        logger.message(f"reference log-probs of {len(loader.dataset)} pairs {how} {output_dir / REFERENCE_FILE}")
+        logger.message(f"reference log-probs of {len(loader.dataset)} {unit} {how} {output_dir / REFERENCE_FILE}")
         reference = table.__getitem__
     objective = make_objective(cfg.objective, forward, reference=reference)
     # The table holds the training pairs only: evaluation runs its reference forward itself.
@@ -334,7 +335,7 @@ def _run(
         if objective.reports_perplexity:
             record |= {"eval_ppl": result.perplexity, "eval_tokens": result.tokens}
         else:
-            record["eval_pairs"] = result.tokens
+            record[f"eval_{unit}"] = result.tokens
         record |= {f"eval_{name}": value for name, value in result.metrics.items()}
         logger.log_eval({**record, "eval_s": time.perf_counter() - started})
 

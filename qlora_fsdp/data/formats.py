@@ -254,10 +254,10 @@ def unpaired_example(row: Any, where: str, *, prompt_style: str, root: Path | No
     label = row.get("label")
     if not isinstance(label, bool):
         raise UserError(f"{where}: 'label' must be true (desirable) or false (undesirable), got {label!r}")
+    if row.get("images"):
+        raise UserError(f"{where}: rows with images are not supported by --objective kto yet; drop 'images'")
     example = _prompt_completion_example(row, where, root)
     if isinstance(example, Conversation):
-        if example.images:
-            raise UserError(f"{where}: rows with images are not supported by --objective kto yet; drop 'images'")
         return Labelled(example, label)
     if prompt_style == CHAT_STYLE:
         return Labelled(conversation_from_pair(example.prompt, example.response, where), label)

@@ -15,6 +15,7 @@ from tests.cli.test_bad_input import assert_one_line_error, run_cli
 from tests.conftest import DATASET, REPO_ROOT, without_weights
 
 PAIRS = REPO_ROOT / "data" / "preference_tiny.jsonl"
+KTO = REPO_ROOT / "data" / "kto_tiny.jsonl"
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +30,7 @@ def _pairs(tmp_path: Path, rows: list) -> Path:
 
 
 GOOD = {"prompt": "Name a color.", "chosen": "Blue.", "rejected": "Loud."}
+KTO_ROW = {"prompt": "Name a color.", "completion": "Blue.", "label": True}
 
 
 @pytest.mark.parametrize(
@@ -41,6 +43,14 @@ GOOD = {"prompt": "Name a color.", "chosen": "Blue.", "rejected": "Loud."}
         ([GOOD], ["--objective", "sft"], ["row 1", "--objective dpo"]),
         ([{"prompt": "p", "chosen": "a", "rejected": "a"}, {"prompt": "q", "chosen": "b", "rejected": ""}],
          ["--objective", "orpo"], ["all 2 pairs were dropped (1 with identical replies, 1 with an empty one)"]),
+        ([KTO_ROW, {"prompt": "p", "completion": "a"}], ["--objective", "kto"],
+         ["row 2", "'label' must be true (desirable) or false (undesirable), got None"]),
+        ([KTO_ROW, {**KTO_ROW, "label": "yes"}], ["--objective", "kto"], ["row 2", "'label' must be true", "'yes'"]),
+        ([KTO_ROW, GOOD], ["--objective", "kto"], ["row 2", "reads unpaired completions, got a preference pair"]),
+        ([KTO_ROW, {"completion": "a", "label": True}], ["--objective", "kto"], ["row 2", "a row without them"]),
+        ([KTO_ROW, {"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]}],
+                    "completion": [{"role": "assistant", "content": "red"}], "images": ["red.png"], "label": True}],
+         ["--objective", "kto"], ["row 2", "images are not supported by --objective kto"]),
     ],
 )  # fmt: skip
 def test_bad_pairs_name_the_file_and_row(no_weights: Path, tmp_path: Path, rows: list, flags: list[str],
@@ -63,7 +73,11 @@ def test_bad_pairs_name_the_file_and_row(no_weights: Path, tmp_path: Path, rows:
         (["--objective", "dpo", "--packing", "true"], ["--objective dpo cannot take --packing"]),
         (["--objective", "simpo", "--precompute_reference", "true"], ["--precompute_reference", "simpo has none"]),
         (["--objective", "dpo", "--quant", "none", "--train_type", "full"], ["--train_type full", "adapters off"]),
-        (["--objective", "kto"], ["--objective 'kto' is not one of sft, dpo, ipo, orpo, simpo"]),
+        (["--objective", "grpo"], ["--objective 'grpo' is not one of sft, dpo, ipo, orpo, simpo, kto"]),
+        (["--objective", "kto", "--packing", "true"], ["--objective kto cannot take --packing"]),
+        (["--objective", "kto", "--quant", "none", "--train_type", "full"], ["--train_type full", "adapters off"]),
+        (["--objective", "dpo", "--desirable_weight", "2"], ["--desirable_weight does not apply to --objective dpo"]),
+        (["--objective", "kto", "--undesirable_weight", "0"], ["--undesirable_weight must be > 0"]),
         (["--objective", "dpo", "--beta", "0"], ["--beta must be > 0"]),
         (["--objective", "dpo", "--max_prompt_length", "-1"], ["--max_prompt_length must be >= 0"]),
         (["--objective", "dpo", "--router_aux_loss_coef", "0.01"], ["--objective dpo cannot take --router_aux_loss"]),
@@ -71,7 +85,7 @@ def test_bad_pairs_name_the_file_and_row(no_weights: Path, tmp_path: Path, rows:
 )
 def test_flags_that_do_not_apply_are_refused(no_weights: Path, tmp_path: Path, flags: list[str],
                                              needles: list[str]) -> None:  # fmt: skip
-    dataset = DATASET if "sft" in flags else PAIRS
+    dataset = DATASET if "sft" in flags else KTO if "kto" in flags else PAIRS
     code, errors, output = run_cli(["--model", str(no_weights), "--dataset", str(dataset), *flags, "--device", "cpu",
                                     "--output_dir", str(tmp_path / "out")])  # fmt: skip
     assert code == 2
