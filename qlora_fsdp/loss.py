@@ -70,12 +70,16 @@ class CausalLMLoss(nn.Module):
         token_mask: torch.Tensor | None = None,
         per_row: bool = False,
         adapters: bool = True,
+        per_token: bool = False,
         **images: torch.Tensor,
     ) -> torch.Tensor:
-        """`token_mask`: which positions are tokens rather than padding, where `attention_mask` is not given (packed
-        rows); only the router's loss reads it. `images`: an image-text model's image inputs (pixel_values, ...)."""
+        """`per_token`: each label position's cross-entropy, [rows, labels' width - 1] (0 where there is no label;
+        GRPO's per-token ratios). `token_mask`: which positions are tokens rather than padding, where
+        `attention_mask` is not given (packed rows); only the router's loss reads it. `images`: an image-text model's
+        image inputs (pixel_values, ...)."""
         with contextlib.nullcontext() if adapters else adapters_off(self.lm):
-            return self._loss(input_ids, labels, attention_mask, position_ids, token_mask, per_row=per_row, **images)
+            return self._loss(input_ids, labels, attention_mask, position_ids, token_mask, per_row=per_row,
+                              per_token=per_token, **images)  # fmt: skip
 
     def _loss(
         self,
@@ -86,6 +90,7 @@ class CausalLMLoss(nn.Module):
         token_mask: torch.Tensor | None,
         *,
         per_row: bool,
+        per_token: bool = False,
         **images: torch.Tensor,
     ) -> torch.Tensor:
         inputs: dict[str, Any] = dict(
@@ -101,35 +106,46 @@ class CausalLMLoss(nn.Module):
         trained_head = type(head) is nn.Linear and any(
             p is not None and p.requires_grad for p in (head.weight, head.bias)
         )
-        if not self.chunked or (per_row and trained_head):
+        if not self.chunked or ((per_row or per_token) and trained_head):
             out = self.lm(**inputs)
-            loss = full_loss_sum(out.logits, labels, per_row=per_row)
+            loss = full_loss_sum(out.logits, labels, per_row=per_row, per_token=per_token)
         else:
             out = hidden_states_model(self.lm)(**inputs)
-            loss = chunked_loss_sum(
-                out.last_hidden_state, head, labels, chunk_tokens=self.chunk_tokens, per_row=per_row
-            )
+            loss = chunked_loss_sum(out.last_hidden_state, head, labels, chunk_tokens=self.chunk_tokens,
+                                    per_row=per_row, per_token=per_token)  # fmt: skip
         if router is not None:
             mask = attention_mask if attention_mask is not None else token_mask
             loss = loss + router(out.router_logits, mask, labels)
         return loss
 
 
-def full_loss_sum(logits: torch.Tensor, labels: torch.Tensor, *, per_row: bool = False) -> torch.Tensor:
+def full_loss_sum(
+    logits: torch.Tensor, labels: torch.Tensor, *, per_row: bool = False, per_token: bool = False
+) -> torch.Tensor:
     """Summed next-token cross-entropy from whole logits (fp32), the reference the chunked loss must equal; per row
-    with `per_row`."""
+    with `per_row`, per label position with `per_token`."""
     predicting = logits[:, : labels.shape[1] - 1]  # all positions where labels run one past (a sequence slice)
     losses = F.cross_entropy(
         predicting.flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX, reduction="none"
     )
+    if per_token:
+        return losses.view(labels.shape[0], -1)
     return losses.view(labels.shape[0], -1).sum(1) if per_row else losses.sum()
 
 
 def chunked_loss_sum(
-    hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor, *, chunk_tokens: int, per_row: bool = False
+    hidden: torch.Tensor,
+    head: nn.Module,
+    labels: torch.Tensor,
+    *,
+    chunk_tokens: int,
+    per_row: bool = False,
+    per_token: bool = False,
 ) -> torch.Tensor:
     """Summed next-token cross-entropy of `head(hidden)` without materialising more than one chunk of logits; each
-    row's sum with `per_row` (the head must then be frozen, or not a plain linear)."""
+    row's sum with `per_row`, each label position's with `per_token` (the head must then be frozen, or not a plain
+    linear)."""
+    per_row = per_row or per_token
     targets = labels[:, 1:].flatten()
     keep = targets != IGNORE_INDEX
     states = hidden[:, : labels.shape[1] - 1].flatten(0, 1)[keep]  # only labelled positions reach the head
@@ -149,8 +165,8 @@ def chunked_loss_sum(
     if not per_row:
         return losses
     # Each row's sum by a dense scatter (deterministic on CUDA, unlike index_add's atomics).
-    dense = losses.new_zeros(keep.shape[0]).masked_scatter(keep, losses)
-    return dense.view(labels.shape[0], -1).sum(1)
+    dense = losses.new_zeros(keep.shape[0]).masked_scatter(keep, losses).view(labels.shape[0], -1)
+    return dense if per_token else dense.sum(1)
 
 
 def _chunk_loss(head: nn.Module, states: torch.Tensor, targets: torch.Tensor, reduction: str) -> torch.Tensor:

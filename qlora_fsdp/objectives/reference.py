@@ -30,18 +30,23 @@ completion and KL sequence)."""
 
 
 def reference_logps(
-    model: nn.Module, batch: dict[str, torch.Tensor], *, forward: Forward, table: ReferenceLookup | None
+    model: nn.Module,
+    batch: dict[str, torch.Tensor],
+    *,
+    forward: Forward,
+    table: ReferenceLookup | None = None,
+    per_token: bool = False,
 ) -> torch.Tensor:
-    """The reference's summed reply log-probs of a batch's 2B sequences (first sides first): looked up in the
-    precomputed `table`, or the model's with its adapters off, in eval mode (the reference has no dropout: the base
-    model's own, where its config has some)."""
+    """The reference's summed reply log-probs of a batch's 2B sequences (first sides first; each label position's
+    with `per_token`): looked up in the precomputed `table`, or the model's with its adapters off, in eval mode (the
+    reference has no dropout: the base model's own, where its config has some)."""
     if table is not None:
         return table(batch["pair_index"]).T.reshape(-1).to(forward.device)
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            return -forward(model, batch, per_row=True, adapters=False)
+            return -forward(model, batch, per_row=not per_token, per_token=per_token, adapters=False)
     finally:
         model.train(was_training)
 

@@ -7,7 +7,7 @@ equal KTOTrainer._compute_loss's within 1e-5 in fp32, our KL sequences made by d
 its rule (each row's prompt with the previous row's completion, the first row's with the last's:
 `add_kl_completion_ids` in KTOTrainer._prepare_dataset).
 
-Measured: every difference is below 2e-7 absolute, gradients agree to about 1e-7 relative.
+Measured: every difference is below 4e-6 absolute (on values up to about 60), gradients agree to 7e-7 relative.
 """
 
 from __future__ import annotations
