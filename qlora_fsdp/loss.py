@@ -64,19 +64,28 @@ class CausalLMLoss(nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,
-        labels: torch.Tensor,
+        labels: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         token_mask: torch.Tensor | None = None,
         per_row: bool = False,
         adapters: bool = True,
         per_token: bool = False,
+        cache: Any = None,
         **images: torch.Tensor,
     ) -> torch.Tensor:
         """`per_token`: each label position's cross-entropy, [rows, labels' width - 1] (0 where there is no label;
-        GRPO's per-token ratios). `token_mask`: which positions are tokens rather than padding, where
+        GRPO's per-token ratios). `cache`: a transformers KV cache to decode with (qlora_fsdp.sampling): the next
+        token's fp32 logits [rows, vocabulary] instead of a loss, through this root so FSDP gathers what it holds.
+        `token_mask`: which positions are tokens rather than padding, where
         `attention_mask` is not given (packed rows); only the router's loss reads it. `images`: an image-text model's
         image inputs (pixel_values, ...)."""
+        if cache is not None:
+            out = self.lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          past_key_values=cache, use_cache=True, logits_to_keep=1)  # fmt: skip
+            return out.logits[:, -1].float()
+        if labels is None:
+            raise ValueError("labels are required unless decoding with a cache")
         with contextlib.nullcontext() if adapters else adapters_off(self.lm):
             return self._loss(input_ids, labels, attention_mask, position_ids, token_mask, per_row=per_row,
                               per_token=per_token, **images)  # fmt: skip

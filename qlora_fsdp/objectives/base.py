@@ -31,13 +31,14 @@ class Forward:
             inputs["token_mask"] = batch["attention_mask"].to(self.device).reshape(inputs["input_ids"].shape)
         if self.sequence is not None:
             self.sequence.begin(batch, self.device)
-        with self._autocast():
+        with self.autocast():
             out = model(**inputs, **options)
         if self.sequence is not None and options.get("per_row"):
             out = self.sequence.row_sums(out)
         return out
 
-    def _autocast(self) -> contextlib.AbstractContextManager:
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The precision's autocast, or nothing."""
         if self.precision.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.precision.autocast_dtype)

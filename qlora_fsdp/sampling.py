@@ -1,0 +1,108 @@
+"""Sampling completions from the model being trained, through its FSDP root, with a KV cache (GRPO's rollouts).
+
+Every forward of a sharded model is a collective: each rank gathers each unit's weights, so every rank must run as
+many forwards as the others. Ranks therefore decode in lockstep: a rank whose completions have all ended keeps
+decoding padding until every rank's have (or --max_completion_length is reached), which one all-reduce per token
+decides. Prompts are padded on the left and their positions count from each prompt's first token, so a row decodes
+as it would alone. Tokens are drawn with the rank's own generator (its state belongs in the checkpoint), at
+`temperature`, from the smallest set of tokens whose probability reaches `top_p`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """The completions of a batch of prompts."""
+
+    completions: list[list[int]]
+    """Each row's tokens, up to and including its first end token."""
+    logps: list[list[float]]
+    """Each token's log-probability under the distribution it was drawn from (after temperature, before top-p)."""
+    truncated: list[bool]
+    """Rows that reached the length limit without an end token."""
+
+
+@torch.no_grad()
+def sample(
+    model: nn.Module,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    end_ids: set[int],
+    pad_id: int,
+    generator: torch.Generator,
+    device: torch.device,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> Sampled:
+    """Completions of `prompts` from `model` (a CausalLMLoss root, wrapped by FSDP or not), in eval mode (no
+    dropout; transformers turns the cache off under gradient checkpointing in training mode)."""
+    from transformers import DynamicCache
+
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    ends = torch.tensor(sorted(end_ids), device=device)
+    done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    tokens, logps = [], []
+    cache = DynamicCache()
+    was_training = model.training
+    model.eval()
+    try:
+        with autocast():
+            logits = model(ids, attention_mask=mask, position_ids=positions, cache=cache)
+        for _ in range(max_new_tokens):
+            log_probs = torch.log_softmax(logits / temperature, dim=-1)
+            token = _draw(log_probs, top_p, generator)
+            token = torch.where(done, pad_id, token)
+            tokens.append(token)
+            logps.append(log_probs.gather(1, token[:, None]).squeeze(1))
+            done |= torch.isin(token, ends)
+            if _all_done(done):
+                break
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            positions = positions[:, -1:] + 1
+            with autocast():
+                logits = model(token[:, None], attention_mask=mask, position_ids=positions, cache=cache)
+    finally:
+        model.train(was_training)
+    return _rows(torch.stack(tokens, 1).tolist(), torch.stack(logps, 1).tolist(), end_ids)
+
+
+def _draw(log_probs: torch.Tensor, top_p: float, generator: torch.Generator) -> torch.Tensor:
+    probs = log_probs.exp()
+    if top_p < 1.0:
+        ordered, order = probs.sort(dim=-1, descending=True)
+        before = ordered.cumsum(-1) - ordered  # the mass of the tokens more likely than each
+        ordered = ordered.masked_fill(before >= top_p, 0.0)  # the most likely token always stays
+        probs = torch.zeros_like(probs).scatter_(1, order, ordered)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+
+
+def _all_done(done: torch.Tensor) -> bool:
+    """Whether every row on every rank has ended (a collective: every rank calls it once per token)."""
+    left = (~done).sum().reshape(1)
+    if dist.is_initialized():
+        dist.all_reduce(left)
+    return bool(left.item() == 0)
+
+
+def _rows(tokens: list[list[int]], logps: list[list[float]], end_ids: set[int]) -> Sampled:
+    completions, kept, truncated = [], [], []
+    for row, row_logps in zip(tokens, logps, strict=True):
+        stop = next((i + 1 for i, token in enumerate(row) if token in end_ids), None)
+        completions.append(row[:stop])
+        kept.append(row_logps[: len(completions[-1])])
+        truncated.append(stop is None)
+    return Sampled(completions, kept, truncated)
