@@ -525,16 +525,17 @@ def _objective_problems(cfg: TrainConfig) -> list[str]:
         for flag in SETTING_FLAGS
         if getattr(cfg.objective, flag) is not None and flag not in own
     ]  # fmt: skip
-    reference = name in REFERENCE_OBJECTIVES
-    if cfg.objective.precompute_reference and not reference:
-        problems.append(f"--precompute_reference applies to dpo, ipo and kto, which have a reference; {name} has none")
+    grpo = name == "grpo"
+    reference = name in REFERENCE_OBJECTIVES or (grpo and bool(cfg.objective.setting("beta")))
+    if cfg.objective.precompute_reference and name not in REFERENCE_OBJECTIVES:
+        problems.append(f"--precompute_reference applies to dpo, ipo and kto, whose rows are fixed; {name} has none")
     if not cfg.objective.pairs:
         if cfg.data.max_prompt_length:
             problems.append("--max_prompt_length cuts preference pairs' prompts; --objective sft has none")
         return problems
     for bad, why in (
-        (cfg.data.packing, "--packing (each pair is two rows of one batch): drop it"),
-        (cfg.data.dataset_streaming, "--dataset_streaming (pairs are read from the tokenized cache): drop it"),
+        (cfg.data.packing, "--packing (its rows are never packed): drop it"),
+        (cfg.data.dataset_streaming, "--dataset_streaming (its rows are read whole before training): drop it"),
         (cfg.data.train_on_inputs, "--train_on_inputs (the losses compare replies only): drop it"),
         (
             bool(cfg.model.router_aux_loss_coef),
@@ -543,9 +544,15 @@ def _objective_problems(cfg: TrainConfig) -> list[str]:
         (
             reference and cfg.lora.train_type not in ("lora", "dora"),
             f"--train_type {cfg.lora.train_type}: the reference is the model with its adapters off, so it needs "
-            "--train_type lora or dora (orpo and simpo need no reference)",
+            "--train_type lora or dora (orpo, simpo and grpo with --beta 0 need no reference)",
         ),
-    ):
+        (grpo and cfg.fsdp.sequence_parallel_size > 1, "--sequence_parallel_size above 1 (not yet): drop it"),
+        (grpo and cfg.data.context_length <= cfg.objective.setting("max_completion_length"),
+         f"--context_length {cfg.data.context_length}: a prompt and its completion share it, so it must exceed "
+         "--max_completion_length"),
+        (grpo and bool(cfg.eval.eval_dataset or cfg.eval.eval_split),
+         "--eval_dataset or --eval_split (evaluating by sampling is not built yet): drop it"),
+    ):  # fmt: skip
         if bad:
             problems.append(f"--objective {name} cannot take {why}")
     return problems

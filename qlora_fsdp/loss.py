@@ -83,7 +83,7 @@ class CausalLMLoss(nn.Module):
         if cache is not None:
             out = self.lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                           past_key_values=cache, use_cache=True, logits_to_keep=1)  # fmt: skip
-            return out.logits[:, -1].float()
+            return out.logits[:, -1].float().clone()  # a view would lose FSDP2's output hooks
         if labels is None:
             raise ValueError("labels are required unless decoding with a cache")
         with contextlib.nullcontext() if adapters else adapters_off(self.lm):
@@ -138,7 +138,7 @@ def full_loss_sum(
         predicting.flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX, reduction="none"
     )
     if per_token:
-        return losses.view(labels.shape[0], -1)
+        return losses.view(labels.shape[0], -1).clone()  # FSDP2 warns of a view output (its hooks could miss it)
     return losses.view(labels.shape[0], -1).sum(1) if per_row else losses.sum()
 
 
@@ -174,7 +174,8 @@ def chunked_loss_sum(
     if not per_row:
         return losses
     # Each row's sum by a dense scatter (deterministic on CUDA, unlike index_add's atomics).
-    dense = losses.new_zeros(keep.shape[0]).masked_scatter(keep, losses).view(labels.shape[0], -1)
+    rows = labels.shape[0]
+    dense = losses.new_zeros(rows, keep.shape[0] // rows).masked_scatter(keep.view(rows, -1), losses)
     return dense if per_token else dense.sum(1)
 
 

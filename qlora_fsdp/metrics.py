@@ -19,6 +19,7 @@ import torch
 from qlora_fsdp.config import OutputConfig
 
 METRICS_FILE = "metrics.jsonl"
+COMPLETIONS_FILE = "completions.jsonl"
 WANDB_ID_FILE = "wandb_run_id.txt"
 
 
@@ -143,6 +144,24 @@ class MetricsLogger:
         if self._file is not None:
             self._file.close()
         self._bar = self._wandb = self._file = None
+
+
+class CompletionLog:
+    """OUTPUT_DIR/completions.jsonl (GRPO): a group of completions sampled in each micro-batch, with its prompt and
+    rewards, a line each; as with metrics.jsonl, a resumed run keeps the lines up to its checkpoint's step."""
+
+    def __init__(self, output_dir: Path, *, resume_step: int | None) -> None:
+        self.path = output_dir / COMPLETIONS_FILE
+        kept = []
+        if resume_step is not None and self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line)["step"] <= resume_step]  # fmt: skip
+        output_dir.mkdir(parents=True, exist_ok=True)
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+    def __call__(self, step: int, records: list[dict[str, Any]]) -> None:
+        with open(self.path, "a") as fh:
+            fh.writelines(json.dumps({"step": step, **record}) + "\n" for record in records)
 
 
 def read_metrics(output_dir: str | os.PathLike) -> list[dict[str, Any]]:

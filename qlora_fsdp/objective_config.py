@@ -6,25 +6,33 @@ themselves are in qlora_fsdp/objectives.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-OBJECTIVES = ("sft", "dpo", "ipo", "orpo", "simpo", "kto")  # kept in step with qlora_fsdp/objectives by a unit test
+# Kept in step with make_objective (qlora_fsdp/objectives) by a unit test.
+OBJECTIVES = ("sft", "dpo", "ipo", "orpo", "simpo", "kto", "grpo")
 REFERENCE_OBJECTIVES = ("dpo", "ipo", "kto")
 """Objectives whose loss compares the policy with a reference model (the base, adapters off)."""
 # Each objective's own settings and the default of each (TRL's): a flag given to an objective it does not apply
 # to is refused.
-OBJECTIVE_SETTINGS: dict[str, dict[str, float]] = {
+OBJECTIVE_SETTINGS: dict[str, dict[str, object]] = {
     "sft": {},
     "dpo": {"beta": 0.1, "label_smoothing": 0.0},
     "ipo": {"beta": 0.1},
     "orpo": {"orpo_lambda": 0.1},
     "simpo": {"beta": 0.1, "simpo_gamma": 0.5, "label_smoothing": 0.0},
     "kto": {"beta": 0.1, "desirable_weight": 1.0, "undesirable_weight": 1.0},
+    "grpo": {"reward_funcs": "", "reward_weights": "", "num_generations": 8, "max_completion_length": 512,
+             "temperature": 1.0, "top_p": 1.0, "beta": 0.0, "epsilon": 0.2, "epsilon_high": None, "loss_type": "dapo",
+             "scale_rewards": "group", "num_iterations": 1},
 }
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
+SCALE_REWARDS = ("group", "batch", "none")
 SETTING_FLAGS = tuple(sorted({flag for settings in OBJECTIVE_SETTINGS.values() for flag in settings}))
-ROW_KINDS = {"sft": "sft", "kto": "unpaired"}
+ROW_KINDS = {"sft": "sft", "kto": "unpaired", "grpo": "prompts"}
 """What rows an objective reads: supervised examples, unpaired completions with a label (KTO) or, for the others,
-preference pairs."""
+preference pairs; GRPO reads prompts and samples its completions."""
 
 
 @dataclass
@@ -32,10 +40,10 @@ class ObjectiveConfig:
     objective: str = "sft"
     """What training minimises: sft (cross-entropy on the responses); on preference pairs dpo, ipo (against the
     base model, adapters off, as reference), orpo or simpo (reference-free); on completions labelled desirable or
-    not, kto (against the reference)."""
+    not, kto (against the reference); on completions it samples and scores with --reward_funcs, grpo."""
     beta: float | None = None
     """dpo, ipo, simpo, kto: the paper's beta (IPO's tau), how far the policy may move from the reference (default
-    0.1)."""
+    0.1); grpo: the weight of the KL divergence to the reference (default 0: no reference forward)."""
     label_smoothing: float | None = None
     """dpo, simpo: the probability that a pair's preference is flipped, for conservative DPO (default 0)."""
     simpo_gamma: float | None = None
@@ -46,11 +54,37 @@ class ObjectiveConfig:
     """kto: the weight of a desirable completion's loss (default 1; raise it when desirable rows are scarce)."""
     undesirable_weight: float | None = None
     """kto: the weight of an undesirable completion's loss (default 1)."""
+    reward_funcs: str | None = None
+    """grpo (required): the reward functions, `module.path:function` (or `path/to/file.py:function`), comma-separated;
+    each is called as TRL calls one: fn(prompts, completions, completion_ids, **the rows' other columns) ->
+    one float (or None: not scored) per completion."""
+    reward_weights: str | None = None
+    """grpo: a weight per reward function, comma-separated (default: 1 each)."""
+    num_generations: int | None = None
+    """grpo: completions sampled per prompt, the group its advantages compare (default 8); --batch_size x ranks must
+    be a multiple of it."""
+    max_completion_length: int | None = None
+    """grpo: the most tokens a completion may have (default 512)."""
+    temperature: float | None = None
+    """grpo: the sampling temperature (default 1)."""
+    top_p: float | None = None
+    """grpo: sample from the smallest set of tokens whose probability reaches this (default 1: all)."""
+    epsilon: float | None = None
+    """grpo: the clipping range of the probability ratio below 1 (default 0.2)."""
+    epsilon_high: float | None = None
+    """grpo: the clipping range above 1 (default: --epsilon; cispo: the ratio's cap)."""
+    loss_type: str | None = None
+    """grpo: how per-token losses add up, as TRL's: grpo, bnpo, dr_grpo, dapo or cispo (default dapo)."""
+    scale_rewards: str | None = None
+    """grpo: divide advantages by the standard deviation of the rewards of the group, of the batch, or none (default
+    group)."""
+    num_iterations: int | None = None
+    """grpo: optimizer steps per generation (default 1; only 1 is supported yet)."""
     precompute_reference: bool = False
     """dpo, ipo, kto: compute the reference log-probs of every training row once, before training, and keep them in
     --output_dir (a resume reuses them), instead of a reference forward in every step."""
 
-    def setting(self, name: str) -> float:
+    def setting(self, name: str) -> Any:
         """A setting of the chosen objective: the flag's value, or its default."""
         value = getattr(self, name)
         return OBJECTIVE_SETTINGS[self.objective][name] if value is None else value
@@ -68,8 +102,24 @@ class ObjectiveConfig:
 
 def objective_ranges(cfg: ObjectiveConfig) -> list[str]:
     """The settings outside their ranges, each with its flag."""
+    grpo = cfg.objective == "grpo"
+
+    def bad(name: str, ok: Callable[[Any], bool]) -> bool:
+        return getattr(cfg, name) is not None and not ok(getattr(cfg, name))
+
     checks = [
-        (cfg.beta is not None and not cfg.beta > 0, "--beta must be > 0"),
+        (bad("beta", lambda v: v >= 0 if grpo else v > 0), f"--beta must be {'>= 0' if grpo else '> 0'}"),
+        (bad("num_generations", lambda v: v >= 2), "--num_generations must be >= 2 (advantages compare a group)"),
+        (bad("max_completion_length", lambda v: v >= 1), "--max_completion_length must be >= 1"),
+        (bad("temperature", lambda v: v > 0), "--temperature must be > 0"),
+        (bad("top_p", lambda v: 0 < v <= 1), "--top_p must be in (0, 1]"),
+        (bad("epsilon", lambda v: v >= 0), "--epsilon must be >= 0"),
+        (bad("epsilon_high", lambda v: v >= 0), "--epsilon_high must be >= 0"),
+        (bad("loss_type", lambda v: v in GRPO_LOSS_TYPES), f"--loss_type must be one of {', '.join(GRPO_LOSS_TYPES)}"),
+        (bad("scale_rewards", lambda v: v in SCALE_REWARDS),
+         f"--scale_rewards must be one of {', '.join(SCALE_REWARDS)}"),
+        (bad("num_iterations", lambda v: v == 1), "--num_iterations above 1 is not supported yet; pass 1"),
+        (grpo and not cfg.reward_funcs, "--objective grpo needs --reward_funcs module.path:function[,...]"),
         (not 0 <= (cfg.label_smoothing or 0) < 0.5, "--label_smoothing must be in [0, 0.5)"),
         (cfg.simpo_gamma is not None and not cfg.simpo_gamma >= 0, "--simpo_gamma must be >= 0"),
         (cfg.orpo_lambda is not None and not cfg.orpo_lambda >= 0, "--orpo_lambda must be >= 0"),

@@ -4,8 +4,10 @@ Every forward of a sharded model is a collective: each rank gathers each unit's 
 many forwards as the others. Ranks therefore decode in lockstep: a rank whose completions have all ended keeps
 decoding padding until every rank's have (or --max_completion_length is reached), which one all-reduce per token
 decides. Prompts are padded on the left and their positions count from each prompt's first token, so a row decodes
-as it would alone. Tokens are drawn with the rank's own generator (its state belongs in the checkpoint), at
-`temperature`, from the smallest set of tokens whose probability reaches `top_p`.
+as it would alone. Each row draws its tokens with a generator of its own, seeded by the caller (GRPO: from the
+run's seed, the step, the prompt and the completion's number), so a completion is the same whichever rank and batch
+it is sampled in, and a resumed run samples what the uninterrupted one did without storing any generator state.
+Tokens are drawn at `temperature` from the smallest set of tokens whose probability reaches `top_p`.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def sample(
     max_new_tokens: int,
     end_ids: set[int],
     pad_id: int,
-    generator: torch.Generator,
+    seeds: list[int],
     device: torch.device,
     temperature: float = 1.0,
     top_p: float = 1.0,
@@ -54,6 +56,7 @@ def sample(
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     ends = torch.tensor(sorted(end_ids), device=device)
+    generators = [torch.Generator().manual_seed(seed) for seed in seeds]
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     tokens, logps = [], []
     cache = DynamicCache()
@@ -64,7 +67,8 @@ def sample(
             logits = model(ids, attention_mask=mask, position_ids=positions, cache=cache)
         for _ in range(max_new_tokens):
             log_probs = torch.log_softmax(logits / temperature, dim=-1)
-            token = _draw(log_probs, top_p, generator)
+            uniform = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators])
+            token = _draw(log_probs, top_p, uniform.to(device))
             token = torch.where(done, pad_id, token)
             tokens.append(token)
             logps.append(log_probs.gather(1, token[:, None]).squeeze(1))
@@ -80,14 +84,17 @@ def sample(
     return _rows(torch.stack(tokens, 1).tolist(), torch.stack(logps, 1).tolist(), end_ids)
 
 
-def _draw(log_probs: torch.Tensor, top_p: float, generator: torch.Generator) -> torch.Tensor:
-    probs = log_probs.exp()
+def _draw(log_probs: torch.Tensor, top_p: float, uniform: torch.Tensor) -> torch.Tensor:
+    """Each row's token by inverting its distribution's CDF at the row's uniform draw."""
+    probs = log_probs.double().exp()
     if top_p < 1.0:
         ordered, order = probs.sort(dim=-1, descending=True)
         before = ordered.cumsum(-1) - ordered  # the mass of the tokens more likely than each
         ordered = ordered.masked_fill(before >= top_p, 0.0)  # the most likely token always stays
         probs = torch.zeros_like(probs).scatter_(1, order, ordered)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    cdf = probs.cumsum(-1)
+    token = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None]).squeeze(1)
+    return token.clamp(max=probs.shape[1] - 1)
 
 
 def _all_done(done: torch.Tensor) -> bool:

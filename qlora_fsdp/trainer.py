@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -32,8 +32,10 @@ from qlora_fsdp.checkpoint import (
     save_trained_blocks,
 )
 from qlora_fsdp.config import OptimConfig, OutputConfig, TrainConfig
+from qlora_fsdp.data.formats import pad_token_id
 from qlora_fsdp.data.images import load_image_inputs
 from qlora_fsdp.data.loader import build_loaders
+from qlora_fsdp.data.prompts import Prompt, prompt_loader
 from qlora_fsdp.distributed import DistEnv, broadcast_object, gather_ints, init_distributed, teardown
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.evaluate import evaluate
@@ -49,7 +51,7 @@ from qlora_fsdp.lora import (
 )
 from qlora_fsdp.loss import CausalLMLoss, RouterLoss, router_loss
 from qlora_fsdp.manifest import LayerDigests, Manifest, training_manifest
-from qlora_fsdp.metrics import METRICS_FILE, MetricsLogger
+from qlora_fsdp.metrics import METRICS_FILE, CompletionLog, MetricsLogger
 from qlora_fsdp.model import (
     FLASH_ATTENTION,
     attention_implementation,
@@ -61,7 +63,9 @@ from qlora_fsdp.model import (
     stream_weights,
 )
 from qlora_fsdp.objectives import Forward, make_objective
+from qlora_fsdp.objectives.grpo import Rollout
 from qlora_fsdp.objectives.reference import REFERENCE_FILE, reference_table
+from qlora_fsdp.objectives.rewards import Reward, load_rewards
 from qlora_fsdp.optim import build_optimizer, build_scheduler
 from qlora_fsdp.precision import PRECISIONS, Precision, quant_compute_dtype
 from qlora_fsdp.quant import make_backend
@@ -236,18 +240,29 @@ def _run(
     tokenizer = load_tokenizer(model_path)
     images = load_image_inputs(model_path, trust_remote_code=cfg.model.trust_remote_code)
     sequence = sequence_groups(env)
-    loader, eval_loader = build_loaders(
-        cfg.data,
-        cfg.eval,
-        tokenizer,
-        env,
-        seed=cfg.optim.seed,
-        fixed_shapes=cfg.fsdp.compile,
-        kind=cfg.objective.rows,
-        accumulation=cfg.optim.gradient_accumulation_steps,
-        split=None if sequence is None else functools.partial(split_rows, size=sequence.size, index=sequence.index),
-        images=images,
-    )
+    grpo = cfg.objective.rows == "prompts"
+    if grpo:
+        rewards = load_rewards(cfg.objective.setting("reward_funcs"), cfg.objective.setting("reward_weights"))
+        if images is not None:
+            raise UserError("--objective grpo does not train vision-language models yet")
+        loader = prompt_loader(cfg.data, tokenizer, env, seed=cfg.optim.seed,
+                               accumulation=cfg.optim.gradient_accumulation_steps,
+                               num_generations=cfg.objective.setting("num_generations"),
+                               max_completion_length=cfg.objective.setting("max_completion_length"))  # fmt: skip
+        eval_loader = None
+    else:
+        loader, eval_loader = build_loaders(
+            cfg.data,
+            cfg.eval,
+            tokenizer,
+            env,
+            seed=cfg.optim.seed,
+            fixed_shapes=cfg.fsdp.compile,
+            kind=cfg.objective.rows,
+            accumulation=cfg.optim.gradient_accumulation_steps,
+            split=None if sequence is None else functools.partial(split_rows, size=sequence.size, index=sequence.index),
+            images=images,
+        )
     attention = attention_implementation(packing=cfg.data.packing, device=env.device, dtype=precision.compute_dtype)
     varlen = attention == FLASH_ATTENTION and sequence is None
     built = _build_model(cfg, env, model_path, precision, attention=attention)
@@ -324,7 +339,11 @@ def _run(
         how = "read back from" if reused else f"computed in {time.perf_counter() - started:.1f}s and saved to"
         logger.message(f"reference log-probs of {len(loader.dataset)} {unit} {how} {output_dir / REFERENCE_FILE}")
         reference = table.__getitem__
-    objective = make_objective(cfg.objective, forward, reference=reference)
+    rollout = None
+    if grpo:
+        log_samples = CompletionLog(output_dir, resume_step=state.step if resume else None) if env.is_main else None
+        rollout = _rollout(cfg, loader.dataset.prompts, rewards, tokenizer, model_path, on_samples=log_samples)
+    objective = make_objective(cfg.objective, forward, reference=reference, rollout=rollout)
     # The table holds the training pairs only: evaluation runs its reference forward itself.
     eval_objective = make_objective(cfg.objective, forward)
 
@@ -381,6 +400,26 @@ def _run(
             profiler.close()
         logger.close()
     return result
+
+
+def _rollout(cfg: TrainConfig, prompts: list[Prompt], rewards: list[Reward], tokenizer: Any, model_path: Path, *,
+             on_samples: Callable[[int, list[dict[str, Any]]], None] | None) -> Rollout:  # fmt: skip
+    """GRPO's sampling settings; a completion ends at the tokenizer's eos or any the model's generation config
+    names (a chat model's end of turn)."""
+    from transformers import GenerationConfig
+
+    ends = {tokenizer.eos_token_id}
+    try:
+        configured = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except OSError:  # no generation_config.json
+        configured = None
+    ends |= set(configured if isinstance(configured, list) else [] if configured is None else [configured])
+    setting = cfg.objective.setting
+    return Rollout(prompts=prompts, rewards=rewards, tokenizer=tokenizer, end_ids=ends - {None},
+                   pad_id=pad_token_id(tokenizer), num_generations=setting("num_generations"),
+                   max_completion_length=setting("max_completion_length"), context_length=cfg.data.context_length,
+                   seed=cfg.optim.seed, temperature=setting("temperature"), top_p=setting("top_p"),
+                   scale_rewards=setting("scale_rewards"), on_samples=on_samples)  # fmt: skip
 
 
 def _build_model(cfg: TrainConfig, env: DistEnv, model_path: Path, precision: Precision, *, attention: str) -> _Built:

@@ -58,6 +58,11 @@ class Objective(ABC):
     reports_perplexity = False
     """Whether exp(eval_loss) means something (a per-token cross-entropy)."""
 
+    def prepare(self, model: nn.Module, batch: dict[str, torch.Tensor], *, step: int) -> dict[str, torch.Tensor]:
+        """What the loader's batch becomes before the step's forward (GRPO samples completions for its prompts);
+        every rank calls it for each micro-batch, in step."""
+        return batch
+
     @abstractmethod
     def weights(self, batch: dict[str, torch.Tensor]) -> tuple[int, ...]:
         """What this batch counts toward each part's denominator (label tokens, pairs...)."""

@@ -1,9 +1,16 @@
-"""GRPO's policy loss on sampled completions, as TRL's GRPOTrainer computes it (its `_compute_loss`).
+"""GRPO: completions sampled from the model being trained and scored by reward functions, and the policy loss on
+them, as TRL's GRPOTrainer computes both.
 
-A batch holds completions (prompt then completion, the completion's tokens labelled), each with its advantage, and
-optionally the per-token log-probs the completion was sampled under (`old_logps`, when --num_iterations reuses a
-generation for several steps) and the reference's (`ref_logps`, computed once per generation; without them the
-reference forward runs here, the model with its adapters off). With the ratio c = pi / pi_old per token:
+Before a micro-batch's forward, `prepare` turns its prompts into a batch of completions (Rollout): --num_generations
+per prompt, sampled through the sharded model (qlora_fsdp.sampling), scored by the reward functions
+(objectives/rewards.py), their weighted sum compared within each prompt's group: advantage = (reward - the group's
+mean) / (the group's, or the whole batch's over every rank, standard deviation + 1e-4), or not divided
+(--scale_rewards none); a completion no function scored has advantage 0. Each rank samples whole groups.
+
+The loss's batch holds completions (prompt then completion, the completion's tokens labelled), each with its
+advantage, and optionally the per-token log-probs the completion was sampled under (`old_logps`, when a generation
+serves several steps) and the reference's (`ref_logps`, computed once per generation; without them the reference
+forward runs here, the model with its adapters off). With the ratio c = pi / pi_old per token:
 - grpo, bnpo, dr_grpo, dapo: -min(c x A, clip(c, 1 - epsilon, 1 + epsilon_high) x A);
 - cispo: -min(c, epsilon_high) x A x log pi, the clipped ratio without gradient;
 plus beta x c x (exp(ref - log pi) - (ref - log pi) - 1) when beta > 0: the k3 estimate of the KL to the reference,
@@ -19,17 +26,56 @@ ranks x batch B equal 1 rank x batch N*B.
 
 from __future__ import annotations
 
+import hashlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from qlora_fsdp.data import IGNORE_INDEX
+from qlora_fsdp.data.prompts import PROMPT_INDEX, Prompt
+from qlora_fsdp.data.rows import collate
 from qlora_fsdp.objectives.base import Forward, Objective
 from qlora_fsdp.objectives.reference import reference_logps
+from qlora_fsdp.objectives.rewards import Reward, score
+from qlora_fsdp.sampling import sample
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
 ADVANTAGES, OLD_LOGPS, REF_LOGPS = "advantages", "old_logps", "ref_logps"
 """A batch's keys: [rows] advantages; [rows, width - 1] per-token log-probs aligned with labels[:, 1:]."""
+REWARDS, TRUNCATED, ZERO_STD = "rewards", "truncated", "zero_std"
+"""A sampled batch's keys: [rows, functions] rewards (NaN: not scored); [rows] completions that hit the length
+limit; [rows] completions whose group's (or batch's) rewards did not vary."""
 _SUMS = ("tokens", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+_ROLLOUT_SUMS = ("rows", "length", "clipped", "zero_std", "reward_sum", "reward_sq", "reward_n")
+
+
+@dataclass
+class Rollout:
+    """What sampling and scoring a batch of prompts takes."""
+
+    prompts: list[Prompt]
+    rewards: list[Reward]
+    tokenizer: Any
+    end_ids: set[int]
+    pad_id: int
+    num_generations: int
+    max_completion_length: int
+    context_length: int
+    seed: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    scale_rewards: str = "group"
+    on_samples: Callable[[int, list[dict[str, Any]]], None] | None = None
+    """Called on every rank with each micro-batch's step and its first group's prompt, completions and rewards."""
+
+    def metric_names(self) -> tuple[str, ...]:
+        per_function = (f"rewards/{r.name}/{part}" for r in self.rewards for part in ("sum", "sq", "n"))
+        return (*_ROLLOUT_SUMS, *per_function)
 
 
 class GrpoObjective(Objective):
@@ -39,11 +85,47 @@ class GrpoObjective(Objective):
     metric_names = _SUMS
 
     def __init__(self, forward: Forward, *, loss_type: str, beta: float, epsilon: float, epsilon_high: float,
-                 max_completion_length: int) -> None:  # fmt: skip
+                 max_completion_length: int, rollout: Rollout | None = None) -> None:  # fmt: skip
         if loss_type not in LOSS_TYPES:
             raise ValueError(f"unknown GRPO loss type {loss_type!r}")
         self.forward, self.loss_type, self.beta = forward, loss_type, beta
         self.epsilon, self.epsilon_high, self.max_completion_length = epsilon, epsilon_high, max_completion_length
+        self.rollout = rollout
+        if rollout is not None:
+            self.metric_names = (*_SUMS, *rollout.metric_names())
+
+    def prepare(self, model: nn.Module, batch: dict[str, torch.Tensor], *, step: int) -> dict[str, torch.Tensor]:
+        """A batch of prompt indices -> the batch of their sampled, scored completions (a batch of completions
+        already, as tests give, stays as it is)."""
+        if PROMPT_INDEX not in batch or self.rollout is None:
+            return batch
+        r = self.rollout
+        indices = batch[PROMPT_INDEX].tolist()
+        prompts = [r.prompts[i] for i in indices for _ in range(r.num_generations)]
+        sampled = sample(model, [p.ids for p in prompts], max_new_tokens=r.max_completion_length, end_ids=r.end_ids,
+                         pad_id=r.pad_id, device=self.forward.device, temperature=r.temperature, top_p=r.top_p,
+                         seeds=[_seed(r.seed, step, i, k) for i in indices for k in range(r.num_generations)],
+                         autocast=self.forward.autocast)  # fmt: skip
+        texts = r.tokenizer.batch_decode(sampled.completions, skip_special_tokens=True)
+        completions = [[{"role": "assistant", "content": t}] if p.conversational else t
+                       for p, t in zip(prompts, texts, strict=True)]  # fmt: skip
+        keys = sorted({key for p in prompts for key in p.columns})
+        per_function = score(r.rewards, prompts=[p.text for p in prompts], completions=completions,
+                             completion_ids=sampled.completions,
+                             columns={key: [p.columns.get(key) for p in prompts] for key in keys})  # fmt: skip
+        weights = torch.tensor([reward.weight for reward in r.rewards], dtype=torch.float64)
+        advantages, zero_std = group_advantages(per_function, weights, r.num_generations, r.scale_rewards)
+        if r.on_samples is not None:
+            names = [reward.name for reward in r.rewards]
+            group = zip(prompts[: r.num_generations], completions, per_function.tolist(), strict=False)
+            r.on_samples(step, [{"prompt": p.text, "completion": c, "rewards": {
+                name: None if math.isnan(v) else v for name, v in zip(names, row, strict=True)}}
+                for p, c, row in group])  # fmt: skip
+        items = [{"input_ids": p.ids + c, "labels": [IGNORE_INDEX] * len(p.ids) + c}
+                 for p, c in zip(prompts, sampled.completions, strict=True)]  # fmt: skip
+        out = collate(items, pad_id=r.pad_id, context_length=r.context_length, pad_to_context=False)
+        return out | {ADVANTAGES: advantages.float(), REWARDS: per_function, ZERO_STD: zero_std,
+                      TRUNCATED: torch.tensor(sampled.truncated)}  # fmt: skip
 
     def weights(self, batch: dict[str, torch.Tensor]) -> tuple[int, ...]:
         if self.loss_type in ("grpo", "dr_grpo"):
@@ -84,17 +166,97 @@ class GrpoObjective(Objective):
                 high = (ratio > 1 + self.epsilon_high) & (advantages > 0)
             columns = (torch.ones_like(kl), kl, low, high, low | high)
             metrics = torch.stack([(column.double() * mask).sum() for column in columns])
+            if self.rollout is not None:
+                metrics = torch.cat([metrics, self._rollout_sums(batch, mask).to(metrics.device)])
         return loss.reshape(1), metrics
 
+    def _rollout_sums(self, batch: dict[str, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+        """The sums TRL's sampling metrics are made of: completions, their tokens, those cut at the length limit,
+        those without variation in their group, then the weighted reward's and each function's sum, sum of squares
+        and count of scored completions."""
+        per_function = batch[REWARDS].double()
+        weights = torch.tensor([r.weight for r in self.rollout.rewards], dtype=torch.float64)  # type: ignore[union-attr]
+        total = (per_function * weights).nansum(1)
+        total[per_function.isnan().all(1)] = math.nan
+        parts = [float(len(total)), float(mask.sum()), float(batch[TRUNCATED].sum()), float(batch[ZERO_STD].sum())]
+        for column in (total, *per_function.T):
+            scored = column[~column.isnan()]
+            parts += [float(scored.sum()), float((scored**2).sum()), float(len(scored))]
+        return torch.tensor(parts, dtype=torch.float64)
+
     def logged(self, metric_sums: list[float], weights: list[float]) -> dict[str, float]:
-        sums = dict(zip(_SUMS, metric_sums, strict=True))
-        tokens = max(sums.pop("tokens"), 1.0)
-        out = {name: total / tokens for name, total in sums.items()}
+        sums = dict(zip(self.metric_names, metric_sums, strict=True))
+        tokens = max(sums["tokens"], 1.0)
+        out = {name: sums[name] / tokens for name in _SUMS[1:]}
         if not self.beta:
             del out["kl"]
         if self.loss_type == "cispo":
             out = {"cispo_clip_ratio": out["clip_ratio/high_mean"], **({"kl": out["kl"]} if self.beta else {})}
+        if self.rollout is None:
+            return out
+        rows = max(sums["rows"], 1.0)
+        out |= {"reward": _mean(sums, "reward"), "reward_std": _std(sums, "reward"),
+                "completions/mean_length": sums["length"] / rows, "completions/clipped_ratio": sums["clipped"] / rows,
+                "frac_reward_zero_std": sums["zero_std"] / rows}  # fmt: skip
+        for reward in self.rollout.rewards:
+            key = f"rewards/{reward.name}"
+            out |= {f"{key}/mean": _mean(sums, key, "/"), f"{key}/std": _std(sums, key, "/")}
         return out
+
+
+def group_advantages(per_function: torch.Tensor, weights: torch.Tensor, group: int,
+                     scale: str) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(this rank's advantages, whether each one's group (or batch) had no variation): TRL's, the weighted sum of
+    the rewards compared with its group's mean, over every rank's completions (a collective)."""
+    local = len(per_function)
+    everyone = per_function
+    if dist.is_initialized():
+        parts = [torch.empty_like(per_function) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, per_function.to(_collective_device()))
+        everyone = torch.cat([p.cpu() for p in parts])
+    rewards = (everyone * weights).nansum(1)
+    rewards[everyone.isnan().all(1)] = math.nan
+    grouped = rewards.view(-1, group)
+    mean = grouped.nanmean(1).repeat_interleave(group)
+    std = (_nanstd(grouped, dim=1).repeat_interleave(group) if scale != "batch"
+           else _nanstd(rewards).expand_as(rewards))  # fmt: skip
+    advantages = rewards - mean
+    if scale != "none":
+        advantages = advantages / (std + 1e-4)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    mine = slice(rank * local, (rank + 1) * local)
+    return torch.nan_to_num(advantages, nan=0.0)[mine], torch.isclose(std, torch.zeros_like(std))[mine]
+
+
+def _nanstd(values: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """The standard deviation of the values that are not NaN, with Bessel's correction (NaN for fewer than 2)."""
+    mean = values.nanmean(dim=dim, keepdim=True)
+    count = (~values.isnan()).sum(dim=dim, keepdim=True)
+    variance = ((values - mean) ** 2).nanmean(dim=dim, keepdim=True) * count / (count - 1)
+    variance = torch.where(count > 1, variance, math.nan)
+    return variance.sqrt().squeeze(dim) if dim is not None else variance.sqrt().reshape(())
+
+
+def _collective_device() -> torch.device:
+    """Where gloo or NCCL takes tensors."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def _mean(sums: dict[str, float], key: str, sep: str = "_") -> float:
+    n = sums[f"{key}{sep}n"]
+    return sums[f"{key}{sep}sum"] / n if n else math.nan
+
+
+def _std(sums: dict[str, float], key: str, sep: str = "_") -> float:
+    """The unbiased standard deviation from a sum, a sum of squares and a count (TRL's nanstd)."""
+    n, total, squares = sums[f"{key}{sep}n"], sums[f"{key}{sep}sum"], sums[f"{key}{sep}sq"]
+    return math.sqrt(max(squares - total * total / n, 0.0) / (n - 1)) if n > 1 else math.nan
+
+
+def _seed(seed: int, step: int, prompt: int, k: int) -> int:
+    """The generator seed of the k-th completion of a prompt (its dataset index) at a step."""
+    digest = hashlib.blake2b(f"{seed}:{step}:{prompt}:{k}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 def _mask(batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -32,7 +32,7 @@ def root(tiny_model: Path) -> CausalLMLoss:
 
 def _draw(root: CausalLMLoss, seed: int, **settings) -> object:
     return sample(root, PROMPTS, max_new_tokens=7, end_ids={2}, pad_id=PAD, device=CPU,
-                  generator=torch.Generator().manual_seed(seed), **settings)  # fmt: skip
+                  seeds=[seed * 10 + i for i in range(len(PROMPTS))], **settings)  # fmt: skip
 
 
 def _full_logps(root: CausalLMLoss, temperature: float, completions: list[list[int]]) -> list[list[float]]:
@@ -70,6 +70,11 @@ def test_a_tiny_top_p_is_greedy_and_completions_stop_at_the_end_token(root: Caus
         assert (2 not in c) == cut and (cut or c[-1] == 2) and c.count(2) <= 1
 
 
-def test_the_generator_state_decides_the_completions(root: CausalLMLoss) -> None:
-    assert _draw(root, 3).completions == _draw(root, 3).completions
-    assert _draw(root, 3).completions != _draw(root, 4).completions
+def test_each_rows_seed_decides_its_completion_whatever_its_batch(root: CausalLMLoss) -> None:
+    """The same seeds draw the same completions; other seeds others; and a row sampled alone, with its seed, draws
+    what it drew in the batch (so ranks and batch sizes do not change what is sampled)."""
+    drawn = _draw(root, 3)
+    assert drawn.completions == _draw(root, 3).completions != _draw(root, 4).completions
+    for i, prompt in enumerate(PROMPTS):
+        alone = sample(root, [prompt], max_new_tokens=7, end_ids={2}, pad_id=PAD, device=CPU, seeds=[30 + i])
+        assert alone.completions[0] == drawn.completions[i]

@@ -1,0 +1,127 @@
+"""GRPO's reward functions: found by name before the model loads, called as TRL calls them, checked on every rank.
+
+`--reward_funcs module.path:function` imports a module (the working directory first, as `python -m` would find it)
+or, for `path/to/file.py:function`, a file. A function is called once per batch of completions as
+fn(prompts=..., completions=..., completion_ids=..., **columns) with each prompt's other dataset fields as
+`columns`, and returns one reward per completion, None for a completion it does not score. A function that raises,
+returns another number of rewards or something that is not a number stops every rank with one line naming it: a
+rank that stopped alone would leave the others waiting in the next collective.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from qlora_fsdp.errors import UserError
+
+RewardFunc = Callable[..., list[float | None]]
+
+
+@dataclass(frozen=True)
+class Reward:
+    name: str
+    """The function's name, as metrics name it (rewards/NAME/mean)."""
+    func: RewardFunc
+    weight: float
+
+
+def load_rewards(spec: str, weights: str = "") -> list[Reward]:
+    """The functions --reward_funcs names, with --reward_weights (default 1 each)."""
+    entries = [entry.strip() for entry in spec.split(",") if entry.strip()]
+    funcs = [_load(entry) for entry in entries]
+    values = [1.0] * len(funcs)
+    if weights.strip():
+        try:
+            values = [float(w) for w in weights.split(",")]
+        except ValueError:
+            raise UserError(f"--reward_weights {weights!r}: expected numbers separated by commas") from None
+        if len(values) != len(funcs):
+            raise UserError(f"--reward_weights gives {len(values)} weight(s) for {len(funcs)} reward function(s)")
+    names = [func.__name__ for func in funcs]
+    return [Reward(name, func, weight) for name, func, weight in zip(names, funcs, values, strict=True)]
+
+
+def _load(entry: str) -> RewardFunc:
+    where, _, name = entry.rpartition(":")
+    if not where or not name:
+        raise UserError(f"--reward_funcs {entry}: expected module.path:function or path/to/file.py:function")
+    try:
+        module = _module(where)
+    except UserError:
+        raise
+    except Exception as exc:  # whatever the module's own code raises while it is imported
+        raise UserError(f"--reward_funcs {entry}: {where} does not import ({type(exc).__name__}: {exc})") from None
+    func = getattr(module, name, None)
+    if func is None:
+        raise UserError(f"--reward_funcs {entry}: {where} has no function {name!r}")
+    if not callable(func):
+        raise UserError(f"--reward_funcs {entry}: {where}.{name} is a {type(func).__name__}, not a function")
+    return func
+
+
+def _module(where: str) -> Any:
+    if where.endswith(".py"):
+        path = Path(where).expanduser()
+        if not path.is_file():
+            raise UserError(f"--reward_funcs {where}: no such file")
+        spec = importlib.util.spec_from_file_location(f"qlora_fsdp_rewards_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+        spec.loader.exec_module(module)  # type: ignore[union-attr]
+        return module
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        return importlib.import_module(where)
+    except ModuleNotFoundError as exc:
+        if exc.name and where.startswith(exc.name):
+            raise UserError(f"--reward_funcs: no module {where!r} (run from the directory that holds it, or give "
+                            "its file: path/to/file.py:function)") from None  # fmt: skip
+        raise
+
+
+def score(rewards: list[Reward], *, prompts: list[Any], completions: list[Any], completion_ids: list[list[int]],
+          columns: dict[str, list[Any]]) -> torch.Tensor:  # fmt: skip
+    """[completions, functions] float64 rewards, NaN where a function returned None; every rank calls it once per
+    batch, and all stop with the first problem any rank met."""
+    out = torch.full((len(completions), len(rewards)), math.nan, dtype=torch.float64)
+    problem = ""
+    for i, reward in enumerate(rewards):
+        try:
+            values = reward.func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+        except Exception as exc:  # the user's code: any failure is reported, not a traceback from deep inside
+            problem = f"reward function {reward.name} raised {type(exc).__name__}: {exc}"
+            break
+        try:
+            numbers = [math.nan if v is None else float(v) for v in values]
+        except (TypeError, ValueError):
+            problem = f"reward function {reward.name} returned {_show(values)}: expected a float or None each"
+            break
+        if len(numbers) != len(completions):
+            problem = (f"reward function {reward.name} returned {len(numbers)} rewards for {len(completions)} "
+                       "completions: it must return one per completion")  # fmt: skip
+            break
+        out[:, i] = torch.tensor(numbers, dtype=torch.float64)
+    problems = [problem]
+    if dist.is_initialized():
+        problems = [""] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+    first = next((p for p in problems if p), "")
+    if first:
+        raise UserError(first)
+    return out
+
+
+def _show(values: Any) -> str:
+    text = repr(values)
+    return text if len(text) <= 80 else text[:77] + "..."

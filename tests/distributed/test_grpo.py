@@ -1,0 +1,82 @@
+"""GRPO through the real CLI on CPU ranks: N ranks x batch B against 1 rank x batch N*B (each completion is drawn
+with its own seed, so it is the same whichever rank samples it), exact resume with dropout, TRL's metrics,
+completions.jsonl, and the parameter bytes of an SFT run with the same flags."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from qlora_fsdp.metrics import COMPLETIONS_FILE, read_metrics
+from tests.conftest import DATASET, REPO_ROOT, stopped_at, train
+
+pytestmark = pytest.mark.distributed
+
+PROMPTS = REPO_ROOT / "data" / "grpo_tiny.jsonl"
+REWARDS = REPO_ROOT / "tests" / "grpo_rewards.py"
+COMMON = [
+    "--dataset", str(PROMPTS), "--objective", "grpo", "--num_generations", "2", "--max_completion_length", "8",
+    "--precision", "fp32", "--context_length", "96", "--lr", "0.01", "--lora_rank", "8", "--lora_alpha", "16",
+    "--device", "cpu", "--log_to", "stdout", "--seed", "7",
+    "--reward_funcs", f"{REWARDS}:token_sum,{REWARDS}:answer_length", "--reward_weights", "1,0.5",
+]  # fmt: skip
+METRICS = ("reward", "reward_std", "rewards/token_sum/mean", "rewards/token_sum/std", "rewards/answer_length/mean",
+           "rewards/answer_length/std", "completions/mean_length", "completions/clipped_ratio", "frac_reward_zero_std",
+           "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")  # fmt: skip
+
+
+def _run(model: Path, out: Path, *flags: str, nproc: int) -> list[dict]:
+    train(["--model", str(model), *COMMON, "--output_dir", str(out), *flags], nproc=nproc, timeout=600)
+    return [r for r in read_metrics(out) if "loss" in r]
+
+
+def _same(a: dict, b: dict, keys: tuple[str, ...], rel: float) -> None:
+    for key in keys:
+        assert math.isclose(a[key], b[key], rel_tol=rel, abs_tol=1e-7), (a["step"], key, a[key], b[key])
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_ranks_times_batch_is_one_rank_with_the_whole_batch(tiny_model: Path, tmp_path: Path, loss_type: str) -> None:
+    """2 ranks x batch 2 equal 1 rank x batch 4 step by step, sampling included (bnb, FSDP2, --beta 0.04: the
+    reference forward too). No dropout: its masks are drawn per rank."""
+    flags = ("--quant", "bnb", "--max_steps", "3", "--lora_dropout", "0", "--beta", "0.04", "--loss_type", loss_type)
+    one = _run(tiny_model, tmp_path / "one", *flags, "--batch_size", "4", nproc=1)
+    two = _run(tiny_model, tmp_path / "two", *flags, "--batch_size", "2", nproc=2)
+    for a, b in zip(one, two, strict=True):
+        _same(a, b, ("loss", "kl", *METRICS), 1e-5)
+        _same(a, b, ("grad_norm",), 1e-4)
+    assert one[0]["kl"] == 0.0 and all(r["grad_norm"] > 0 for r in one)  # step 1: the policy is the reference
+    assert one[-1]["kl"] > 0
+    assert one[0]["reward_std"] > 0 and one[0]["frac_reward_zero_std"] < 1  # the rewards vary: advantages are not 0
+
+
+def test_resume_completions_log_and_parameter_bytes(tiny_model: Path, tmp_path: Path) -> None:
+    """HQQ with FSDP1, dropout on: steps 3-4 after a resume from step 2 equal the uninterrupted run's (the same
+    completions: their seeds come from the step); completions.jsonl holds a group per micro-batch with its prompt
+    and rewards (None where a function did not score), the resumed file the uninterrupted one's; the parameter
+    bytes per rank are an SFT run's."""
+    flags = ("--quant", "hqq", "--fsdp_version", "1", "--batch_size", "2", "--lora_dropout", "0.1", "--max_steps",
+             "4", "--save_steps", "2", "--gradient_accumulation_steps", "2")  # fmt: skip
+    whole = _run(tiny_model, tmp_path / "whole", *flags, nproc=2)
+    out = tmp_path / "parts"
+    stopped_at(tmp_path / "whole", out, step=2, metrics=True)
+    # The interrupted run's lines, steps past the checkpoint included: the resumed run replaces those.
+    lines = (tmp_path / "whole" / COMPLETIONS_FILE).read_text().splitlines()
+    (out / COMPLETIONS_FILE).write_text("".join(line + "\n" for line in lines))
+    resumed = _run(tiny_model, out, *flags, "--resume_from", "auto", nproc=2)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for a, b in zip(resumed[2:], whole[2:], strict=True):
+        _same(a, b, ("loss", "grad_norm", *METRICS), 1e-6)
+    records = [json.loads(line) for line in lines]
+    assert len(records) == 4 * 2 * 2  # steps x micro-batches x a group of 2
+    assert [r["step"] for r in records[:4]] == [1, 1, 1, 1] and records[0]["prompt"] == records[1]["prompt"]
+    assert set(records[0]["rewards"]) == {"token_sum", "answer_length"}
+    assert any(r["rewards"]["answer_length"] is None for r in records)
+    assert (out / COMPLETIONS_FILE).read_text() == (tmp_path / "whole" / COMPLETIONS_FILE).read_text()
+    sft = tmp_path / "sft"
+    train(["--model", str(tiny_model), "--dataset", str(DATASET), *COMMON[COMMON.index("--precision"):-4],
+           *flags[:6], "--max_steps", "1", "--output_dir", str(sft)], nproc=2)  # fmt: skip
+    assert whole[0]["param_bytes_per_rank"] == read_metrics(sft)[0]["param_bytes_per_rank"]
