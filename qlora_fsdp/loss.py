@@ -72,14 +72,15 @@ class CausalLMLoss(nn.Module):
         adapters: bool = True,
         per_token: bool = False,
         cache: Any = None,
+        temperature: float = 1.0,
         **images: torch.Tensor,
     ) -> torch.Tensor:
         """`per_token`: each label position's cross-entropy, [rows, labels' width - 1] (0 where there is no label;
-        GRPO's per-token ratios). `cache`: a transformers KV cache to decode with (qlora_fsdp.sampling): the next
-        token's fp32 logits [rows, vocabulary] instead of a loss, through this root so FSDP gathers what it holds.
-        `token_mask`: which positions are tokens rather than padding, where
-        `attention_mask` is not given (packed rows); only the router's loss reads it. `images`: an image-text model's
-        image inputs (pixel_values, ...)."""
+        GRPO's per-token ratios), of the logits divided by `temperature` (GRPO's sampling temperature). `cache`: a
+        transformers KV cache to decode with (qlora_fsdp.sampling): the next token's fp32 logits [rows, vocabulary]
+        instead of a loss, through this root so FSDP gathers what it holds. `token_mask`: which positions are tokens
+        rather than padding, where `attention_mask` is not given (packed rows); only the router's loss reads it.
+        `images`: an image-text model's image inputs (pixel_values, ...)."""
         if cache is not None:
             out = self.lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                           past_key_values=cache, use_cache=True, logits_to_keep=1)  # fmt: skip
@@ -88,7 +89,7 @@ class CausalLMLoss(nn.Module):
             raise ValueError("labels are required unless decoding with a cache")
         with contextlib.nullcontext() if adapters else adapters_off(self.lm):
             return self._loss(input_ids, labels, attention_mask, position_ids, token_mask, per_row=per_row,
-                              per_token=per_token, **images)  # fmt: skip
+                              per_token=per_token, temperature=temperature, **images)  # fmt: skip
 
     def _loss(
         self,
@@ -100,6 +101,7 @@ class CausalLMLoss(nn.Module):
         *,
         per_row: bool,
         per_token: bool = False,
+        temperature: float = 1.0,
         **images: torch.Tensor,
     ) -> torch.Tensor:
         inputs: dict[str, Any] = dict(
@@ -115,13 +117,17 @@ class CausalLMLoss(nn.Module):
         trained_head = type(head) is nn.Linear and any(
             p is not None and p.requires_grad for p in (head.weight, head.bias)
         )
-        if not self.chunked or ((per_row or per_token) and trained_head):
+        # A bias-free linear head's logits / t are its logits of the states / t; any other head divides whole logits.
+        scalable = temperature == 1.0 or (type(head) is nn.Linear and getattr(head, "bias", None) is None)
+        if not self.chunked or ((per_row or per_token) and trained_head) or not scalable:
             out = self.lm(**inputs)
-            loss = full_loss_sum(out.logits, labels, per_row=per_row, per_token=per_token)
+            logits = out.logits if temperature == 1.0 else out.logits / temperature
+            loss = full_loss_sum(logits, labels, per_row=per_row, per_token=per_token)
         else:
             out = hidden_states_model(self.lm)(**inputs)
-            loss = chunked_loss_sum(out.last_hidden_state, head, labels, chunk_tokens=self.chunk_tokens,
-                                    per_row=per_row, per_token=per_token)  # fmt: skip
+            states = out.last_hidden_state if temperature == 1.0 else out.last_hidden_state / temperature
+            loss = chunked_loss_sum(states, head, labels, chunk_tokens=self.chunk_tokens, per_row=per_row,
+                                    per_token=per_token)  # fmt: skip
         if router is not None:
             mask = attention_mask if attention_mask is not None else token_mask
             loss = loss + router(out.router_logits, mask, labels)

@@ -49,5 +49,6 @@ def make_objective(cfg: ObjectiveConfig, forward: Forward, *, reference: Referen
         high = cfg.setting("epsilon_high")
         return GrpoObjective(forward, loss_type=cfg.setting("loss_type"), beta=cfg.setting("beta"), epsilon=epsilon,
                              epsilon_high=epsilon if high is None else high,
-                             max_completion_length=cfg.setting("max_completion_length"), rollout=rollout)  # fmt: skip
+                             max_completion_length=cfg.setting("max_completion_length"),
+                             temperature=cfg.setting("temperature"), rollout=rollout)  # fmt: skip
     raise ValueError(f"unknown objective {name!r}")

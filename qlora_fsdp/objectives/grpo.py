@@ -85,12 +85,13 @@ class GrpoObjective(Objective):
     metric_names = _SUMS
 
     def __init__(self, forward: Forward, *, loss_type: str, beta: float, epsilon: float, epsilon_high: float,
-                 max_completion_length: int, rollout: Rollout | None = None) -> None:  # fmt: skip
+                 max_completion_length: int, temperature: float = 1.0,
+                 rollout: Rollout | None = None) -> None:  # fmt: skip
         if loss_type not in LOSS_TYPES:
             raise ValueError(f"unknown GRPO loss type {loss_type!r}")
         self.forward, self.loss_type, self.beta = forward, loss_type, beta
         self.epsilon, self.epsilon_high, self.max_completion_length = epsilon, epsilon_high, max_completion_length
-        self.rollout = rollout
+        self.temperature, self.rollout = temperature, rollout
         if rollout is not None:
             self.metric_names = (*_SUMS, *rollout.metric_names())
 
@@ -135,7 +136,7 @@ class GrpoObjective(Objective):
     def loss_sum(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         device = self.forward.device
         mask = _mask(batch).to(device)
-        logps = -self.forward(model, batch, per_token=True)
+        logps = -self.forward(model, batch, per_token=True, temperature=self.temperature)
         old = batch[OLD_LOGPS].to(device) if OLD_LOGPS in batch else logps.detach()
         advantages = batch[ADVANTAGES].to(device)[:, None]
         ratio = torch.exp(logps - old)
@@ -147,7 +148,7 @@ class GrpoObjective(Objective):
         kl = torch.zeros_like(logps)
         if self.beta:
             reference = batch[REF_LOGPS].to(device) if REF_LOGPS in batch else reference_logps(
-                model, batch, forward=self.forward, per_token=True)  # fmt: skip
+                model, batch, forward=self.forward, per_token=True, temperature=self.temperature)  # fmt: skip
             gap = reference - logps
             kl = (torch.exp(gap) - gap - 1) * ratio  # TRL's use_bias_correction_kl, its default
             per_token = per_token + self.beta * kl

@@ -36,17 +36,19 @@ def reference_logps(
     forward: Forward,
     table: ReferenceLookup | None = None,
     per_token: bool = False,
+    temperature: float = 1.0,
 ) -> torch.Tensor:
     """The reference's summed reply log-probs of a batch's 2B sequences (first sides first; each label position's
-    with `per_token`): looked up in the precomputed `table`, or the model's with its adapters off, in eval mode (the
-    reference has no dropout: the base model's own, where its config has some)."""
+    with `per_token`, at `temperature`): looked up in the precomputed `table`, or the model's with its adapters off,
+    in eval mode (the reference has no dropout: the base model's own, where its config has some)."""
     if table is not None:
         return table(batch["pair_index"]).T.reshape(-1).to(forward.device)
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            return -forward(model, batch, per_row=not per_token, per_token=per_token, adapters=False)
+            return -forward(model, batch, per_row=not per_token, per_token=per_token, adapters=False,
+                            temperature=temperature)  # fmt: skip
     finally:
         model.train(was_training)
 

@@ -69,23 +69,29 @@ def _to_ours(per_completion: torch.Tensor, rows: list[Completion], width: int) -
 
 
 @pytest.fixture(scope="module")
-def grpo_trainer(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Trainer:
-    args = GRPOConfig(output_dir=str(tmp_path_factory.mktemp("trl-grpo")), report_to="none", use_cpu=True,
-                      bf16=False, per_device_train_batch_size=4, num_generations=4, seed=0,
-                      max_completion_length=MAX_COMPLETION, epsilon=EPSILON, epsilon_high=EPSILON_HIGH)  # fmt: skip
+def grpo_trainers(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[float, Trainer]:
+    """A trainer per sampling temperature (TRL builds it into the model's fused head), each a fresh adapter made
+    non-zero by the same draw."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     assert tokenizer.pad_token_id == PAD
-    lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer = GRPOTrainer(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32),
-                              reward_funcs=lambda completions, **_: [0.0] * len(completions), args=args,
-                              train_dataset=Dataset.from_dict({"prompt": ["Hello"] * 4}), processing_class=tokenizer,
-                              peft_config=lora)  # fmt: skip
-    _perturb(trainer.model)
-    trainer.model.train()
-    trainer.current_gradient_accumulation_steps = 1  # what Trainer's training loop sets for each step
-    return trainer
+    trainers = {}
+    for temperature in sorted({case[-1] for case in CASES}):
+        args = GRPOConfig(output_dir=str(tmp_path_factory.mktemp("trl-grpo")), report_to="none", use_cpu=True,
+                          bf16=False, per_device_train_batch_size=4, num_generations=4, seed=0,
+                          max_completion_length=MAX_COMPLETION, epsilon=EPSILON, epsilon_high=EPSILON_HIGH,
+                          temperature=temperature)  # fmt: skip
+        lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer = GRPOTrainer(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32),
+                                  reward_funcs=lambda completions, **_: [0.0] * len(completions), args=args,
+                                  train_dataset=Dataset.from_dict({"prompt": ["Hello"] * 4}),
+                                  processing_class=tokenizer, peft_config=lora)  # fmt: skip
+        _perturb(trainer.model)
+        trainer.model.train()
+        trainer.current_gradient_accumulation_steps = 1  # what Trainer's training loop sets for each step
+        trainers[temperature] = trainer
+    return trainers
 
 
 def _trl_logps(trainer: Trainer, inputs: dict[str, torch.Tensor], *, adapters: bool) -> torch.Tensor:
@@ -99,16 +105,18 @@ def _trl_logps(trainer: Trainer, inputs: dict[str, torch.Tensor], *, adapters: b
             return trainer._get_per_token_logps_and_entropies(model, ids, mask, inputs["completion_ids"].shape[1])[0]
 
 
-CASES = [*((loss_type, beta, stale) for loss_type in LOSS_TYPES for beta, stale in ((0.0, True), (0.04, False))),
-         ("dapo", 0.04, True)]
+CASES = [*((loss_type, beta, stale, 1.0) for loss_type in LOSS_TYPES for beta, stale in ((0.0, True), (0.04, False))),
+         ("dapo", 0.04, True, 0.7), ("grpo", 0.0, True, 1.3)]
 
 
-@pytest.mark.parametrize(("loss_type", "beta", "stale"), CASES)
-def test_grpo_loss_equals_trl(grpo_trainer: Trainer, loss_type: str, beta: float, stale: bool) -> None:
+@pytest.mark.parametrize(("loss_type", "beta", "stale", "temperature"), CASES)
+def test_grpo_loss_equals_trl(grpo_trainers: dict[float, Trainer], loss_type: str, beta: float, stale: bool,
+                              temperature: float) -> None:  # fmt: skip
     """Loss, metrics and the adapter's gradient. `stale`: the completions were sampled under other log-probs (the
     current ones shifted by up to 0.5 per token, so ratios fall outside the clip range on both sides); otherwise the
-    ratio is 1 and the loss is the advantages' (and the KL term's)."""
-    trainer, rows = grpo_trainer, _completions()
+    ratio is 1 and the loss is the advantages' (and the KL term's). Log-probs are of the logits / the sampling
+    temperature, as TRL takes them."""
+    trainer, rows = grpo_trainers[temperature], _completions()
     trainer.loss_type, trainer.beta = loss_type, beta
     inputs = _trl_inputs(rows)
     batch = _our_batch(rows)
@@ -124,7 +132,7 @@ def test_grpo_loss_equals_trl(grpo_trainer: Trainer, loss_type: str, beta: float
     trl_loss = trainer._compute_loss(trainer.model, inputs)
     trl_metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
     objective = GrpoObjective(FP32, loss_type=loss_type, beta=beta, epsilon=EPSILON, epsilon_high=EPSILON_HIGH,
-                              max_completion_length=MAX_COMPLETION)  # fmt: skip
+                              max_completion_length=MAX_COMPLETION, temperature=temperature)  # fmt: skip
     loss, _, metrics = _ours(objective, CausalLMLoss(trainer.model, chunk_tokens=5), batch)
 
     assert loss.item() == pytest.approx(trl_loss.item(), rel=TOL, abs=TOL)
