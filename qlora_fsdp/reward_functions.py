@@ -13,8 +13,10 @@ def completion_text(completion: Any) -> str:
 
 
 def exclaims(completions: list[Any], **_: Any) -> list[float]:
-    """1 for a completion that ends with "!", else 0: a format a model learns in a few dozen steps."""
-    return [float(completion_text(c).rstrip().endswith("!")) for c in completions]
+    """1 for a completion that ends with "!", 0.5 for one with a "!" elsewhere, else 0: a format a model learns
+    in a few dozen steps, with part credit for getting close."""
+    texts = [completion_text(c).rstrip() for c in completions]
+    return [1.0 if t.endswith("!") else 0.5 if "!" in t else 0.0 for t in texts]
 
 
 def brief(completions: list[Any], **_: Any) -> list[float]:

@@ -14,7 +14,8 @@ The plot (x: optimizer step, y: loss) goes to --output, with each run's evaluati
 per run: name, steps, final and min training loss, final and min evaluation loss, mean tokens/s (of the per-step
 values) and peak memory (the largest per-rank peak of any step, GiB). Preference runs (--objective dpo, ipo, orpo,
 simpo) add their final reward accuracy and margin, training and evaluation, to the table, and a second panel with
-both curves to the plot. A step logged twice (a resumed run's W&B log) counts once, with its last record.
+both curves to the plot; GRPO runs their final mean reward, and its curve in that panel. A step logged twice (a
+resumed run's W&B log) counts once, with its last record.
 Bad input prints one line, `error: ...`, and exits with status 2.
 """
 
@@ -222,6 +223,7 @@ def summarize(run: Run) -> dict[str, Any]:
         "mean_tokens_per_s": sum(speeds) / len(speeds) if speeds else None,
         "peak_memory_gib": max(peaks) / GIB if peaks else None,
         **rewards,
+        "final_reward": _last(run.records, "reward"),
     }
 
 
@@ -230,8 +232,9 @@ REWARD_COLUMNS = {
     "final_reward_margin": "reward margin",
     "final_eval_reward_accuracy": "eval reward accuracy",
     "final_eval_reward_margin": "eval reward margin",
+    "final_reward": "reward",
 }
-"""The preference columns of the table (shown when some run has them)."""
+"""The preference and GRPO columns of the table (shown when some run has them)."""
 
 
 def _last(records: list[dict[str, Any]], key: str) -> float | None:
@@ -290,7 +293,7 @@ def plot(runs: list[Run], output: Path, window: int) -> None:
         from matplotlib.ticker import MaxNLocator
     except ImportError:
         raise CompareError("the plot needs matplotlib (pip install matplotlib)") from None
-    preference = any("rewards/accuracies" in r for run in runs for r in run.records)
+    preference = any("rewards/accuracies" in r or "reward" in r for run in runs for r in run.records)
     if preference:
         fig, (ax, reward_ax) = plt.subplots(2, 1, figsize=(8, 8), layout="constrained", sharex=True)
         _plot_rewards(reward_ax, runs, window)
@@ -324,9 +327,15 @@ def plot(runs: list[Run], output: Path, window: int) -> None:
 
 
 def _plot_rewards(ax: Any, runs: list[Run], window: int) -> None:
-    """Reward accuracy (solid) and margin (dotted, right axis) against step, evaluation values as markers."""
+    """Reward accuracy (solid) and margin (dotted, right axis) against step, evaluation values as markers; GRPO's
+    mean reward (dashed)."""
     margin_ax = ax.twinx()
     for run in runs:
+        sampled = [r for r in run.records if "reward" in r]
+        if sampled:
+            values = [float(r["reward"]) for r in sampled]
+            ax.plot([r["step"] for r in sampled], smooth(values, window) if window > 1 else values, "--",
+                    label=f"{run.name} reward")  # fmt: skip
         records = [r for r in run.records if "rewards/accuracies" in r]
         if not records:
             continue
@@ -342,8 +351,7 @@ def _plot_rewards(ax: Any, runs: list[Run], window: int) -> None:
             ax.plot([r["step"] for r in evals], [r["eval_rewards/accuracies"] for r in evals], "o",
                     color=line.get_color(), label=f"{run.name} eval accuracy")  # fmt: skip
     ax.set_xlabel("step")
-    ax.set_ylabel("reward accuracy")
-    ax.set_ylim(-0.05, 1.05)
+    ax.set_ylabel("reward accuracy; GRPO's reward (dashed)")
     margin_ax.set_ylabel("reward margin (dotted)")
     ax.grid(True, alpha=0.3)
     ax.legend(loc="lower right")

@@ -10,10 +10,10 @@ def token_sum(completions: list[Any], completion_ids: list[list[int]], **_: Any)
     return [float(sum(ids) % 97) / 97 for ids in completion_ids]
 
 
-def answer_length(completions: list[str], answer: list[str], **_: Any) -> list[float | None]:
-    """Reads the rows' own `answer` column (passed as TRL passes it); None (not scored) where the answer's length is
+def topic_length(completions: list[str], topic: list[str], **_: Any) -> list[float | None]:
+    """Reads the rows' own `topic` column (passed as TRL passes it); None (not scored) where the topic's length is
     a multiple of 3."""
-    pairs = zip(answer, completions, strict=True)
+    pairs = zip(topic, completions, strict=True)
     return [None if len(a) % 3 == 0 else float(len(a) % 5) + len(c) / 100 for a, c in pairs]
 
 

@@ -237,3 +237,22 @@ def test_preference_runs_tabulate_and_plot_reward_accuracy_and_margin(tmp_path: 
     plain = compare(sft, "--output", tmp_path / "z.png")
     assert "reward accuracy" not in plain.stdout
     assert Image.open(tmp_path / "y.png").size[1] > Image.open(tmp_path / "z.png").size[1]  # the second panel
+
+
+def test_grpo_runs_tabulate_and_plot_the_reward(tmp_path: Path) -> None:
+    """A GRPO run's mean reward is a column (its last value) and a curve in the second panel."""
+    grpo, sft = tmp_path / "grpo", tmp_path / "sft"
+    grpo.mkdir()
+    sft.mkdir()
+    steps = [{"step": s, "loss": 0.01 * s, "reward": 0.2 * s, "reward_std": 0.1} for s in (1, 2, 3)]
+    (grpo / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
+    (sft / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n")
+    rows = {row["name"]: row for row in json.loads(compare(grpo, sft, "--labels", "grpo,sft", "--json", "--output",
+                                                            tmp_path / "x.png").stdout)}  # fmt: skip
+    assert rows["grpo"]["final_reward"] == pytest.approx(0.6) and rows["sft"]["final_reward"] is None
+    table = compare(grpo, sft, "--labels", "grpo,sft", "--output", tmp_path / "y.png").stdout
+    assert "| reward |" in table and "| 0.6000 |" in table and "reward accuracy" not in table
+    from PIL import Image
+
+    compare(sft, "--output", tmp_path / "z.png")
+    assert Image.open(tmp_path / "y.png").size[1] > Image.open(tmp_path / "z.png").size[1]  # the second panel
