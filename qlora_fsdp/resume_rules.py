@@ -32,6 +32,7 @@ MUST_MATCH: tuple[str, ...] = (
 RESHARDED: tuple[str, ...] = (
     "batch_size", "gradient_accumulation_steps", "sharding_strategy", "shard_group_size", "fsdp_version",
     "sequence_parallel_size",  # how rows split over ranks, as the world size is how data does
+    "num_generations",  # GRPO's prompts per batch are --batch_size / it, as the batch size sets rows per batch
 )  # fmt: skip
 
 MAY_CHANGE: tuple[str, ...] = (
@@ -39,6 +40,9 @@ MAY_CHANGE: tuple[str, ...] = (
     "lr", "wd", "lr_scheduler", "warmup_ratio", "cosine_min_lr_ratio", "max_steps", "num_epochs", "grad_norm",
     "beta", "label_smoothing", "simpo_gamma", "orpo_lambda", "desirable_weight", "undesirable_weight",
     "router_aux_loss_coef",  # a loss weight like --beta: the saved state means the same under another one
+    # GRPO's rewards, sampling and loss: the next generation is sampled, scored and weighted under the new values.
+    "reward_funcs", "reward_weights", "max_completion_length", "temperature", "top_p", "epsilon", "epsilon_high",
+    "loss_type", "scale_rewards", "num_iterations",
     "nan_policy",  # acts only on a non-finite step
     # Memory and speed: the same tokens train in the same order; named because rounding may differ.
     "loss_chunk_tokens",  # chunked cross-entropy is exact: only peak memory changes

@@ -73,7 +73,7 @@ def test_bad_pairs_name_the_file_and_row(no_weights: Path, tmp_path: Path, rows:
         (["--objective", "dpo", "--packing", "true"], ["--objective dpo cannot take --packing"]),
         (["--objective", "simpo", "--precompute_reference", "true"], ["--precompute_reference", "simpo has none"]),
         (["--objective", "dpo", "--quant", "none", "--train_type", "full"], ["--train_type full", "adapters off"]),
-        (["--objective", "grpo"], ["--objective 'grpo' is not one of sft, dpo, ipo, orpo, simpo, kto"]),
+        (["--objective", "ppo"], ["--objective 'ppo' is not one of sft, dpo, ipo, orpo, simpo, kto, grpo"]),
         (["--objective", "kto", "--packing", "true"], ["--objective kto cannot take --packing"]),
         (["--objective", "kto", "--quant", "none", "--train_type", "full"], ["--train_type full", "adapters off"]),
         (["--objective", "dpo", "--desirable_weight", "2"], ["--desirable_weight does not apply to --objective dpo"]),

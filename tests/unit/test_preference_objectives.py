@@ -132,3 +132,14 @@ def test_log1mexp_has_finite_gradients_up_to_certainty() -> None:
     assert torch.isfinite(y).all() and torch.isfinite(x.grad).all()
     exact = torch.log(-torch.expm1(x.detach()[2:].double()))
     assert torch.allclose(y[2:].double(), exact, rtol=1e-6)
+
+
+def test_every_objective_the_config_accepts_is_built() -> None:
+    """OBJECTIVES (what --objective accepts) and make_objective stay in step: each name builds its objective."""
+    from qlora_fsdp.objective_config import OBJECTIVES
+    from qlora_fsdp.objectives import Objective
+
+    forward = Forward(torch.device("cpu"), PRECISIONS["fp32"])
+    built = {name: make_objective(ObjectiveConfig(objective=name), forward) for name in OBJECTIVES}
+    assert all(isinstance(objective, Objective) for objective in built.values())
+    assert len({type(objective) for objective in built.values()}) == len(OBJECTIVES)

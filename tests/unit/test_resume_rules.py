@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 
@@ -66,10 +67,12 @@ def _config() -> TrainConfig:
     return build_config({"model": "base-model"})
 
 
-def _other(value: Any) -> Any:
-    """Another value of the same type (validity is not the comparison's business)."""
+def _other(value: Any, flag: str = "") -> Any:
+    """Another value of the same type (validity is not the comparison's business); an unset objective setting
+    gets a value of its flag's type."""
     if value is None:
-        return 0.25
+        kind = next(t for t in get_args(FLAGS[flag][1]) if t is not type(None))
+        return {int: 3, float: 0.25, str: "x"}[kind]
     if isinstance(value, bool):
         return not value
     if isinstance(value, (int, float)):
@@ -93,7 +96,7 @@ def _change(flag: str) -> tuple[Any, Any, dict[str, Any]]:
     """The old value, the new one, and the settings a run with the new one records."""
     cfg = _config()
     old = cfg.to_dict()[flag]
-    new = _other(old)
+    new = _other(old, flag)
     return old, new, recorded_settings(replace(cfg, **{flag: new}))
 
 
@@ -125,7 +128,8 @@ def test_a_resharded_change_is_named_but_refused_by_a_format_1_checkpoint(tmp_pa
     changes = check_resume_compatible(_checkpoint(tmp_path / "2", recorded_settings(_config())), settings, **RULES)
     assert changes[0] == f"--{flag} {old!r} -> {new!r}"
     legacy = _checkpoint(tmp_path / "1", recorded_settings(_config()), legacy=True)
-    with pytest.raises(UserError, match=rf"\(--{flag} {old!r} -> {new!r}\); to continue it, resume with --{flag} "):
+    fix = re.escape(f"(--{flag} {old!r} -> {new!r}); to continue it, resume with {as_argument(flag, old)}")
+    with pytest.raises(UserError, match=fix):
         check_resume_compatible(legacy, settings, **RULES)
 
 
@@ -153,9 +157,10 @@ def test_an_older_checkpoint_resumes_its_unrecorded_flags_taken_as_unchanged(tmp
     older = {k: v for k, v in stored.items() if k not in ("objective", "max_prompt_length", "lr")}
     changed = recorded_settings(replace(_config(), max_prompt_length=32, lr=0.5))
     assert check_resume_compatible(_checkpoint(tmp_path / "older", older), changed, **RULES) == []
-    # Not --lr: it may change anyway. --quantize_vision and --sequence_parallel_size came after OLD_RECORDED's
-    # checkpoints.
-    assert unrecorded(older, changed) == ["quantize_vision", "objective", "max_prompt_length", "sequence_parallel_size"]
+    # Not --lr: it may change anyway. --quantize_vision, --sequence_parallel_size and --num_generations came after
+    # OLD_RECORDED's checkpoints.
+    assert unrecorded(older, changed) == ["quantize_vision", "objective", "max_prompt_length", "sequence_parallel_size",
+                                          "num_generations"]  # fmt: skip
     assert unrecorded_message("ckpt", ["objective", "max_prompt_length"]) == (
         "ckpt predates recording --objective, --max_prompt_length: not checked, taken as unchanged"
     )
