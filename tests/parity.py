@@ -143,3 +143,15 @@ def trainable_grad_norm(model: nn.Module) -> float:
     grads = [p.grad for p in model.parameters() if p.requires_grad]
     assert all(g is not None for g in grads), "an adapter of the reference is not in its graph"
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item()
+
+
+def trained_adapter_model(model: Path, out: Path, quant: str) -> nn.Module:
+    """PEFT's model of the adapter the run at `out` saved, in eval mode, on transformers' model holding the weights
+    training computed with: the base quantized as the run quantized it (checked), dequantized."""
+    from peft import PeftModel
+
+    base = quantized_base(model, quant, out)
+    check_quantized_like(base, out)
+    reference = dequantized_transformers_model(model, base)
+    del base
+    return PeftModel.from_pretrained(reference, str(out)).eval()

@@ -14,17 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from peft import PeftModel
-from transformers import AutoModelForCausalLM
 
-from qlora_fsdp.config import ModelConfig
 from qlora_fsdp.data import IGNORE_INDEX
 from qlora_fsdp.data.formats import encode_examples
 from qlora_fsdp.data.rows import collate
 from qlora_fsdp.metrics import read_metrics
-from qlora_fsdp.model import load_model, load_tokenizer
+from qlora_fsdp.model import load_tokenizer
 from tests.conftest import REPO_ROOT, train
-from tests.unit.test_moe import backend_for, place_dequantized
+from tests.parity import trained_adapter_model
 
 pytestmark = pytest.mark.distributed
 
@@ -89,11 +86,6 @@ def test_smollm2_learns_which_completions_are_desirable(smollm2: Path, tmp_path:
     steps = [r for r in read_metrics(out) if "loss" in r]
     assert len(steps) == STEPS and abs(steps[0]["loss"] - 0.5) < 1e-5, steps[0]  # the fresh adapter's
     tokenizer = load_tokenizer(smollm2)
-    ours = load_model(ModelConfig(model=str(smollm2)), backend=backend_for("bnb"), device=torch.device("cpu"),
-                      param_dtype=torch.float32)  # fmt: skip
-    reference = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32)
-    place_dequantized(ours.model, reference)
-    del ours
-    peft = PeftModel.from_pretrained(reference, str(out)).eval()
+    peft = trained_adapter_model(smollm2, out, "bnb")
     accuracy, margin = held_out_accuracy(peft, tokenizer)
     assert accuracy >= 0.9 and margin > 0, (accuracy, margin, [r["loss"] for r in steps])

@@ -13,18 +13,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from peft import PeftModel
-from transformers import AutoModelForCausalLM
 
-from qlora_fsdp.config import ModelConfig
 from qlora_fsdp.data import IGNORE_INDEX
 from qlora_fsdp.data.cache import PREFERENCE, CacheSpec, open_cache
 from qlora_fsdp.data.loader import held_out
 from qlora_fsdp.data.rows import collate
 from qlora_fsdp.metrics import read_metrics
-from qlora_fsdp.model import load_model, load_tokenizer
+from qlora_fsdp.model import load_tokenizer
 from tests.conftest import REPO_ROOT, train
-from tests.unit.test_moe import backend_for, place_dequantized
+from tests.parity import trained_adapter_model
 
 pytestmark = pytest.mark.distributed
 
@@ -80,12 +77,7 @@ def test_smollm2_learns_to_prefer_the_sign_off(smollm2: Path, tmp_path: Path) ->
 
     # PEFT on transformers' model with the dequantized 4-bit weights: the run's held-out log-probs.
     tokenizer = load_tokenizer(smollm2)
-    ours = load_model(ModelConfig(model=str(smollm2)), backend=backend_for("bnb"), device=torch.device("cpu"),
-                      param_dtype=torch.float32)  # fmt: skip
-    reference = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32)
-    place_dequantized(ours.model, reference)
-    del ours
-    peft = PeftModel.from_pretrained(reference, str(out)).eval()
+    peft = trained_adapter_model(smollm2, out, "bnb")
     logps = _held_out_logps(peft, tokenizer, tmp_path / "cache")
     assert len(logps) == 40
     chosen, rejected = logps.mean(0).tolist()
