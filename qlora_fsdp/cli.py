@@ -45,6 +45,9 @@ def preprocess(config: str | None = None, **flags: Any) -> None:
         if cfg.data.dataset_streaming:
             raise UserError("--dataset_streaming true tokenizes --dataset as training reads it: there is no cache to "
                             "build (drop the flag to build one)")  # fmt: skip
+        if cfg.objective.rows == "prompts":
+            raise UserError("--objective grpo reads its prompts whole when training starts: there is no cache to "
+                            "build")
         if cfg.data.dataset_in_memory:
             raise UserError("--dataset_in_memory true tokenizes --dataset on every rank when training starts: there "
                             "is no cache to build (drop the flag to build one)")  # fmt: skip

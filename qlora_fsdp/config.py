@@ -547,6 +547,11 @@ def _objective_problems(cfg: TrainConfig) -> list[str]:
             "--train_type lora or dora (orpo, simpo and grpo with --beta 0 need no reference)",
         ),
         (grpo and cfg.fsdp.sequence_parallel_size > 1, "--sequence_parallel_size above 1 (not yet): drop it"),
+        (grpo and cfg.data.group_by_length, "--group_by_length (prompts are sampled from, not grouped): drop it"),
+        (grpo and cfg.fsdp.compile, "--compile (sampling decodes one token at a time; not yet): drop it"),
+        (grpo and cfg.objective.setting("scale_rewards") == "batch" and cfg.optim.gradient_accumulation_steps > 1,
+         "--scale_rewards batch with --gradient_accumulation_steps above 1 (each micro-batch is its own "
+         "generation here, TRL's spans the step): use group or none, or one micro-batch a step"),
         (grpo and cfg.data.context_length <= cfg.objective.setting("max_completion_length"),
          f"--context_length {cfg.data.context_length}: a prompt and its completion share it, so it must exceed "
          "--max_completion_length"),

@@ -61,8 +61,8 @@ class ObjectiveConfig:
     reward_weights: str | None = None
     """grpo: a weight per reward function, comma-separated (default: 1 each)."""
     num_generations: int | None = None
-    """grpo: completions sampled per prompt, the group its advantages compare (default 8); --batch_size x ranks must
-    be a multiple of it."""
+    """grpo: completions sampled per prompt, the group its advantages compare (default 8); --batch_size must be a
+    multiple of it (each rank samples whole groups)."""
     max_completion_length: int | None = None
     """grpo: the most tokens a completion may have (default 512)."""
     temperature: float | None = None

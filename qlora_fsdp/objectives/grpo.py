@@ -113,7 +113,8 @@ class GrpoObjective(Objective):
         keys = sorted({key for p in prompts for key in p.columns})
         per_function = score(r.rewards, prompts=[p.text for p in prompts], completions=completions,
                              completion_ids=sampled.completions,
-                             columns={key: [p.columns.get(key) for p in prompts] for key in keys})  # fmt: skip
+                             columns={key: [p.columns.get(key) for p in prompts] for key in keys},
+                             step=step)  # fmt: skip
         weights = torch.tensor([reward.weight for reward in r.rewards], dtype=torch.float64)
         advantages, zero_std = group_advantages(per_function, weights, r.num_generations, r.scale_rewards)
         if r.on_samples is not None:

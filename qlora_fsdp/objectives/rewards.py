@@ -1,9 +1,12 @@
 """GRPO's reward functions: found by name before the model loads, called as TRL calls them, checked on every rank.
 
 `--reward_funcs module.path:function` imports a module (the working directory first, as `python -m` would find it)
-or, for `path/to/file.py:function`, a file. A function is called once per batch of completions as
-fn(prompts=..., completions=..., completion_ids=..., **columns) with each prompt's other dataset fields as
-`columns`, and returns one reward per completion, None for a completion it does not score. A function that raises,
+or, for `path/to/file.py:function`, a file. A function is called once per batch of completions as TRL 1.16 calls
+one: fn(prompts=..., completions=..., completion_ids=..., trainer_state=..., log_extra=..., log_metric=...,
+**columns), `columns` being each prompt's other dataset fields, `trainer_state` an object with the `global_step`
+being trained, `log_extra` and `log_metric` accepted and ignored (TRL's completions table and extra metrics are not
+kept here); it returns one reward per completion, None for a completion it does not score. `async def` functions
+and two functions of the same name are refused when they are loaded. A function that raises,
 returns another number of rewards or something that is not a number stops every rank with one line naming it: a
 rank that stopped alone would leave the others waiting in the next collective.
 """
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import math
 import os
 import sys
@@ -49,6 +53,10 @@ def load_rewards(spec: str, weights: str = "") -> list[Reward]:
         if len(values) != len(funcs):
             raise UserError(f"--reward_weights gives {len(values)} weight(s) for {len(funcs)} reward function(s)")
     names = [func.__name__ for func in funcs]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise UserError(f"--reward_funcs names two functions {twice[0]!r}: their metrics (rewards/NAME/mean) would "
+                        "mix; rename one")  # fmt: skip
     return [Reward(name, func, weight) for name, func, weight in zip(names, funcs, values, strict=True)]
 
 
@@ -67,6 +75,9 @@ def _load(entry: str) -> RewardFunc:
         raise UserError(f"--reward_funcs {entry}: {where} has no function {name!r}")
     if not callable(func):
         raise UserError(f"--reward_funcs {entry}: {where}.{name} is a {type(func).__name__}, not a function")
+    if inspect.iscoroutinefunction(func):
+        raise UserError(f"--reward_funcs {entry}: an async function; rewards are computed synchronously here, so "
+                        "make it a plain function")  # fmt: skip
     return func
 
 
@@ -90,21 +101,35 @@ def _module(where: str) -> Any:
         raise
 
 
+@dataclass(frozen=True)
+class TrainerState:
+    """What a reward function gets as `trainer_state`: the step being trained (TRL's TrainerState.global_step)."""
+
+    global_step: int
+
+
+RESERVED = ("prompt", "prompts", "completion", "completions", "completion_ids")
+"""Dataset fields not passed on as columns: the call's own arguments (TRL leaves them out too)."""
+
+
 def score(rewards: list[Reward], *, prompts: list[Any], completions: list[Any], completion_ids: list[list[int]],
-          columns: dict[str, list[Any]]) -> torch.Tensor:  # fmt: skip
+          columns: dict[str, list[Any]], step: int) -> torch.Tensor:  # fmt: skip
     """[completions, functions] float64 rewards, NaN where a function returned None; every rank calls it once per
     batch, and all stop with the first problem any rank met."""
     out = torch.full((len(completions), len(rewards)), math.nan, dtype=torch.float64)
+    columns = {key: values for key, values in columns.items() if key not in RESERVED}
     problem = ""
     for i, reward in enumerate(rewards):
         try:
-            values = reward.func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+            values = reward.func(prompts=prompts, completions=completions, completion_ids=completion_ids,
+                                 trainer_state=TrainerState(step), log_extra=_ignored, log_metric=_ignored,
+                                 **columns)  # fmt: skip
         except Exception as exc:  # the user's code: any failure is reported, not a traceback from deep inside
-            problem = f"reward function {reward.name} raised {type(exc).__name__}: {exc}"
+            problem = f"reward function {reward.name} raised {type(exc).__name__}: {_one_line(str(exc))}"
             break
         try:
             numbers = [math.nan if v is None else float(v) for v in values]
-        except (TypeError, ValueError):
+        except Exception:  # whatever the values are: a float each, or the function is reported
             problem = f"reward function {reward.name} returned {_show(values)}: expected a float or None each"
             break
         if len(numbers) != len(completions):
@@ -122,6 +147,14 @@ def score(rewards: list[Reward], *, prompts: list[Any], completions: list[Any], 
     return out
 
 
+def _ignored(*args: Any, **kwargs: Any) -> None:
+    """TRL's `log_extra` and `log_metric`, accepted and ignored."""
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
 def _show(values: Any) -> str:
-    text = repr(values)
+    text = _one_line(repr(values))
     return text if len(text) <= 80 else text[:77] + "..."

@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import fire
 import pytest
 
+from qlora_fsdp.cli import preprocess
 from tests.cli.test_bad_input import assert_one_line_error, run_cli
 from tests.conftest import REPO_ROOT, launch, without_weights
 
@@ -46,6 +48,9 @@ def _broken_module(tmp_path: Path) -> str:
         (["--reward_funcs", GOOD, "--eval_split", "0.1"], ["--objective grpo cannot take --eval_dataset or --eval"]),
         (["--reward_funcs", GOOD, "--max_completion_length", "64"], ["--context_length 64: a prompt and its"]),
         (["--objective", "dpo", "--num_generations", "4"], ["--num_generations does not apply to --objective dpo"]),
+        (["--reward_funcs", GOOD, "--scale_rewards", "batch", "--gradient_accumulation_steps", "2"],
+         ["--scale_rewards batch with --gradient_accumulation_steps above 1"]),
+        (["--reward_funcs", GOOD, "--group_by_length", "true"], ["--objective grpo cannot take --group_by_length"]),
     ],
 )  # fmt: skip
 def test_bad_flags_and_reward_functions(no_weights: Path, tmp_path: Path, flags: list[str],
@@ -98,3 +103,12 @@ def test_a_failing_reward_function_stops_every_rank(tiny_model: Path, tmp_path: 
     assert len(errors) == 2 and all(needle in e for e in errors), result.stderr[-3000:]  # one line from each rank
     assert "Traceback" not in result.stderr
     assert not (out / "adapter_model.safetensors").exists()
+
+
+def test_preprocess_has_no_cache_to_build(no_weights: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    args = ["--model", str(no_weights), "--dataset", str(PROMPTS), "--objective", "grpo", "--reward_funcs", GOOD,
+            "--num_generations", "2", "--batch_size", "2", "--max_completion_length", "8", "--context_length", "64"]
+    with pytest.raises(SystemExit) as stopped:
+        fire.Fire(preprocess, command=args, name="preprocess.py")
+    assert stopped.value.code == 2
+    assert "error: --objective grpo reads its prompts whole when training starts" in capsys.readouterr().err
