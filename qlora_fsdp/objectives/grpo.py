@@ -116,7 +116,8 @@ class GrpoObjective(Objective):
                              columns={key: [p.columns.get(key) for p in prompts] for key in keys},
                              step=step)  # fmt: skip
         weights = torch.tensor([reward.weight for reward in r.rewards], dtype=torch.float64)
-        advantages, zero_std = group_advantages(per_function, weights, r.num_generations, r.scale_rewards)
+        advantages, zero_std = group_advantages(per_function, weights, r.num_generations, r.scale_rewards,
+                                                device=self.forward.device)  # fmt: skip
         if r.on_samples is not None:
             names = [reward.name for reward in r.rewards]
             group = zip(prompts[: r.num_generations], completions, per_function.tolist(), strict=False)
@@ -206,15 +207,17 @@ class GrpoObjective(Objective):
         return out
 
 
-def group_advantages(per_function: torch.Tensor, weights: torch.Tensor, group: int,
-                     scale: str) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def group_advantages(per_function: torch.Tensor, weights: torch.Tensor, group: int, scale: str, *,
+                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(this rank's advantages, whether each one's group (or batch) had no variation): TRL's, the weighted sum of
-    the rewards compared with its group's mean, over every rank's completions (a collective)."""
+    the rewards compared with its group's mean, over every rank's completions (a collective on `device`, the
+    rank's own)."""
     local = len(per_function)
     everyone = per_function
     if dist.is_initialized():
-        parts = [torch.empty_like(per_function) for _ in range(dist.get_world_size())]
-        dist.all_gather(parts, per_function.to(_collective_device()))
+        sent = per_function.to(device)  # NCCL takes CUDA tensors only, the outputs too
+        parts = [torch.empty_like(sent) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, sent)
         everyone = torch.cat([p.cpu() for p in parts])
     rewards = (everyone * weights).nansum(1)
     rewards[everyone.isnan().all(1)] = math.nan
@@ -237,11 +240,6 @@ def _nanstd(values: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     variance = ((values - mean) ** 2).nanmean(dim=dim, keepdim=True) * count / (count - 1)
     variance = torch.where(count > 1, variance, math.nan)
     return variance.sqrt().squeeze(dim) if dim is not None else variance.sqrt().reshape(())
-
-
-def _collective_device() -> torch.device:
-    """Where gloo or NCCL takes tensors."""
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
 def _mean(sums: dict[str, float], key: str, sep: str = "_") -> float:
