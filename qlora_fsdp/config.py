@@ -548,6 +548,9 @@ def _objective_problems(cfg: TrainConfig) -> list[str]:
         ),
         (grpo and cfg.fsdp.sequence_parallel_size > 1, "--sequence_parallel_size above 1 (not yet): drop it"),
         (grpo and cfg.data.group_by_length, "--group_by_length (prompts are sampled from, not grouped): drop it"),
+        (grpo and cfg.objective.setting("generation_mode") == "gathered" and cfg.fsdp.fsdp_version == 1,
+         "--generation_mode gathered with --fsdp_version 1 (FSDP1 cannot run a forward on gathered weights): use "
+         "--fsdp_version 2 or --generation_mode sharded"),
         (grpo and cfg.fsdp.compile, "--compile (sampling decodes one token at a time; not yet): drop it"),
         (grpo and cfg.objective.setting("scale_rewards") == "batch" and cfg.optim.gradient_accumulation_steps > 1,
          "--scale_rewards batch with --gradient_accumulation_steps above 1 (each micro-batch is its own "

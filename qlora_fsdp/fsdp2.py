@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from qlora_fsdp.compat import fsdp2_uint8_problem
@@ -93,7 +93,8 @@ class Fsdp2Sharder(Sharder):
     def _shard_root(self, model: nn.Module) -> ShardedModel:
         # The root (embeddings, norm, head) is the last module forward uses and the first backward needs: keeping
         # it gathered saves one all-gather a step (2L+1 in all for L layers).
-        return Fsdp2Model(fully_shard(model, **{**self.options, "reshard_after_forward": False}))
+        root = fully_shard(model, **{**self.options, "reshard_after_forward": False})
+        return Fsdp2Model(root, reshard_after_forward=self.options["reshard_after_forward"])
 
 
 def _full(param: torch.Tensor) -> torch.Tensor:
@@ -101,6 +102,29 @@ def _full(param: torch.Tensor) -> torch.Tensor:
 
 
 class Fsdp2Model(ShardedModel):
+    def __init__(self, module: nn.Module, *, reshard_after_forward: bool) -> None:
+        super().__init__(module)
+        self.reshard_after_forward = reshard_after_forward
+        """The decoder-layer units' setting (the root's is always False)."""
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Every unit's full parameters held until the context exits, so forwards inside run no collective and each
+        rank may run as many as it needs (GRPO's --generation_mode gathered). Entering is a collective."""
+        units = [m for m in self.module.modules() if isinstance(m, FSDPModule)]
+        layers = [unit for unit in units if unit is not self.module]
+        for unit in layers:
+            unit.set_reshard_after_forward(False, recurse=False)
+        try:
+            for unit in units:
+                unit.unshard()
+            yield
+        finally:
+            for unit in layers:
+                unit.set_reshard_after_forward(self.reshard_after_forward, recurse=False)
+            for unit in units:
+                unit.reshard()
+
     def no_sync(self) -> contextlib.AbstractContextManager:
         return _without_gradient_sync(self.module)
 

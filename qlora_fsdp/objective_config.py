@@ -25,10 +25,11 @@ OBJECTIVE_SETTINGS: dict[str, dict[str, object]] = {
     "kto": {"beta": 0.1, "desirable_weight": 1.0, "undesirable_weight": 1.0},
     "grpo": {"reward_funcs": "", "reward_weights": "", "num_generations": 8, "max_completion_length": 512,
              "temperature": 1.0, "top_p": 1.0, "beta": 0.0, "epsilon": 0.2, "epsilon_high": None, "loss_type": "dapo",
-             "scale_rewards": "group", "num_iterations": 1},
+             "scale_rewards": "group", "num_iterations": 1, "generation_mode": "sharded"},
 }
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
 SCALE_REWARDS = ("group", "batch", "none")
+GENERATION_MODES = ("sharded", "gathered")
 SETTING_FLAGS = tuple(sorted({flag for settings in OBJECTIVE_SETTINGS.values() for flag in settings}))
 ROW_KINDS = {"sft": "sft", "kto": "unpaired", "grpo": "prompts"}
 """What rows an objective reads: supervised examples, unpaired completions with a label (KTO) or, for the others,
@@ -80,6 +81,10 @@ class ObjectiveConfig:
     group)."""
     num_iterations: int | None = None
     """grpo: optimizer steps per generation (default 1; only 1 is supported yet)."""
+    generation_mode: str | None = None
+    """grpo: how completions are sampled: sharded (default), every decoded token gathers each layer's shards, ranks
+    in lockstep, no more memory than training; gathered (--fsdp_version 2), every rank holds the whole packed model
+    while it samples (a rank's shards x the ranks), gathered once per micro-batch, each rank decoding on its own."""
     precompute_reference: bool = False
     """dpo, ipo, kto: compute the reference log-probs of every training row once, before training, and keep them in
     --output_dir (a resume reuses them), instead of a reference forward in every step."""
@@ -119,6 +124,8 @@ def objective_ranges(cfg: ObjectiveConfig) -> list[str]:
         (bad("scale_rewards", lambda v: v in SCALE_REWARDS),
          f"--scale_rewards must be one of {', '.join(SCALE_REWARDS)}"),
         (bad("num_iterations", lambda v: v == 1), "--num_iterations above 1 is not supported yet; pass 1"),
+        (bad("generation_mode", lambda v: v in GENERATION_MODES),
+         f"--generation_mode must be one of {', '.join(GENERATION_MODES)}"),
         (grpo and not cfg.reward_funcs, "--objective grpo needs --reward_funcs module.path:function[,...]"),
         (not 0 <= (cfg.label_smoothing or 0) < 0.5, "--label_smoothing must be in [0, 0.5)"),
         (cfg.simpo_gamma is not None and not cfg.simpo_gamma >= 0, "--simpo_gamma must be >= 0"),

@@ -48,6 +48,7 @@ MAY_CHANGE: tuple[str, ...] = (
     "loss_chunk_tokens",  # chunked cross-entropy is exact: only peak memory changes
     "pad_to_context",  # padding is masked out of attention and loss: only batch shapes change
     "compile",  # pads to the context like --pad_to_context, and fuses kernels
+    "generation_mode",  # GRPO samples the same completions with the weights sharded or gathered
     "gradient_checkpointing", "reentrant_checkpointing",  # state dict names are free of checkpoint wrappers
     "activation_offload", "cpu_offload",  # where tensors wait, not what they hold
     "tiled_mlp",  # the same MLP over tiles of tokens: only peak memory changes

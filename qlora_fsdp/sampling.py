@@ -1,13 +1,14 @@
 """Sampling completions from the model being trained, through its FSDP root, with a KV cache (GRPO's rollouts).
 
-Every forward of a sharded model is a collective: each rank gathers each unit's weights, so every rank must run as
-many forwards as the others. Ranks therefore decode in lockstep: a rank whose completions have all ended keeps
-decoding padding until every rank's have (or --max_completion_length is reached), which one all-reduce per token
-decides. Prompts are padded on the left and their positions count from each prompt's first token, so a row decodes
-as it would alone. Each row draws its tokens with a generator of its own, seeded by the caller (GRPO: from the
-run's seed, the step, the prompt and the completion's number), so a completion is the same whichever rank and batch
-it is sampled in, and a resumed run samples what the uninterrupted one did without storing any generator state.
-Tokens are drawn at `temperature` from the smallest set of tokens whose probability reaches `top_p`.
+Every forward of a sharded model is a collective: each rank gathers each unit's weights, so every rank must run as many
+forwards as the others. Ranks therefore decode in lockstep: a rank whose completions have all ended keeps decoding
+padding until every rank's have (or --max_completion_length is reached), which one all-reduce per token decides. With
+the weights gathered beforehand (--generation_mode gathered), a forward runs no collective, so `lockstep=False` lets
+each rank stop when its own rows have ended. Prompts are padded on the left and their positions count from each prompt's
+first token, so a row decodes as it would alone. Each row draws its tokens with a generator of its own, seeded by the
+caller (GRPO: from the run's seed, the step, the prompt and the completion's number), so a completion is the same
+whichever rank and batch it is sampled in, and a resumed run samples what the uninterrupted one did without storing any
+generator state. Tokens are drawn at `temperature` from the smallest set of tokens whose probability reaches `top_p`.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def sample(
     temperature: float = 1.0,
     top_p: float = 1.0,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    lockstep: bool = True,
 ) -> Sampled:
     """Completions of `prompts` from `model` (a CausalLMLoss root, wrapped by FSDP or not), in eval mode (no
     dropout; transformers turns the cache off under gradient checkpointing in training mode)."""
@@ -73,7 +75,7 @@ def sample(
             tokens.append(token)
             logps.append(log_probs.gather(1, token[:, None]).squeeze(1))
             done |= torch.isin(token, ends)
-            if _all_done(done):
+            if _all_done(done, lockstep):
                 break
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             positions = positions[:, -1:] + 1
@@ -97,10 +99,11 @@ def _draw(log_probs: torch.Tensor, top_p: float, uniform: torch.Tensor) -> torch
     return token.clamp(max=probs.shape[1] - 1)
 
 
-def _all_done(done: torch.Tensor) -> bool:
-    """Whether every row on every rank has ended (a collective: every rank calls it once per token)."""
+def _all_done(done: torch.Tensor, lockstep: bool) -> bool:
+    """Whether every row has ended: on every rank in lockstep (a collective: every rank calls it once per token),
+    else on this one."""
     left = (~done).sum().reshape(1)
-    if dist.is_initialized():
+    if lockstep and dist.is_initialized():
         dist.all_reduce(left)
     return bool(left.item() == 0)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
@@ -342,7 +343,9 @@ def _run(
     rollout = None
     if grpo:
         log_samples = CompletionLog(output_dir, resume_step=state.step if resume else None) if env.is_main else None
-        rollout = _rollout(cfg, loader.dataset.prompts, rewards, tokenizer, model_path, on_samples=log_samples)
+        gathered = built.model.gathered if cfg.objective.setting("generation_mode") == "gathered" else None
+        rollout = _rollout(cfg, loader.dataset.prompts, rewards, tokenizer, model_path, on_samples=log_samples,
+                           gathered=gathered)  # fmt: skip
     objective = make_objective(cfg.objective, forward, reference=reference, rollout=rollout)
     # The table holds the training pairs only: evaluation runs its reference forward itself.
     eval_objective = make_objective(cfg.objective, forward)
@@ -403,7 +406,8 @@ def _run(
 
 
 def _rollout(cfg: TrainConfig, prompts: list[Prompt], rewards: list[Reward], tokenizer: Any, model_path: Path, *,
-             on_samples: Callable[[int, list[dict[str, Any]]], None] | None) -> Rollout:  # fmt: skip
+             on_samples: Callable[[int, list[dict[str, Any]]], None] | None,
+             gathered: Callable[[], contextlib.AbstractContextManager] | None) -> Rollout:  # fmt: skip
     """GRPO's sampling settings; a completion ends at the tokenizer's eos or any the model's generation config
     names (a chat model's end of turn)."""
     from transformers import GenerationConfig
@@ -419,7 +423,7 @@ def _rollout(cfg: TrainConfig, prompts: list[Prompt], rewards: list[Reward], tok
                    pad_id=pad_token_id(tokenizer), num_generations=setting("num_generations"),
                    max_completion_length=setting("max_completion_length"), context_length=cfg.data.context_length,
                    seed=cfg.optim.seed, temperature=setting("temperature"), top_p=setting("top_p"),
-                   scale_rewards=setting("scale_rewards"), on_samples=on_samples)  # fmt: skip
+                   scale_rewards=setting("scale_rewards"), on_samples=on_samples, gathered=gathered)  # fmt: skip
 
 
 def _build_model(cfg: TrainConfig, env: DistEnv, model_path: Path, precision: Precision, *, attention: str) -> _Built:

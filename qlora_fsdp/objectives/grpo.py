@@ -1,10 +1,10 @@
-"""GRPO: completions sampled from the model being trained and scored by reward functions, and the policy loss on
-them, as TRL's GRPOTrainer computes both.
+"""GRPO: completions sampled from the model being trained and scored by reward functions, and the policy loss on them,
+as TRL's GRPOTrainer computes both.
 
-Before a micro-batch's forward, `prepare` turns its prompts into a batch of completions (Rollout): --num_generations
-per prompt, sampled through the sharded model (qlora_fsdp.sampling), scored by the reward functions
-(objectives/rewards.py), their weighted sum compared within each prompt's group: advantage = (reward - the group's
-mean) / (the group's, or the whole batch's over every rank, standard deviation + 1e-4), or not divided
+Before a micro-batch's forward, `prepare` turns its prompts into a batch of completions (Rollout): --num_generations per
+prompt, sampled through the sharded model or with its weights gathered first (qlora_fsdp.sampling), scored by the reward
+functions (objectives/rewards.py), their weighted sum compared within each prompt's group: advantage = (reward - the
+group's mean) / (the group's, or the whole batch's over every rank, standard deviation + 1e-4), or not divided
 (--scale_rewards none); a completion no function scored has advantage 0. Each rank samples whole groups.
 
 The loss's batch holds completions (prompt then completion, the completion's tokens labelled), each with its
@@ -18,16 +18,18 @@ weighted by the ratio as TRL does by default (use_bias_correction_kl: the unbias
 is differentiable, so this changes the gradient even where it is 1).
 
 How the per-token losses add up (TRL's, made exact across ranks): grpo averages each completion's tokens, then the
-completions; dr_grpo sums tokens and divides by the completions x --max_completion_length; bnpo, dapo and cispo
-divide the tokens' sum by the step's completion tokens over every rank (TRL's bnpo divides each rank's micro-batch by
-its own; its dapo and cispo by the whole step's, as here). Each is a sum divided by a count of the whole step, so N
-ranks x batch B equal 1 rank x batch N*B.
+completions; dr_grpo sums tokens and divides by the completions x --max_completion_length; bnpo, dapo and cispo divide
+the tokens' sum by the step's completion tokens over every rank (TRL's bnpo divides each rank's micro-batch by its own;
+its dapo and cispo by the whole step's, as here). Each is a sum divided by a count of the whole step, so N ranks x batch
+B equal 1 rank x batch N*B.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -47,11 +49,11 @@ from qlora_fsdp.sampling import sample
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
 ADVANTAGES, OLD_LOGPS, REF_LOGPS = "advantages", "old_logps", "ref_logps"
 """A batch's keys: [rows] advantages; [rows, width - 1] per-token log-probs aligned with labels[:, 1:]."""
-REWARDS, TRUNCATED, ZERO_STD = "rewards", "truncated", "zero_std"
+REWARDS, TRUNCATED, ZERO_STD, SAMPLING_S = "rewards", "truncated", "zero_std", "sampling_s"
 """A sampled batch's keys: [rows, functions] rewards (NaN: not scored); [rows] completions that hit the length
-limit; [rows] completions whose group's (or batch's) rewards did not vary."""
+limit; [rows] completions whose group's (or batch's) rewards did not vary; [] the seconds its sampling took."""
 _SUMS = ("tokens", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
-_ROLLOUT_SUMS = ("rows", "length", "clipped", "zero_std", "reward_sum", "reward_sq", "reward_n")
+_ROLLOUT_SUMS = ("rows", "length", "clipped", "zero_std", "sampling_s", "reward_sum", "reward_sq", "reward_n")
 
 
 @dataclass
@@ -72,6 +74,9 @@ class Rollout:
     scale_rewards: str = "group"
     on_samples: Callable[[int, list[dict[str, Any]]], None] | None = None
     """Called on every rank with each micro-batch's step and its first group's prompt, completions and rewards."""
+    gathered: Callable[[], contextlib.AbstractContextManager] | None = None
+    """--generation_mode gathered: holds every unit's full weights while the rank samples on its own; None: sample
+    through the sharded model, ranks in lockstep."""
 
     def metric_names(self) -> tuple[str, ...]:
         per_function = (f"rewards/{r.name}/{part}" for r in self.rewards for part in ("sum", "sq", "n"))
@@ -80,7 +85,9 @@ class Rollout:
 
 class GrpoObjective(Objective):
     """TRL's metrics, each a mean over the step's completion tokens: `kl` (when beta > 0) and the clip ratios
-    (`clip_ratio/low_mean`, `/high_mean`, `/region_mean`; cispo's `cispo_clip_ratio`)."""
+    (`clip_ratio/low_mean`, `/high_mean`, `/region_mean`; cispo's `cispo_clip_ratio`); with a rollout, TRL's reward
+    and completion metrics and `sampling/tokens_per_s`, the completion tokens a rank samples per second (every rank's
+    tokens over every rank's seconds of sampling)."""
 
     metric_names = _SUMS
 
@@ -103,10 +110,14 @@ class GrpoObjective(Objective):
         r = self.rollout
         indices = batch[PROMPT_INDEX].tolist()
         prompts = [r.prompts[i] for i in indices for _ in range(r.num_generations)]
-        sampled = sample(model, [p.ids for p in prompts], max_new_tokens=r.max_completion_length, end_ids=r.end_ids,
-                         pad_id=r.pad_id, device=self.forward.device, temperature=r.temperature, top_p=r.top_p,
-                         seeds=[_seed(r.seed, step, i, k) for i in indices for k in range(r.num_generations)],
-                         autocast=self.forward.autocast)  # fmt: skip
+        started = time.perf_counter()
+        with contextlib.nullcontext() if r.gathered is None else r.gathered():
+            sampled = sample(model, [p.ids for p in prompts], max_new_tokens=r.max_completion_length,
+                             end_ids=r.end_ids, pad_id=r.pad_id, device=self.forward.device,
+                             temperature=r.temperature, top_p=r.top_p, autocast=self.forward.autocast,
+                             seeds=[_seed(r.seed, step, i, k) for i in indices for k in range(r.num_generations)],
+                             lockstep=r.gathered is None)  # fmt: skip
+        sampling_s = time.perf_counter() - started
         texts = r.tokenizer.batch_decode(sampled.completions, skip_special_tokens=True)
         completions = [[{"role": "assistant", "content": t}] if p.conversational else t
                        for p, t in zip(prompts, texts, strict=True)]  # fmt: skip
@@ -128,7 +139,7 @@ class GrpoObjective(Objective):
                  for p, c in zip(prompts, sampled.completions, strict=True)]  # fmt: skip
         out = collate(items, pad_id=r.pad_id, context_length=r.context_length, pad_to_context=False)
         return out | {ADVANTAGES: advantages.float(), REWARDS: per_function, ZERO_STD: zero_std,
-                      TRUNCATED: torch.tensor(sampled.truncated)}  # fmt: skip
+                      TRUNCATED: torch.tensor(sampled.truncated), SAMPLING_S: torch.tensor(sampling_s)}  # fmt: skip
 
     def weights(self, batch: dict[str, torch.Tensor]) -> tuple[int, ...]:
         if self.loss_type in ("grpo", "dr_grpo"):
@@ -175,13 +186,14 @@ class GrpoObjective(Objective):
 
     def _rollout_sums(self, batch: dict[str, torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
         """The sums TRL's sampling metrics are made of: completions, their tokens, those cut at the length limit,
-        those without variation in their group, then the weighted reward's and each function's sum, sum of squares
-        and count of scored completions."""
+        those without variation in their group, the seconds sampling took, then the weighted reward's and each
+        function's sum, sum of squares and count of scored completions."""
         per_function = batch[REWARDS].double()
         weights = torch.tensor([r.weight for r in self.rollout.rewards], dtype=torch.float64)  # type: ignore[union-attr]
         total = (per_function * weights).nansum(1)
         total[per_function.isnan().all(1)] = math.nan
-        parts = [float(len(total)), float(mask.sum()), float(batch[TRUNCATED].sum()), float(batch[ZERO_STD].sum())]
+        parts = [float(len(total)), float(mask.sum()), float(batch[TRUNCATED].sum()), float(batch[ZERO_STD].sum()),
+                 float(batch[SAMPLING_S])]  # fmt: skip
         for column in (total, *per_function.T):
             scored = column[~column.isnan()]
             parts += [float(scored.sum()), float((scored**2).sum()), float(len(scored))]
@@ -200,7 +212,8 @@ class GrpoObjective(Objective):
         rows = max(sums["rows"], 1.0)
         out |= {"reward": _mean(sums, "reward"), "reward_std": _std(sums, "reward"),
                 "completions/mean_length": sums["length"] / rows, "completions/clipped_ratio": sums["clipped"] / rows,
-                "frac_reward_zero_std": sums["zero_std"] / rows}  # fmt: skip
+                "frac_reward_zero_std": sums["zero_std"] / rows,
+                "sampling/tokens_per_s": sums["length"] / max(sums["sampling_s"], 1e-9)}  # fmt: skip
         for reward in self.rollout.rewards:
             key = f"rewards/{reward.name}"
             out |= {f"{key}/mean": _mean(sums, key, "/"), f"{key}/std": _std(sums, key, "/")}

@@ -51,6 +51,9 @@ def _broken_module(tmp_path: Path) -> str:
         (["--reward_funcs", GOOD, "--scale_rewards", "batch", "--gradient_accumulation_steps", "2"],
          ["--scale_rewards batch with --gradient_accumulation_steps above 1"]),
         (["--reward_funcs", GOOD, "--group_by_length", "true"], ["--objective grpo cannot take --group_by_length"]),
+        (["--reward_funcs", GOOD, "--generation_mode", "gathered", "--fsdp_version", "1"],
+         ["--generation_mode gathered with --fsdp_version 1", "use --fsdp_version 2"]),
+        (["--reward_funcs", GOOD, "--generation_mode", "local"], ["--generation_mode must be one of sharded"]),
     ],
 )  # fmt: skip
 def test_bad_flags_and_reward_functions(no_weights: Path, tmp_path: Path, flags: list[str],

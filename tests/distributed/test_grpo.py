@@ -40,13 +40,17 @@ def _same(a: dict, b: dict, keys: tuple[str, ...], rel: float) -> None:
         assert same, (a["step"], key, a[key], b[key])
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
-def test_ranks_times_batch_is_one_rank_with_the_whole_batch(tiny_model: Path, tmp_path: Path, loss_type: str) -> None:
+@pytest.mark.parametrize(("loss_type", "generation_mode"), [("grpo", "sharded"), ("dapo", "gathered")])
+def test_ranks_times_batch_is_one_rank_with_the_whole_batch(tiny_model: Path, tmp_path: Path, loss_type: str,
+                                                            generation_mode: str) -> None:  # fmt: skip
     """2 ranks x batch 2 equal 1 rank x batch 4 step by step, sampling included (bnb, FSDP2, --beta 0.04: the
-    reference forward too). No dropout: its masks are drawn per rank."""
+    reference forward too), the 2 ranks sampling through the sharded model or with its weights gathered (the same
+    completions either way). No dropout: its masks are drawn per rank."""
     flags = ("--quant", "bnb", "--max_steps", "3", "--lora_dropout", "0", "--beta", "0.04", "--loss_type", loss_type)
     one = _run(tiny_model, tmp_path / "one", *flags, "--batch_size", "4", nproc=1)
-    two = _run(tiny_model, tmp_path / "two", *flags, "--batch_size", "2", nproc=2)
+    two = _run(tiny_model, tmp_path / "two", *flags, "--batch_size", "2", "--generation_mode", generation_mode,
+               nproc=2)  # fmt: skip
+    assert all(r["sampling/tokens_per_s"] > 0 for r in one + two)
     for a, b in zip(one, two, strict=True):
         _same(a, b, ("loss", "kl", *METRICS), 1e-5)
         _same(a, b, ("grad_norm",), 1e-4)
