@@ -13,6 +13,8 @@
         true against false, 2 ranks: a 483M full fine-tune and a LoRA case; stall seconds, write time, peak RSS, bytes)
     python benchmarks/run.py --suite cpu-long-context [--out DIR] [--quick]   (--sequence_parallel_size S and
         --tiled_mlp: a step's peak tensor bytes and RSS per rank, tokens/s, the longest context in a fixed budget)
+    python benchmarks/run.py --suite cpu-generation [--out DIR] [--quick]   (GRPO's sampling, --generation_mode
+        gathered against sharded, 2 ranks: sampling tokens/s, step tokens/s, peak RSS per rank)
     python benchmarks/run.py --suite gpu [--out DIR] [--dry-run] [--only tests,bnb,...] [--peak_flops 989e12]
         (benchmarks/gpu.sh wraps it: it installs the carried wheels first)
 
@@ -48,6 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "cpu-preference",
         "cpu-checkpoint",
         "cpu-long-context",
+        "cpu-generation",
         "gpu",
     )
     p.add_argument("--suite", required=True, choices=suites)
@@ -116,6 +119,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--suite cpu-preference builds its own model (its size sets how much of a step is activations)")
     if args.suite == "cpu-long-context" and args.model is not None:
         p.error("--suite cpu-long-context builds its own model (its size sets how much of a step is activations)")
+    if args.suite == "cpu-generation" and args.model is not None:
+        p.error("--suite cpu-generation builds its own model (a random one runs every completion to its limit)")
     if args.suite == "cpu-checkpoint" and args.model is not None:
         p.error("--suite cpu-checkpoint builds its own models (a full fine-tune's and a LoRA case's)")
     if args.suite == "cpu-moe" and args.model is not None:
@@ -164,6 +169,10 @@ def main(argv: list[str] | None = None) -> int:
             from benchmarks.long_context_suite import render_long_context
 
             (args.out / "results.md").write_text(render_long_context(results))
+        elif args.suite == "cpu-generation":
+            from benchmarks.generation_suite import render_generation
+
+            (args.out / "results.md").write_text(render_generation(results))
         else:
             (args.out / "results.md").write_text(render(results))
 
@@ -227,6 +236,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         results = run_long_context_suite(suite_plan, cache=args.cache)
+        results["machine"] = machine_info()
+    elif args.suite == "cpu-generation":
+        from benchmarks.generation_suite import plan as generation_plan
+        from benchmarks.generation_suite import run_generation_suite
+
+        suite_plan = generation_plan(quick=args.quick, threads=args.threads, reps=args.reps,
+                                     idle_wait_s=args.idle_wait, precision=args.precision)  # fmt: skip
+        results = run_generation_suite(suite_plan, cache=args.cache)
         results["machine"] = machine_info()
     elif args.suite in ("cpu", "cpu-large", "cpu-loss", "cpu-packing"):
         from benchmarks.cpu_suite import plan, run_cpu_suite

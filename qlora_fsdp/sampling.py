@@ -30,6 +30,8 @@ class Sampled:
     """Each row's tokens, up to and including its first end token."""
     logps: list[list[float]]
     """Each token's log-probability under the distribution it was drawn from (after temperature, before top-p)."""
+    entropies: list[list[float]]
+    """The entropy of that distribution at each token."""
     truncated: list[bool]
     """Rows that reached the length limit without an end token."""
 
@@ -60,7 +62,7 @@ def sample(
     ends = torch.tensor(sorted(end_ids), device=device)
     generators = [torch.Generator().manual_seed(seed) for seed in seeds]
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
-    tokens, logps = [], []
+    tokens, logps, entropies = [], [], []
     cache = DynamicCache()
     was_training = model.training
     model.eval()
@@ -74,6 +76,7 @@ def sample(
             token = torch.where(done, pad_id, token)
             tokens.append(token)
             logps.append(log_probs.gather(1, token[:, None]).squeeze(1))
+            entropies.append(torch.special.entr(log_probs.exp()).sum(-1))
             done |= torch.isin(token, ends)
             if _all_done(done, lockstep):
                 break
@@ -83,7 +86,8 @@ def sample(
                 logits = model(token[:, None], attention_mask=mask, position_ids=positions, cache=cache)
     finally:
         model.train(was_training)
-    return _rows(torch.stack(tokens, 1).tolist(), torch.stack(logps, 1).tolist(), end_ids)
+    per_token = [torch.stack(values, 1).tolist() for values in (logps, entropies)]
+    return _rows(torch.stack(tokens, 1).tolist(), *per_token, end_ids=end_ids)
 
 
 def _draw(log_probs: torch.Tensor, top_p: float, uniform: torch.Tensor) -> torch.Tensor:
@@ -108,11 +112,12 @@ def _all_done(done: torch.Tensor, lockstep: bool) -> bool:
     return bool(left.item() == 0)
 
 
-def _rows(tokens: list[list[int]], logps: list[list[float]], end_ids: set[int]) -> Sampled:
-    completions, kept, truncated = [], [], []
-    for row, row_logps in zip(tokens, logps, strict=True):
+def _rows(tokens: list[list[int]], logps: list[list[float]], entropies: list[list[float]], *,
+          end_ids: set[int]) -> Sampled:  # fmt: skip
+    completions, truncated = [], []
+    for row in tokens:
         stop = next((i + 1 for i, token in enumerate(row) if token in end_ids), None)
         completions.append(row[:stop])
-        kept.append(row_logps[: len(completions[-1])])
         truncated.append(stop is None)
-    return Sampled(completions, kept, truncated)
+    cut = [[values[: len(c)] for values, c in zip(table, completions, strict=True)] for table in (logps, entropies)]
+    return Sampled(completions, logps=cut[0], entropies=cut[1], truncated=truncated)

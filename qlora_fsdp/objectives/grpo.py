@@ -49,11 +49,16 @@ from qlora_fsdp.sampling import sample
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
 ADVANTAGES, OLD_LOGPS, REF_LOGPS = "advantages", "old_logps", "ref_logps"
 """A batch's keys: [rows] advantages; [rows, width - 1] per-token log-probs aligned with labels[:, 1:]."""
-REWARDS, TRUNCATED, ZERO_STD, SAMPLING_S = "rewards", "truncated", "zero_std", "sampling_s"
+REWARDS, TRUNCATED, ZERO_STD, SAMPLING_S, ENTROPY = "rewards", "truncated", "zero_std", "sampling_s", "entropy"
 """A sampled batch's keys: [rows, functions] rewards (NaN: not scored); [rows] completions that hit the length
-limit; [rows] completions whose group's (or batch's) rewards did not vary; [] the seconds its sampling took."""
+limit; [rows] completions whose group's (or batch's) rewards did not vary; [] the seconds its sampling took; [rows]
+the sum of each completion's per-token entropies of the distribution it was sampled from."""
 _SUMS = ("tokens", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
-_ROLLOUT_SUMS = ("rows", "length", "clipped", "zero_std", "sampling_s", "reward_sum", "reward_sq", "reward_n")
+_EXTREMES = ("micro_batches", "clip_ratio/low_min", "clip_ratio/high_max")
+"""Per micro-batch, the least low-clipped and the most high-clipped completion of every rank's (each rank adds the
+same value, so their sum over ranks and micro-batches divided by micro_batches' is TRL's mean over micro-batches)."""
+_ROLLOUT_SUMS = ("rows", "length", "clipped", "zero_std", "sampling_s", "entropy", "reward_sum", "reward_sq",
+                 "reward_n")  # fmt: skip
 
 
 @dataclass
@@ -85,11 +90,13 @@ class Rollout:
 
 class GrpoObjective(Objective):
     """TRL's metrics, each a mean over the step's completion tokens: `kl` (when beta > 0) and the clip ratios
-    (`clip_ratio/low_mean`, `/high_mean`, `/region_mean`; cispo's `cispo_clip_ratio`); with a rollout, TRL's reward
-    and completion metrics and `sampling/tokens_per_s`, the completion tokens a rank samples per second (every rank's
-    tokens over every rank's seconds of sampling)."""
+    (`clip_ratio/low_mean`, `/high_mean`, `/region_mean`; cispo's `cispo_clip_ratio`); TRL's `clip_ratio/low_min` and
+    `/high_max`, the least low-clipped and most high-clipped completion of each micro-batch over every rank, averaged
+    over micro-batches; with a rollout, TRL's reward and completion metrics, `entropy` (of the distributions the
+    completion tokens were sampled from) and `sampling/tokens_per_s`, the completion tokens a rank samples per
+    second (every rank's tokens over every rank's seconds of sampling)."""
 
-    metric_names = _SUMS
+    metric_names = (*_SUMS, *_EXTREMES)
 
     def __init__(self, forward: Forward, *, loss_type: str, beta: float, epsilon: float, epsilon_high: float,
                  max_completion_length: int, temperature: float = 1.0,
@@ -100,7 +107,7 @@ class GrpoObjective(Objective):
         self.epsilon, self.epsilon_high, self.max_completion_length = epsilon, epsilon_high, max_completion_length
         self.temperature, self.rollout = temperature, rollout
         if rollout is not None:
-            self.metric_names = (*_SUMS, *rollout.metric_names())
+            self.metric_names = (*_SUMS, *_EXTREMES, *rollout.metric_names())
 
     def prepare(self, model: nn.Module, batch: dict[str, torch.Tensor], *, step: int) -> dict[str, torch.Tensor]:
         """A batch of prompt indices -> the batch of their sampled, scored completions (a batch of completions
@@ -139,7 +146,8 @@ class GrpoObjective(Objective):
                  for p, c in zip(prompts, sampled.completions, strict=True)]  # fmt: skip
         out = collate(items, pad_id=r.pad_id, context_length=r.context_length, pad_to_context=False)
         return out | {ADVANTAGES: advantages.float(), REWARDS: per_function, ZERO_STD: zero_std,
-                      TRUNCATED: torch.tensor(sampled.truncated), SAMPLING_S: torch.tensor(sampling_s)}  # fmt: skip
+                      TRUNCATED: torch.tensor(sampled.truncated), SAMPLING_S: torch.tensor(sampling_s),
+                      ENTROPY: torch.tensor([sum(row) for row in sampled.entropies], dtype=torch.float64)}  # fmt: skip
 
     def weights(self, batch: dict[str, torch.Tensor]) -> tuple[int, ...]:
         if self.loss_type in ("grpo", "dr_grpo"):
@@ -179,7 +187,8 @@ class GrpoObjective(Objective):
                 low = (ratio < 1 - self.epsilon) & (advantages < 0)
                 high = (ratio > 1 + self.epsilon_high) & (advantages > 0)
             columns = (torch.ones_like(kl), kl, low, high, low | high)
-            metrics = torch.stack([(column.double() * mask).sum() for column in columns])
+            metrics = torch.cat([torch.stack([(column.double() * mask).sum() for column in columns]),
+                                 _extremes(low, high, mask)])  # fmt: skip
             if self.rollout is not None:
                 metrics = torch.cat([metrics, self._rollout_sums(batch, mask).to(metrics.device)])
         return loss.reshape(1), metrics
@@ -193,7 +202,7 @@ class GrpoObjective(Objective):
         total = (per_function * weights).nansum(1)
         total[per_function.isnan().all(1)] = math.nan
         parts = [float(len(total)), float(mask.sum()), float(batch[TRUNCATED].sum()), float(batch[ZERO_STD].sum()),
-                 float(batch[SAMPLING_S])]  # fmt: skip
+                 float(batch[SAMPLING_S]), float(batch[ENTROPY].sum())]  # fmt: skip
         for column in (total, *per_function.T):
             scored = column[~column.isnan()]
             parts += [float(scored.sum()), float((scored**2).sum()), float(len(scored))]
@@ -203,6 +212,7 @@ class GrpoObjective(Objective):
         sums = dict(zip(self.metric_names, metric_sums, strict=True))
         tokens = max(sums["tokens"], 1.0)
         out = {name: sums[name] / tokens for name in _SUMS[1:]}
+        out |= {name: sums[name] / max(sums["micro_batches"], 1.0) for name in _EXTREMES[1:]}
         if not self.beta:
             del out["kl"]
         if self.loss_type == "cispo":
@@ -212,7 +222,7 @@ class GrpoObjective(Objective):
         rows = max(sums["rows"], 1.0)
         out |= {"reward": _mean(sums, "reward"), "reward_std": _std(sums, "reward"),
                 "completions/mean_length": sums["length"] / rows, "completions/clipped_ratio": sums["clipped"] / rows,
-                "frac_reward_zero_std": sums["zero_std"] / rows,
+                "frac_reward_zero_std": sums["zero_std"] / rows, "entropy": sums["entropy"] / max(sums["length"], 1.0),
                 "sampling/tokens_per_s": sums["length"] / max(sums["sampling_s"], 1e-9)}  # fmt: skip
         for reward in self.rollout.rewards:
             key = f"rewards/{reward.name}"
@@ -244,6 +254,16 @@ def group_advantages(per_function: torch.Tensor, weights: torch.Tensor, group: i
     rank = dist.get_rank() if dist.is_initialized() else 0
     mine = slice(rank * local, (rank + 1) * local)
     return torch.nan_to_num(advantages, nan=0.0)[mine], torch.isclose(std, torch.zeros_like(std))[mine]
+
+
+def _extremes(low: torch.Tensor, high: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[1, the least low-clipped fraction, the most high-clipped fraction] of a completion's tokens over every rank's
+    completions of this micro-batch (TRL's clip_ratio/low_min and high_max; a collective where ranks run)."""
+    counts = mask.sum(-1).double().clamp(min=1)
+    fractions = torch.stack([((low & mask).sum(-1) / counts).min(), -((high & mask).sum(-1) / counts).max()])
+    if dist.is_initialized():
+        dist.all_reduce(fractions, op=dist.ReduceOp.MIN)
+    return torch.cat([fractions.new_ones(1), fractions * fractions.new_tensor([1.0, -1.0])])
 
 
 def _nanstd(values: torch.Tensor, dim: int | None = None) -> torch.Tensor:

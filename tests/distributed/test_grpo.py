@@ -25,7 +25,8 @@ COMMON = [
 ]  # fmt: skip
 METRICS = ("reward", "reward_std", "rewards/token_sum/mean", "rewards/token_sum/std", "rewards/topic_length/mean",
            "rewards/topic_length/std", "completions/mean_length", "completions/clipped_ratio", "frac_reward_zero_std",
-           "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")  # fmt: skip
+           "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/low_min",
+           "clip_ratio/high_max", "entropy")  # fmt: skip
 
 
 def _run(model: Path, out: Path, *flags: str, nproc: int) -> list[dict]:

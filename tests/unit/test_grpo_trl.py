@@ -138,8 +138,11 @@ def test_grpo_loss_equals_trl(grpo_trainers: dict[float, Trainer], loss_type: st
     assert loss.item() == pytest.approx(trl_loss.item(), rel=TOL, abs=TOL)
     for name, value in metrics.items():
         assert value == pytest.approx(trl_metrics[name], rel=TOL, abs=TOL), name
+    assert loss_type == "cispo" or {"clip_ratio/low_min", "clip_ratio/high_max"} <= set(metrics)
     if stale and loss_type != "cispo":
         assert metrics["clip_ratio/low_mean"] > 0 and metrics["clip_ratio/high_mean"] > 0  # both sides clip
+        # The extremes are per completion: the most high-clipped completion is above the mean, as TRL's is.
+        assert metrics["clip_ratio/high_max"] > metrics["clip_ratio/high_mean"]
     if beta:
         assert metrics["kl"] > 1e-3  # the adapter moved the policy off the reference
     params = _lora_params(trainer.model)

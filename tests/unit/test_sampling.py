@@ -1,9 +1,9 @@
-"""qlora_fsdp.sampling on the tiny Llama with a non-zero LoRA adapter, in one process: decoding through the root with
-a KV cache from left-padded prompts gives each drawn token the log-probability that transformers' own forward over
-the whole sequence (right-padded) gives it; top_p keeps only the most likely token when it is tiny; a completion
-stops at its end token; the same generator state draws the same completions. Checked by hand: new tokens that
-attend to the prompts' left padding fail the first test (6 of 7 log-probs of a row differ); rotary positions make
-the prompts' position offsets invisible to it."""
+"""qlora_fsdp.sampling on the tiny Llama with a non-zero LoRA adapter, in one process: decoding through the root with a
+KV cache from left-padded prompts gives each drawn token the log-probability that transformers' own forward over the
+whole sequence (right-padded) gives it, and the entropy of its distribution; top_p keeps only the most likely token when
+it is tiny; a completion stops at its end token; the same generator state draws the same completions. Checked by hand:
+new tokens that attend to the prompts' left padding fail the first test (6 of 7 log-probs of a row differ); rotary
+positions make the prompts' position offsets invisible to it."""
 
 from __future__ import annotations
 
@@ -35,8 +35,10 @@ def _draw(root: CausalLMLoss, seed: int, **settings) -> object:
                   seeds=[seed * 10 + i for i in range(len(PROMPTS))], **settings)  # fmt: skip
 
 
-def _full_logps(root: CausalLMLoss, temperature: float, completions: list[list[int]]) -> list[list[float]]:
-    """Each completion token's log-probability from one forward over prompt + completion, right-padded."""
+def _full_logps(root: CausalLMLoss, temperature: float,
+                completions: list[list[int]]) -> tuple[list[list[float]], list[list[float]]]:  # fmt: skip
+    """Each completion token's log-probability, and the entropy of its distribution, from one forward over prompt +
+    completion, right-padded."""
     rows = [p + c for p, c in zip(PROMPTS, completions, strict=True)]
     width = max(map(len, rows))
     ids = torch.tensor([r + [PAD] * (width - len(r)) for r in rows])
@@ -45,16 +47,20 @@ def _full_logps(root: CausalLMLoss, temperature: float, completions: list[list[i
         logits = root.eval().lm(input_ids=ids, attention_mask=mask).logits.float()
     root.train()
     log_probs = torch.log_softmax(logits / temperature, dim=-1)
-    return [[log_probs[i, len(p) - 1 + j, token].item() for j, token in enumerate(c)]
-            for i, (p, c) in enumerate(zip(PROMPTS, completions, strict=True))]  # fmt: skip
+    entropies = -(log_probs.exp() * log_probs).sum(-1)
+    rows = list(enumerate(zip(PROMPTS, completions, strict=True)))
+    return ([[log_probs[i, len(p) - 1 + j, token].item() for j, token in enumerate(c)] for i, (p, c) in rows],
+            [[entropies[i, len(p) - 1 + j].item() for j in range(len(c))] for i, (p, c) in rows])  # fmt: skip
 
 
 def test_cached_decoding_gives_the_whole_sequences_log_probs(root: CausalLMLoss) -> None:
     drawn = _draw(root, 0, temperature=0.7)
     assert root.training  # left as it was
     assert any(len(c) > 1 for c in drawn.completions)
-    full = _full_logps(root, 0.7, drawn.completions)
+    full, entropies = _full_logps(root, 0.7, drawn.completions)
     for ours, theirs in zip(drawn.logps, full, strict=True):
+        assert ours == pytest.approx(theirs, abs=1e-5)
+    for ours, theirs in zip(drawn.entropies, entropies, strict=True):  # GRPO's `entropy` metric
         assert ours == pytest.approx(theirs, abs=1e-5)
 
 
