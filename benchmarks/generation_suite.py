@@ -14,7 +14,7 @@ Figures per run, gathered beside sharded from the same repetition (their order r
 - the peak RSS per rank over the run (largest rank): what holding the gathered model costs.
 A random model seldom draws an end token, so completions run to --max_completion_length either way; both modes
 sample the same completions (the same seeds) and train the same steps, which the suite checks on every step's reward,
-completion length and loss before it reports anything.
+completion length, entropy and loss before it reports anything.
 """
 
 from __future__ import annotations
@@ -44,8 +44,9 @@ from benchmarks.rows import row
 
 MODES = ("sharded", "gathered")
 """--generation_mode values; gathered is `ours`, sharded (the default) the `peer` column."""
-SAME = ("reward", "completions/mean_length", "loss")
-"""Per-step figures both modes must share (the same completions, trained the same)."""
+SAME = ("reward", "completions/mean_length", "entropy", "loss")
+"""Per-step figures both modes must share (the same completions, drawn from the same distributions, trained the
+same)."""
 PROMPTS = REPO_ROOT / "data" / "grpo_tiny.jsonl"
 REWARD = "qlora_fsdp.reward_functions:brief"
 
@@ -179,7 +180,8 @@ def render_generation(results: dict[str, Any]) -> str:
     sums = results.get("details", {}).get("summaries", {})
     if sums:
         tokens = {m: median([s["completion_tokens"] for s in v]) for m, v in sums.items()}
-        lines += ["", f"Completion tokens per completion (median): {', '.join(f'{m} {t:g}' for m, t in tokens.items())}"
-                  f"; every step's reward, completion length and loss agree between the modes (checked)."]  # fmt: skip
+        each = ", ".join(f"{m} {t:g}" for m, t in tokens.items())
+        lines += ["", f"Tokens per completion (median): {each}; every step's reward, completion length, entropy and "
+                  "loss agree between the modes (checked)."]  # fmt: skip
     lines += launches_markdown(results)
     return "\n".join(lines) + "\n"

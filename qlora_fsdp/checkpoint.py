@@ -199,8 +199,11 @@ class Checkpointer:
         env: DistEnv,
         timeout_s: float,
         report: Callable[[str], None],
+        objective_state: Callable[[], dict[str, Any]] = dict,
     ) -> None:
         self.model, self.optimizer, self.scaler, self.adapter = model, optimizer, scaler, adapter
+        self.objective_state = objective_state
+        """This rank's state of the objective (GRPO: a generation later steps reuse), kept with its RNG state."""
         self.output_dir, self.total_limit, self.keep, self.env, self.report = output_dir, total_limit, keep, env, report
         self.async_save, self.group, self.stager = async_save, None, None
         if async_save:
@@ -228,6 +231,7 @@ class Checkpointer:
         per_rank = {
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "rng": _rng_state(self.env.device),
+            "objective": self.objective_state(),
         }
         torch.save(per_rank, tmp / f"rank-{self.env.rank}.pt")
         sharded = _sharded_state(self.model, self.optimizer)
@@ -408,6 +412,18 @@ def _new_layout(path: Path, state: TrainState, settings: dict[str, Any], world_s
             f"--resume_from {path}: --group_by_length orders rows in global batches of {old_micro} (world size x "
             f"--batch_size), so it continues only with world size x --batch_size = {old_micro}"
         )
+    iterations = settings.get("num_iterations") or 1
+    layout = (world_size, settings.get("batch_size"), settings.get("gradient_accumulation_steps"),
+              settings.get("num_generations"))  # fmt: skip
+    saved_layout = (state.world_size, *(state.settings.get(k) for k in
+                                        ("batch_size", "gradient_accumulation_steps", "num_generations")))  # fmt: skip
+    if state.step % iterations and layout != saved_layout:
+        raise UserError(
+            f"--resume_from {path}: step {state.step} falls between the --num_iterations {iterations} steps that reuse "
+            f"one generation of completions, which the checkpoint holds rank by rank for {old_text}, --num_generations "
+            f"{state.settings.get('num_generations')}; resume it with those, or from a checkpoint whose step is a "
+            f"multiple of {iterations}"
+        )
     notes = []
     if world_size != state.world_size:
         notes.append(
@@ -458,6 +474,15 @@ def read_train_state(path: Path) -> TrainState:
         data["samples_in_epoch"] = data.pop("batch_in_epoch") * micro
         data["format"] = 1
     return TrainState(**data)
+
+
+def read_objective_state(path: Path, env: DistEnv) -> dict[str, Any]:
+    """This rank's objective state in a checkpoint, {} where it has none or another world size saved it (its
+    rank files then split the work otherwise)."""
+    if read_train_state(path).world_size != env.world_size:
+        return {}
+    per_rank = torch.load(path / f"rank-{env.rank}.pt", map_location="cpu", weights_only=True)
+    return per_rank.get("objective", {})
 
 
 def load_checkpoint(

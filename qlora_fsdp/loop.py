@@ -144,7 +144,7 @@ def _optimizer_step(
     """Forward and backward over the micro-batches, then one optimizer step (or a skipped one); returns the step's
     record (loss, lr, grad_norm, tokens, the objective's and the router's figures) and whether to stop."""
     env, objective, scaler = step.env, step.objective, step.scaler
-    micro = [objective.prepare(step.model.module, batch, step=number) for batch in micro]
+    micro = [objective.prepare(step.model.module, batch, step=number, index=i) for i, batch in enumerate(micro)]
     weights = [sum(parts) for parts in zip(*(objective.weights(b) for b in micro), strict=True)]
     counts = torch.tensor(
         [

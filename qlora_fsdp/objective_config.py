@@ -80,7 +80,9 @@ class ObjectiveConfig:
     """grpo: divide advantages by the standard deviation of the rewards of the group, of the batch, or none (default
     group)."""
     num_iterations: int | None = None
-    """grpo: optimizer steps per generation (default 1; only 1 is supported yet)."""
+    """grpo: optimizer steps each generation of completions serves (default 1): the steps after its first reuse its
+    completions, clipped against the log-probs the policy gave them when sampled, and the loader repeats their
+    prompts, so an epoch takes this many times the steps."""
     generation_mode: str | None = None
     """grpo: how completions are sampled: sharded (default), every decoded token gathers each layer's shards, ranks
     in lockstep, no more memory than training; gathered (--fsdp_version 2), every rank holds the whole packed model
@@ -123,7 +125,7 @@ def objective_ranges(cfg: ObjectiveConfig) -> list[str]:
         (bad("loss_type", lambda v: v in GRPO_LOSS_TYPES), f"--loss_type must be one of {', '.join(GRPO_LOSS_TYPES)}"),
         (bad("scale_rewards", lambda v: v in SCALE_REWARDS),
          f"--scale_rewards must be one of {', '.join(SCALE_REWARDS)}"),
-        (bad("num_iterations", lambda v: v == 1), "--num_iterations above 1 is not supported yet; pass 1"),
+        (bad("num_iterations", lambda v: v >= 1), "--num_iterations must be >= 1"),
         (bad("generation_mode", lambda v: v in GENERATION_MODES),
          f"--generation_mode must be one of {', '.join(GENERATION_MODES)}"),
         (grpo and not cfg.reward_funcs, "--objective grpo needs --reward_funcs module.path:function[,...]"),

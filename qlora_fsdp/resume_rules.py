@@ -27,6 +27,7 @@ MUST_MATCH: tuple[str, ...] = (
     "dataset", "dataset_samples", "context_length", "seed", "prompt_style", "chat_template", "train_on_inputs",
     "packing", "packing_split", "max_prompt_length", "group_by_length", "dataset_streaming",
     "eval_split",  # it holds rows out of --dataset: another split trains on other rows
+    "num_iterations",  # GRPO's prompts repeat this many steps in the data position: another value reads others
 )  # fmt: skip
 
 RESHARDED: tuple[str, ...] = (
@@ -42,7 +43,7 @@ MAY_CHANGE: tuple[str, ...] = (
     "router_aux_loss_coef",  # a loss weight like --beta: the saved state means the same under another one
     # GRPO's rewards, sampling and loss: the next generation is sampled, scored and weighted under the new values.
     "reward_funcs", "reward_weights", "max_completion_length", "temperature", "top_p", "epsilon", "epsilon_high",
-    "loss_type", "scale_rewards", "num_iterations",
+    "loss_type", "scale_rewards",
     "nan_policy",  # acts only on a non-finite step
     # Memory and speed: the same tokens train in the same order; named because rounding may differ.
     "loss_chunk_tokens",  # chunked cross-entropy is exact: only peak memory changes

@@ -25,6 +25,7 @@ from qlora_fsdp.checkpoint import (
     list_checkpoints,
     load_checkpoint,
     output_dir_shared,
+    read_objective_state,
     read_train_state,
     remove_checkpoints,
     resolve_resume,
@@ -249,7 +250,8 @@ def _run(
         loader = prompt_loader(cfg.data, tokenizer, env, seed=cfg.optim.seed,
                                accumulation=cfg.optim.gradient_accumulation_steps,
                                num_generations=cfg.objective.setting("num_generations"),
-                               max_completion_length=cfg.objective.setting("max_completion_length"))  # fmt: skip
+                               max_completion_length=cfg.objective.setting("max_completion_length"),
+                               num_iterations=cfg.objective.setting("num_iterations"))  # fmt: skip
         eval_loader = None
     else:
         loader, eval_loader = build_loaders(
@@ -310,21 +312,6 @@ def _run(
     param_bytes = gather_ints(built.model.local_parameter_bytes(), env)
     logger.message(f"resident parameter bytes per rank after sharding: {param_bytes}")
 
-    checkpointer = Checkpointer(
-        model=built.model, optimizer=optimizer, scaler=scaler,
-        adapter=(built.unwrapped, built.keys, built.manifest) if adapters else None,
-        output_dir=output_dir, total_limit=cfg.output.save_total_limit, async_save=cfg.output.async_save,
-        keep=resume, env=env, timeout_s=cfg.dist.dist_timeout_s, report=logger.message,
-    )  # fmt: skip
-
-    def checkpoint(at: TrainState, wait: bool) -> Path:
-        if not shared_output or not cfg.resumable:
-            why = "this --train_type with --fsdp_version 1 keeps no resumable checkpoints" if shared_output else (
-                f"--output_dir {output_dir} is not shared by every node, so no checkpoint could be completed"
-            )  # fmt: skip
-            raise TrainingStopped(f"stopped by a signal after step {at.step}; {why}")
-        return checkpointer.save(at, wait=wait)
-
     forward = Forward(env.device, precision, varlen=varlen, sequence=sequence)
     unit = "rows" if cfg.objective.rows == "unpaired" else "pairs"  # what the preference objectives count
     reference = None
@@ -347,8 +334,26 @@ def _run(
         rollout = _rollout(cfg, loader.dataset.prompts, rewards, tokenizer, model_path, on_samples=log_samples,
                            gathered=gathered)  # fmt: skip
     objective = make_objective(cfg.objective, forward, reference=reference, rollout=rollout)
+    if resume is not None:
+        objective.load_state_dict(read_objective_state(resume, env), step=state.step)
     # The table holds the training pairs only: evaluation runs its reference forward itself.
     eval_objective = make_objective(cfg.objective, forward)
+
+    checkpointer = Checkpointer(
+        model=built.model, optimizer=optimizer, scaler=scaler,
+        adapter=(built.unwrapped, built.keys, built.manifest) if adapters else None,
+        output_dir=output_dir, total_limit=cfg.output.save_total_limit, async_save=cfg.output.async_save,
+        keep=resume, env=env, timeout_s=cfg.dist.dist_timeout_s, report=logger.message,
+        objective_state=objective.state_dict,
+    )  # fmt: skip
+
+    def checkpoint(at: TrainState, wait: bool) -> Path:
+        if not shared_output or not cfg.resumable:
+            why = "this --train_type with --fsdp_version 1 keeps no resumable checkpoints" if shared_output else (
+                f"--output_dir {output_dir} is not shared by every node, so no checkpoint could be completed"
+            )  # fmt: skip
+            raise TrainingStopped(f"stopped by a signal after step {at.step}; {why}")
+        return checkpointer.save(at, wait=wait)
 
     def run_eval(step: int) -> None:
         started = time.perf_counter()
@@ -423,7 +428,8 @@ def _rollout(cfg: TrainConfig, prompts: list[Prompt], rewards: list[Reward], tok
                    pad_id=pad_token_id(tokenizer), num_generations=setting("num_generations"),
                    max_completion_length=setting("max_completion_length"), context_length=cfg.data.context_length,
                    seed=cfg.optim.seed, temperature=setting("temperature"), top_p=setting("top_p"),
-                   scale_rewards=setting("scale_rewards"), on_samples=on_samples, gathered=gathered)  # fmt: skip
+                   scale_rewards=setting("scale_rewards"), num_iterations=setting("num_iterations"),
+                   on_samples=on_samples, gathered=gathered)  # fmt: skip
 
 
 def _build_model(cfg: TrainConfig, env: DistEnv, model_path: Path, precision: Precision, *, attention: str) -> _Built:

@@ -16,7 +16,7 @@ print(f"Python {sys.version.split()[0]}, torch {torch.__version__}, transformers
 # the losses here equal that suite's); the default command against the CPU suite's torch; mixture-of-experts
 # loading, quantization, adapters and merge (transformers 5.17's conversion mapping); DPO, IPO and KTO across ranks
 # (a second forward with the adapters off, inside the same FSDP units); GRPO across ranks and its sampling (a KV
-# cache through the sharded root, in FSDP2's float view); sequence parallelism at S = 2 against one
+# cache through the root, its units gathered by FSDP2's unshard, in its float view); sequence parallelism at S = 2 against one
 # rank (gloo's all-to-all); DCP checkpoints resumed on other world sizes and FSDP versions (an FSDP1 save resumed by
 # FSDP1 on 4 ranks and by FSDP2's float view on 1; the bnb cases, saved by FSDP2, run in the CPU suite, and of the
 # kill-and-resume cases only the default command's, saved and resumed in FSDP2's float view, runs here), and torch
@@ -33,7 +33,7 @@ export QLORA_GPU_PYTHON="$PWD/${VENV_GPU_MACHINE:-.venv-gpu-machine}/bin/python"
     "tests/distributed/test_preference.py::test_ranks_times_batch_is_one_rank_with_the_whole_batch[ipo]" \
     tests/unit/test_preference_objectives.py \
     "tests/distributed/test_kto.py::test_ranks_times_batch_is_one_rank_with_the_whole_batch" \
-    "tests/distributed/test_grpo.py::test_ranks_times_batch_is_one_rank_with_the_whole_batch[dapo]" \
+    "tests/distributed/test_grpo.py::test_ranks_times_batch_is_one_rank_with_the_whole_batch[dapo-gathered-2]" \
     tests/unit/test_sampling.py \
     "tests/distributed/test_elastic_resume.py::test_other_world_size_continues_the_uninterrupted_run[hqq-fsdp1-to-4x1]" \
     "tests/distributed/test_elastic_resume.py::test_other_world_size_continues_the_uninterrupted_run[hqq-fsdp1-to-1x4-fsdp2]" \

@@ -90,6 +90,26 @@ class GlobalOrderSampler(Sampler[int]):
         return iter(self._order()[self.start + self.rank : self._end() : self.world_size].tolist())
 
 
+class RepeatedStepsSampler(GlobalOrderSampler):
+    """GlobalOrderSampler's order with each optimizer step's rows read `repeats` times in a row (GRPO's
+    --num_iterations: one generation's prompts serve that many steps, as TRL's RepeatSampler repeats them). Positions
+    and lengths count the repeated reads, so epochs, total steps and resume positions follow from the base's rules."""
+
+    def __init__(self, rows: int, *, repeats: int, **kwargs: Any) -> None:
+        super().__init__(rows, **kwargs)
+        self.repeats = repeats
+
+    def __len__(self) -> int:
+        return super().__len__() * self.repeats
+
+    def steps_from(self, start: int) -> int:
+        return max(0, self.usable * self.repeats - start) // self.step_rows
+
+    def _order(self) -> np.ndarray:
+        steps = super()._order()[: self.usable].reshape(-1, self.step_rows)
+        return np.repeat(steps, self.repeats, axis=0).reshape(-1)
+
+
 class LengthGroupedSampler(GlobalOrderSampler):
     """A seeded shuffle whose global batches hold rows of similar length (--group_by_length).
 

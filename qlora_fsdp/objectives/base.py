@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -58,10 +59,21 @@ class Objective(ABC):
     reports_perplexity = False
     """Whether exp(eval_loss) means something (a per-token cross-entropy)."""
 
-    def prepare(self, model: nn.Module, batch: dict[str, torch.Tensor], *, step: int) -> dict[str, torch.Tensor]:
-        """What the loader's batch becomes before the step's forward (GRPO samples completions for its prompts);
-        every rank calls it for each micro-batch, in step."""
+    def prepare(self, model: nn.Module, batch: dict[str, torch.Tensor], *, step: int,
+                index: int = 0) -> dict[str, torch.Tensor]:  # fmt: skip
+        """What the loader's batch, the step's `index`-th micro-batch, becomes before its forward (GRPO samples
+        completions for its prompts); every rank calls it for each micro-batch, in step."""
         return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state that a resumed run needs and the model and data position do not hold (for the
+        checkpoint's per-rank file; tensors, numbers, strings, lists and dicts only)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any], *, step: int) -> None:
+        """Take back `state_dict`'s ({} where the checkpoint had none for this rank) before resuming after `step`."""
+        if state:
+            raise ValueError(f"{type(self).__name__} keeps no state, yet the checkpoint holds {sorted(state)}")
 
     @abstractmethod
     def weights(self, batch: dict[str, torch.Tensor]) -> tuple[int, ...]:

@@ -77,6 +77,9 @@ class Rollout:
     temperature: float = 1.0
     top_p: float = 1.0
     scale_rewards: str = "group"
+    num_iterations: int = 1
+    """Optimizer steps each generation serves: steps 1, 1 + n, 1 + 2n... sample; the steps between reuse their
+    completions (the loader repeats their prompts), with the log-probs the policy gave them when they were sampled."""
     on_samples: Callable[[int, list[dict[str, Any]]], None] | None = None
     """Called on every rank with each micro-batch's step and its first group's prompt, completions and rewards."""
     gathered: Callable[[], contextlib.AbstractContextManager] | None = None
@@ -106,16 +109,64 @@ class GrpoObjective(Objective):
         self.forward, self.loss_type, self.beta = forward, loss_type, beta
         self.epsilon, self.epsilon_high, self.max_completion_length = epsilon, epsilon_high, max_completion_length
         self.temperature, self.rollout = temperature, rollout
+        self.generation: dict[str, Any] = {}
+        """With --num_iterations above 1, the current generation: its first step, and per micro-batch its prompts'
+        indices and its prepared batch (what `state_dict` saves)."""
         if rollout is not None:
             self.metric_names = (*_SUMS, *_EXTREMES, *rollout.metric_names())
 
-    def prepare(self, model: nn.Module, batch: dict[str, torch.Tensor], *, step: int) -> dict[str, torch.Tensor]:
-        """A batch of prompt indices -> the batch of their sampled, scored completions (a batch of completions
-        already, as tests give, stays as it is)."""
+    def prepare(self, model: nn.Module, batch: dict[str, torch.Tensor], *, step: int,
+                index: int = 0) -> dict[str, torch.Tensor]:  # fmt: skip
+        """A batch of prompt indices -> the batch of their sampled, scored completions, or the completions sampled
+        for them at the generation's first step (a batch of completions already, as tests give, stays as it is)."""
         if PROMPT_INDEX not in batch or self.rollout is None:
             return batch
         r = self.rollout
         indices = batch[PROMPT_INDEX].tolist()
+        first = step - (step - 1) % r.num_iterations
+        if step != first:
+            held = self.generation
+            if held.get("step") != first or held["prompts"][index] != indices:
+                raise RuntimeError(f"step {step}, micro-batch {index}: no generation of step {first} for prompts "
+                                   f"{indices} to reuse")  # fmt: skip
+            return {**held["batches"][index], SAMPLING_S: torch.tensor(0.0)}  # nothing sampled at this step
+        out = self._sample(model, indices, step)
+        if r.num_iterations > 1:
+            out = self._with_logps(model, out)
+            if index == 0:
+                self.generation = {"step": step, "prompts": [], "batches": []}
+            self.generation["prompts"].append(indices)
+            self.generation["batches"].append(out)
+        return out
+
+    def _with_logps(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The batch with the policy's per-token log-probs of its completions now, which the steps reusing it
+        compare against (`old_logps`), and the reference's (computed once for the generation)."""
+        with torch.no_grad():
+            old = -self.forward(model, batch, per_token=True, temperature=self.temperature)
+            out = {**batch, OLD_LOGPS: old.float().cpu()}
+            if self.beta:
+                out[REF_LOGPS] = reference_logps(model, batch, forward=self.forward, per_token=True,
+                                                 temperature=self.temperature).float().cpu()  # fmt: skip
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.generation)
+
+    def load_state_dict(self, state: dict[str, Any], *, step: int) -> None:
+        """A run resumed between the steps of one generation needs that generation back (check_resume_compatible
+        has refused a layout other than the one that saved it)."""
+        n = self.rollout.num_iterations if self.rollout is not None else 1
+        if step % n == 0:
+            return
+        if state.get("step") != step + 1 - step % n:
+            raise RuntimeError(f"the checkpoint of step {step} holds no generation of step {step + 1 - step % n}")
+        self.generation = state
+
+    def _sample(self, model: nn.Module, indices: list[int], step: int) -> dict[str, torch.Tensor]:
+        """Sample, score and collate the completions of these prompts."""
+        r = self.rollout
+        assert r is not None
         prompts = [r.prompts[i] for i in indices for _ in range(r.num_generations)]
         started = time.perf_counter()
         with contextlib.nullcontext() if r.gathered is None else r.gathered():
@@ -222,8 +273,10 @@ class GrpoObjective(Objective):
         rows = max(sums["rows"], 1.0)
         out |= {"reward": _mean(sums, "reward"), "reward_std": _std(sums, "reward"),
                 "completions/mean_length": sums["length"] / rows, "completions/clipped_ratio": sums["clipped"] / rows,
-                "frac_reward_zero_std": sums["zero_std"] / rows, "entropy": sums["entropy"] / max(sums["length"], 1.0),
-                "sampling/tokens_per_s": sums["length"] / max(sums["sampling_s"], 1e-9)}  # fmt: skip
+                "frac_reward_zero_std": sums["zero_std"] / rows,
+                "entropy": sums["entropy"] / max(sums["length"], 1.0)}  # fmt: skip
+        if sums["sampling_s"] > 0:  # not at a step that reuses a generation (--num_iterations)
+            out["sampling/tokens_per_s"] = sums["length"] / sums["sampling_s"]
         for reward in self.rollout.rewards:
             key = f"rewards/{reward.name}"
             out |= {f"{key}/mean": _mean(sums, key, "/"), f"{key}/std": _std(sums, key, "/")}

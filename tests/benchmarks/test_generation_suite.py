@@ -49,7 +49,7 @@ def test_generation_suite_quick(tmp_path: Path) -> None:
 
 
 def test_the_suite_refuses_modes_that_sampled_differently() -> None:
-    step = {"step": 1, "reward": 0.5, "completions/mean_length": 8.0, "loss": 0.25}
+    step = {"step": 1, "reward": 0.5, "completions/mean_length": 8.0, "entropy": 6.2, "loss": 0.25}
     runs = {"sharded": [{"steps": [step]}], "gathered": [{"steps": [dict(step)]}]}
     _check_same(runs)
     for key in SAME:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from qlora_fsdp.metrics import COMPLETIONS_FILE, read_metrics
-from tests.conftest import DATASET, REPO_ROOT, stopped_at, train
+from tests.conftest import DATASET, REPO_ROOT, launch, stopped_at, train
 
 pytestmark = pytest.mark.distributed
 
@@ -41,17 +41,29 @@ def _same(a: dict, b: dict, keys: tuple[str, ...], rel: float) -> None:
         assert same, (a["step"], key, a[key], b[key])
 
 
-@pytest.mark.parametrize(("loss_type", "generation_mode"), [("grpo", "sharded"), ("dapo", "gathered")])
+@pytest.mark.parametrize(("loss_type", "generation_mode", "iterations"), [("grpo", "sharded", 1),
+                                                                          ("dapo", "gathered", 2)])  # fmt: skip
 def test_ranks_times_batch_is_one_rank_with_the_whole_batch(tiny_model: Path, tmp_path: Path, loss_type: str,
-                                                            generation_mode: str) -> None:  # fmt: skip
+                                                            generation_mode: str, iterations: int) -> None:  # fmt: skip
     """2 ranks x batch 2 equal 1 rank x batch 4 step by step, sampling included (bnb, FSDP2, --beta 0.04: the
     reference forward too), the 2 ranks sampling through the sharded model or with its weights gathered (the same
-    completions either way). No dropout: its masks are drawn per rank."""
-    flags = ("--quant", "bnb", "--max_steps", "3", "--lora_dropout", "0", "--beta", "0.04", "--loss_type", loss_type)
+    completions either way). With --num_iterations 2, step 2 trains step 1's completions again (the same rewards,
+    nothing sampled), against the log-probs they were sampled under, and step 3 samples anew. No dropout: its masks
+    are drawn per rank."""
+    flags = ("--quant", "bnb", "--max_steps", "3", "--lora_dropout", "0", "--beta", "0.04", "--loss_type", loss_type,
+             "--num_iterations", str(iterations))  # fmt: skip
     one = _run(tiny_model, tmp_path / "one", *flags, "--batch_size", "4", nproc=1)
     two = _run(tiny_model, tmp_path / "two", *flags, "--batch_size", "2", "--generation_mode", generation_mode,
                nproc=2)  # fmt: skip
-    assert all(r["sampling/tokens_per_s"] > 0 for r in one + two)
+    sampled = [r for r in one + two if (r["step"] - 1) % iterations == 0]
+    assert all(r["sampling/tokens_per_s"] > 0 for r in sampled)
+    assert all("sampling/tokens_per_s" not in r for r in one + two if r not in sampled)
+    if iterations == 2:
+        _same(one[1], one[0], METRICS[:9], 0.0)  # the rewards and completions of step 1
+        assert one[2]["reward"] != one[0]["reward"]
+        # Step 1's ratio is 1 (its own log-probs, nothing clips); step 2 compares the moved policy with the log-probs
+        # the completions were sampled under (measured: 0.72 of its tokens clip; none would against its own).
+        assert one[0]["clip_ratio/region_mean"] == 0 < one[1]["clip_ratio/region_mean"]
     for a, b in zip(one, two, strict=True):
         _same(a, b, ("loss", "kl", *METRICS), 1e-5)
         _same(a, b, ("grad_norm",), 1e-4)
@@ -61,12 +73,14 @@ def test_ranks_times_batch_is_one_rank_with_the_whole_batch(tiny_model: Path, tm
 
 
 def test_resume_completions_log_and_parameter_bytes(tiny_model: Path, tmp_path: Path) -> None:
-    """HQQ with FSDP1, dropout on: steps 3-4 after a resume from step 2 equal the uninterrupted run's (the same
-    completions: their seeds come from the step); completions.jsonl holds a group per micro-batch with its prompt
-    and rewards (None where a function did not score), the resumed file the uninterrupted one's; the parameter
-    bytes per rank are an SFT run's."""
+    """HQQ with FSDP1, dropout on, --num_iterations 3: steps 3-4 after a resume from step 2 equal the uninterrupted
+    run's (step 3 reuses step 1's generation, which the checkpoint holds; step 4 samples anew, its seeds from the
+    step); resumed on another world size between the steps of a generation, the run stops with one line;
+    completions.jsonl holds a group per micro-batch of each generation with its prompt and rewards (None where a
+    function did not score), the resumed file the uninterrupted one's; the parameter bytes per rank are an SFT
+    run's."""
     flags = ("--quant", "hqq", "--fsdp_version", "1", "--batch_size", "2", "--lora_dropout", "0.1", "--max_steps",
-             "4", "--save_steps", "2", "--gradient_accumulation_steps", "2")  # fmt: skip
+             "4", "--save_steps", "2", "--gradient_accumulation_steps", "2", "--num_iterations", "3")  # fmt: skip
     whole = _run(tiny_model, tmp_path / "whole", *flags, nproc=2)
     out = tmp_path / "parts"
     stopped_at(tmp_path / "whole", out, step=2, metrics=True)
@@ -77,9 +91,15 @@ def test_resume_completions_log_and_parameter_bytes(tiny_model: Path, tmp_path: 
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     for a, b in zip(resumed[2:], whole[2:], strict=True):
         _same(a, b, ("loss", "grad_norm", *METRICS), 1e-6)
+    _same(whole[2], whole[0], METRICS[:9], 0.0)  # step 3 trained step 1's completions
+    elsewhere = launch(REPO_ROOT / "train.py", ["--model", str(tiny_model), *COMMON, "--output_dir", str(out), *flags,
+                                                "--resume_from", str(out / "checkpoint-2")], nproc=0)  # fmt: skip
+    errors = [line for line in elsewhere.stderr.splitlines() if line.startswith("error:")]
+    assert elsewhere.returncode == 2 and len(errors) == 1, elsewhere.stderr[-3000:]
+    assert "step 2 falls between the --num_iterations 3 steps that reuse one generation" in errors[0]
     records = [json.loads(line) for line in lines]
-    assert len(records) == 4 * 2 * 2  # steps x micro-batches x a group of 2
-    assert [r["step"] for r in records[:4]] == [1, 1, 1, 1] and records[0]["prompt"] == records[1]["prompt"]
+    assert len(records) == 2 * 2 * 2  # generations (steps 1 and 4) x micro-batches x a group of 2
+    assert [r["step"] for r in records] == [1, 1, 1, 1, 4, 4, 4, 4] and records[0]["prompt"] == records[1]["prompt"]
     assert set(records[0]["rewards"]) == {"token_sum", "topic_length"}
     assert any(r["rewards"]["topic_length"] is None for r in records)
     assert (out / COMPLETIONS_FILE).read_text() == (tmp_path / "whole" / COMPLETIONS_FILE).read_text()

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from torch.utils.data import DistributedSampler
 
-from qlora_fsdp.data.loader import GlobalOrderSampler, LengthGroupedSampler
+from qlora_fsdp.data.loader import GlobalOrderSampler, LengthGroupedSampler, RepeatedStepsSampler
 
 
 def _steps(
@@ -107,3 +107,30 @@ def test_a_resumed_epoch_run_counts_the_steps_left_at_its_own_global_batch(world
     assert _total_steps(cfg, loader(world_size), halfway) == 250 + left
     two_epochs = OptimConfig(num_epochs=2)
     assert _total_steps(two_epochs, loader(world_size), halfway) == 250 + left + 1000 // world_size
+
+
+def test_repeated_steps_read_each_step_n_times_and_resume_between_repeats() -> None:
+    """GRPO's --num_iterations 3: each step's rows (whichever world size reads them) come 3 times in a row, an epoch
+    is 3x the steps, and a position between repeats resumes there, on another world size too."""
+
+    def steps(world_size: int, start: int = 0) -> list[list[int]]:
+        batch = 8 // world_size  # a step: 8 rows x 2 micro-batches on every world size
+        per_rank = []
+        for rank in range(world_size):
+            sampler = RepeatedStepsSampler(101, repeats=3, world_size=world_size, rank=rank, batch_size=batch,
+                                           accumulation=2, seed=5)  # fmt: skip
+            sampler.set_epoch(0, start)
+            order = list(sampler)
+            per_rank.append([order[i : i + batch] for i in range(0, len(order), batch)])
+        micro = [list(itertools.chain(*batches)) for batches in zip(*per_rank, strict=True)]
+        return [list(itertools.chain(*micro[i : i + 2])) for i in range(0, len(micro), 2)]
+
+    plain = _steps(101, 1, 8, accumulation=2)
+    repeated = steps(1)
+    assert repeated == [s for s in plain for _ in range(3)]
+    sampler = RepeatedStepsSampler(101, repeats=3, world_size=2, rank=0, batch_size=4, accumulation=2, seed=5)
+    assert len(sampler) == 3 * len(GlobalOrderSampler(101, world_size=2, rank=0, batch_size=4, accumulation=2, seed=5))
+    assert sampler.steps_from(0) == 3 * len(plain) == 18 and sampler.steps_from(4 * 16) == 14
+    assert [set(s) for s in steps(2)] == [set(s) for s in repeated]
+    assert steps(2, start=4 * 16) == [list(s) for s in steps(2)[4:]]  # after the 2nd read of step 2
+    assert [set(s) for s in steps(2, start=4 * 16)] == [set(s) for s in repeated[4:]]
