@@ -164,6 +164,16 @@ def no_split_modules(model: nn.Module) -> list[str]:
     return list(getattr(model, "_no_split_modules", None) or [])
 
 
+def kv_cache_argument(lm: nn.Module) -> str:
+    """The forward argument a transformers model (or a PeftModel around one) takes its KV cache by: `cache` on
+    transformers 5.24.0, whose `past_key_values` warns that it goes in 5.40, and `past_key_values` on 5.17.0; read
+    from the forward's signature."""
+    import inspect
+
+    base = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
+    return "cache" if "cache" in inspect.signature(type(base).forward).parameters else "past_key_values"
+
+
 def weight_transforms(model: nn.Module) -> tuple[list[Any], list[Any]]:
     """transformers' load-time conversion of `model`'s checkpoint names and tensors: (renamings, converters), the
     converters being the WeightConverters that fuse or split tensors (a Mixtral's per-expert w1/w3 into one

@@ -19,7 +19,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from qlora_fsdp.checkpoint import TrainState
 from qlora_fsdp.compat import dump_cuda_memory_snapshot, start_cuda_memory_history
 from qlora_fsdp.config import OptimConfig, OutputConfig, profile_window
-from qlora_fsdp.data import IGNORE_INDEX
+from qlora_fsdp.data import target_mask
 from qlora_fsdp.distributed import DistEnv, gather_ints
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.fsdp import ShardedModel
@@ -149,7 +149,7 @@ def _optimizer_step(
     counts = torch.tensor(
         [
             *weights,
-            sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in micro),
+            sum(int(target_mask(b["labels"]).sum()) for b in micro),
             sum(int(b["attention_mask"].sum()) for b in micro),
             sum(b["input_ids"].numel() for b in micro),  # each rank pads its batches to their own width
         ],

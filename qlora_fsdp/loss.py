@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from qlora_fsdp.data import IGNORE_INDEX
+from qlora_fsdp.compat import kv_cache_argument
+from qlora_fsdp.data import IGNORE_INDEX, target_mask
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.lora import adapters_off
 from qlora_fsdp.vision import hidden_states_model
@@ -60,6 +61,7 @@ class CausalLMLoss(nn.Module):
         transformed = any(getattr(text_config, a, None) not in (None, 1.0) for a in LOGIT_TRANSFORMS)
         self.chunked = chunk_tokens > 0 and not transformed
         self.router = router
+        self.cache_argument = kv_cache_argument(lm)
 
     def forward(
         self,
@@ -83,7 +85,7 @@ class CausalLMLoss(nn.Module):
         `images`: an image-text model's image inputs (pixel_values, ...)."""
         if cache is not None:
             out = self.lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                          past_key_values=cache, use_cache=True, logits_to_keep=1)  # fmt: skip
+                          use_cache=True, logits_to_keep=1, **{self.cache_argument: cache})  # fmt: skip
             return out.logits[:, -1].float().clone()  # a view would lose FSDP2's output hooks
         if labels is None:
             raise ValueError("labels are required unless decoding with a cache")
@@ -291,7 +293,7 @@ class RouterLoss:
         else:  # each slice a row of the gathered batch: the function's token mean is over the whole rows
             whole = None if mask is None else self.gather(mask)
             aux = self.function(tuple(self.gather(t) for t in router_logits), self.num_experts, self.top_k, whole)
-        weight = (labels[:, 1:] != IGNORE_INDEX).sum()
+        weight = target_mask(labels).sum()
         with torch.no_grad():
             counts = []
             for logits in router_logits:

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from qlora_fsdp.data import IGNORE_INDEX
+from qlora_fsdp.data import IGNORE_INDEX, target_mask
 from qlora_fsdp.distributed import DistEnv
 from qlora_fsdp.errors import UserError
 
@@ -89,7 +89,7 @@ def split_rows(batch: dict[str, torch.Tensor], *, size: int, index: int) -> dict
         "labels": labels[:, start : end + 1],
         "position_ids": positions[:, start:end].contiguous(),
         POSITIONS: positions,
-        ROW_LABEL_TOKENS: (batch["labels"][:, 1:] != IGNORE_INDEX).sum(1),
+        ROW_LABEL_TOKENS: target_mask(batch["labels"]).sum(1),
     }
 
 

@@ -4,6 +4,6 @@ sources (files, hub, named datasets) -> formats (rows -> examples -> ids and lab
 batch) -> cache (tokenized once into Arrow, shared by the ranks and later runs) -> loader (samplers, DataLoaders).
 """
 
-from qlora_fsdp.data.formats import IGNORE_INDEX
+from qlora_fsdp.data.formats import IGNORE_INDEX, target_mask
 
-__all__ = ["IGNORE_INDEX"]
+__all__ = ["IGNORE_INDEX", "target_mask"]

@@ -25,7 +25,7 @@ import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qlora_fsdp.data.chat import (
     Content,
@@ -42,8 +42,17 @@ from qlora_fsdp.data.images import ImageInputs
 from qlora_fsdp.data.sources import Located, read_rows, source_names, source_root
 from qlora_fsdp.errors import UserError
 
+if TYPE_CHECKING:
+    import torch
+
 IGNORE_INDEX = -100
 """Label value the cross-entropy loss skips (prompt and padding positions)."""
+
+
+def target_mask(labels: torch.Tensor) -> torch.Tensor:
+    """Which positions have a next token to predict: labels[:, 1:] that are not IGNORE_INDEX (every loss and token
+    count shifts labels by one against the positions that predict them)."""
+    return labels[:, 1:] != IGNORE_INDEX
 
 _ROW_HELP = (
     "each row needs 'instruction' and 'output' (alpaca), 'prompt' and 'completion', 'text', or a chat list "

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from qlora_fsdp.data import IGNORE_INDEX
+from qlora_fsdp.data import IGNORE_INDEX, target_mask
 from qlora_fsdp.data.prompts import PROMPT_INDEX, Prompt
 from qlora_fsdp.data.rows import collate
 from qlora_fsdp.objectives.base import Forward, Objective
@@ -203,11 +203,11 @@ class GrpoObjective(Objective):
     def weights(self, batch: dict[str, torch.Tensor]) -> tuple[int, ...]:
         if self.loss_type in ("grpo", "dr_grpo"):
             return (batch["input_ids"].shape[0],)
-        return (int(_mask(batch).sum()),)
+        return (int(target_mask(batch["labels"]).sum()),)
 
     def loss_sum(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         device = self.forward.device
-        mask = _mask(batch).to(device)
+        mask = target_mask(batch["labels"]).to(device)
         logps = -self.forward(model, batch, per_token=True, temperature=self.temperature)
         old = batch[OLD_LOGPS].to(device) if OLD_LOGPS in batch else logps.detach()
         advantages = batch[ADVANTAGES].to(device)[:, None]
@@ -343,8 +343,3 @@ def _seed(seed: int, step: int, prompt: int, k: int) -> int:
     """The generator seed of the k-th completion of a prompt (its dataset index) at a step."""
     digest = hashlib.blake2b(f"{seed}:{step}:{prompt}:{k}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
-
-
-def _mask(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Which label positions are completion tokens."""
-    return batch["labels"][:, 1:] != IGNORE_INDEX

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qlora_fsdp.data import IGNORE_INDEX
+from qlora_fsdp.data import target_mask
 from qlora_fsdp.objectives.base import Forward, Objective
 from qlora_fsdp.objectives.reference import ReferenceLookup, reference_logps
 from qlora_fsdp.sequence_parallel import ROW_LABEL_TOKENS
@@ -178,7 +178,7 @@ def reply_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     rows (sequence parallelism)."""
     if ROW_LABEL_TOKENS in batch:
         return batch[ROW_LABEL_TOKENS]
-    return (batch["labels"][:, 1:] != IGNORE_INDEX).sum(1)
+    return target_mask(batch["labels"]).sum(1)
 
 
 def _pairs_present(batch: dict[str, torch.Tensor]) -> torch.Tensor:

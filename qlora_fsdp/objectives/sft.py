@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from qlora_fsdp.data import IGNORE_INDEX
+from qlora_fsdp.data import target_mask
 from qlora_fsdp.objectives.base import Forward, Objective
 
 
@@ -16,7 +16,7 @@ class SftObjective(Objective):
         self.forward = forward
 
     def weights(self, batch: dict[str, torch.Tensor]) -> tuple[int, ...]:
-        return (int((batch["labels"][:, 1:] != IGNORE_INDEX).sum()),)
+        return (int(target_mask(batch["labels"]).sum()),)
 
     def loss_sum(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         loss = self.forward(model, batch)
