@@ -49,6 +49,7 @@ from qlora_fsdp.distributed import DistEnv, broadcast_object
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.fsdp import ShardedModel
 from qlora_fsdp.loss import LM_PREFIX
+from qlora_fsdp.objective_config import with_defaults
 from qlora_fsdp.resume_rules import as_argument
 
 if TYPE_CHECKING:
@@ -366,6 +367,7 @@ def check_resume_compatible(
     ("--lr 0.01 -> 0.005", a new world size or global batch), which the caller applies.
     """
     state = read_train_state(path)
+    state.settings, settings = with_defaults(state.settings), with_defaults(settings)
     legacy = state.format < 2
     if legacy and state.world_size != world_size:
         raise UserError(
@@ -391,6 +393,7 @@ def check_resume_compatible(
 
 def _new_layout(path: Path, state: TrainState, settings: dict[str, Any], world_size: int) -> list[str]:
     """What a resume on another world size or global batch changes, or the reason it cannot continue the data."""
+    layout_flags = ("batch_size", "gradient_accumulation_steps", "num_generations")
 
     def shape(ranks: int, flags: dict[str, Any]) -> tuple[int, int, str]:
         batch, accumulation = flags.get("batch_size", 1), flags.get("gradient_accumulation_steps", 1)
@@ -412,17 +415,20 @@ def _new_layout(path: Path, state: TrainState, settings: dict[str, Any], world_s
             f"--resume_from {path}: --group_by_length orders rows in global batches of {old_micro} (world size x "
             f"--batch_size), so it continues only with world size x --batch_size = {old_micro}"
         )
-    iterations = settings.get("num_iterations") or 1
+    iterations, group = settings.get("num_iterations") or 1, state.settings.get("num_generations")
     layout = (world_size, settings.get("batch_size"), settings.get("gradient_accumulation_steps"),
               settings.get("num_generations"))  # fmt: skip
-    saved_layout = (state.world_size, *(state.settings.get(k) for k in
-                                        ("batch_size", "gradient_accumulation_steps", "num_generations")))  # fmt: skip
-    if state.step % iterations and layout != saved_layout:
+    if state.step % iterations and layout != (state.world_size, *(state.settings.get(k) for k in layout_flags)):
         raise UserError(
             f"--resume_from {path}: step {state.step} falls between the --num_iterations {iterations} steps that reuse "
             f"one generation of completions, which the checkpoint holds rank by rank for {old_text}, --num_generations "
-            f"{state.settings.get('num_generations')}; resume it with those, or from a checkpoint whose step is a "
-            f"multiple of {iterations}"
+            f"{group}; resume it with those, or from a checkpoint whose step is a multiple of {iterations}"
+        )
+    if iterations > 1 and old_global / group != new_global / settings.get("num_generations"):
+        raise UserError(
+            f"--resume_from {path}: with --num_iterations {iterations} the data position counts each step's prompts "
+            f"{iterations} times, so it continues only with {old_global // group} prompts a step ({old_text} / "
+            f"--num_generations {group}); keep that product, or start a new run"
         )
     notes = []
     if world_size != state.world_size:

@@ -107,6 +107,13 @@ class ObjectiveConfig:
         return ROW_KINDS.get(self.objective, "preference")
 
 
+def with_defaults(settings: dict[str, Any]) -> dict[str, Any]:
+    """Recorded flags with the chosen objective's defaults in place of its settings not given (None): a setting left
+    at its default equals the same value given (what a resume compares)."""
+    own = OBJECTIVE_SETTINGS.get(settings.get("objective") or "sft", {})
+    return {flag: own[flag] if value is None and flag in own else value for flag, value in settings.items()}
+
+
 def objective_ranges(cfg: ObjectiveConfig) -> list[str]:
     """The settings outside their ranges, each with its flag."""
     grpo = cfg.objective == "grpo"

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, Dataset
 from qlora_fsdp.config import DataConfig
 from qlora_fsdp.data.chat import Conversation, load_chat_template, parse_messages
 from qlora_fsdp.data.formats import format_prompt, missing_prefix, special_prefix
-from qlora_fsdp.data.loader import RepeatedStepsSampler
+from qlora_fsdp.data.loader import GlobalOrderSampler, RepeatedStepsSampler
 from qlora_fsdp.data.sources import read_rows, source_names
 from qlora_fsdp.distributed import DistEnv
 from qlora_fsdp.errors import UserError
@@ -96,8 +96,8 @@ def _framed(text: Any, tokenizer: Any, prompt_style: str, where: str) -> str:
 def prompt_loader(data: DataConfig, tokenizer: Any, env: DistEnv, *, seed: int, accumulation: int,
                   num_generations: int, max_completion_length: int, num_iterations: int = 1) -> DataLoader:  # fmt: skip
     """This rank's loader of prompt batches: --batch_size / --num_generations prompts each (a rank samples whole
-    groups), dealt from one shuffled order as the other objectives' rows are, each step's prompts `num_iterations`
-    times in a row (RepeatedStepsSampler)."""
+    groups), dealt from one shuffled order as the other objectives' rows are (GlobalOrderSampler), each step's prompts
+    `num_iterations` times in a row (RepeatedStepsSampler)."""
     if data.batch_size % num_generations:
         raise UserError(f"--batch_size {data.batch_size} is not a multiple of --num_generations {num_generations}: "
                         "each rank samples whole groups of completions (TRL's rule, the batch a multiple of the "
@@ -112,8 +112,9 @@ def prompt_loader(data: DataConfig, tokenizer: Any, env: DistEnv, *, seed: int, 
     if len(prompts) < needed:
         raise UserError(f"--dataset {data.dataset} has {len(prompts)} prompts, fewer than the {needed} one step needs "
                         "(ranks x --batch_size / --num_generations x --gradient_accumulation_steps)")  # fmt: skip
-    sampler = RepeatedStepsSampler(len(prompts), repeats=num_iterations, world_size=env.data_world_size,
-                                   rank=env.data_rank, batch_size=per_rank, accumulation=accumulation,
-                                   seed=seed)  # fmt: skip
+    shape = dict(world_size=env.data_world_size, rank=env.data_rank, batch_size=per_rank, accumulation=accumulation,
+                 seed=seed)  # fmt: skip
+    sampler = (GlobalOrderSampler(len(prompts), **shape) if num_iterations == 1
+               else RepeatedStepsSampler(len(prompts), repeats=num_iterations, **shape))  # fmt: skip
     return DataLoader(PromptRows(prompts), batch_size=per_rank, sampler=sampler, drop_last=True,
                       collate_fn=collate_prompts, generator=torch.Generator().manual_seed(seed))  # fmt: skip

@@ -109,6 +109,8 @@ class GrpoObjective(Objective):
         self.forward, self.loss_type, self.beta = forward, loss_type, beta
         self.epsilon, self.epsilon_high, self.max_completion_length = epsilon, epsilon_high, max_completion_length
         self.temperature, self.rollout = temperature, rollout
+        self.prepared = 0
+        """The last step a micro-batch was prepared for."""
         self.generation: dict[str, Any] = {}
         """With --num_iterations above 1, the current generation: its first step, and per micro-batch its prompts'
         indices and its prepared batch (what `state_dict` saves)."""
@@ -124,6 +126,7 @@ class GrpoObjective(Objective):
         r = self.rollout
         indices = batch[PROMPT_INDEX].tolist()
         first = step - (step - 1) % r.num_iterations
+        self.prepared = step
         if step != first:
             held = self.generation
             if held.get("step") != first or held["prompts"][index] != indices:
@@ -151,7 +154,10 @@ class GrpoObjective(Objective):
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return dict(self.generation)
+        """The generation later steps will reuse; none once its last step has prepared (a checkpoint at a multiple
+        of --num_iterations has no use for it)."""
+        n = self.rollout.num_iterations if self.rollout is not None else 1
+        return dict(self.generation) if self.generation and self.prepared < self.generation["step"] + n - 1 else {}
 
     def load_state_dict(self, state: dict[str, Any], *, step: int) -> None:
         """A run resumed between the steps of one generation needs that generation back (check_resume_compatible
@@ -161,7 +167,7 @@ class GrpoObjective(Objective):
             return
         if state.get("step") != step + 1 - step % n:
             raise RuntimeError(f"the checkpoint of step {step} holds no generation of step {step + 1 - step % n}")
-        self.generation = state
+        self.generation, self.prepared = state, step
 
     def _sample(self, model: nn.Module, indices: list[int], step: int) -> dict[str, torch.Tensor]:
         """Sample, score and collate the completions of these prompts."""

@@ -175,3 +175,38 @@ def test_an_older_checkpoint_resumes_its_unrecorded_flags_taken_as_unchanged(tmp
 )  # fmt: skip
 def test_the_fix_reads_as_a_command_line(flag: str, value: Any, argument: str) -> None:
     assert as_argument(flag, value) == argument
+
+
+def test_grpo_settings_left_at_their_defaults_equal_the_same_values_given(tmp_path: Path) -> None:
+    grpo = {"objective": "grpo", "reward_funcs": "m:f", "batch_size": 4}
+    ckpt = _checkpoint(tmp_path, recorded_settings(replace(_config(), **grpo)))
+    given = recorded_settings(replace(_config(), **grpo, num_iterations=1, num_generations=8, beta=0.0))
+    assert check_resume_compatible(ckpt, given, **RULES) == []
+
+
+@pytest.mark.parametrize(
+    ("saved", "resumed", "world_size", "needle"),
+    [
+        # Step 4 of --num_iterations 3 is between a generation's steps: only the layout that saved it resumes there.
+        ({"num_iterations": 3}, {"num_iterations": 3}, 2, ""),
+        ({"num_iterations": 3}, {"num_iterations": 3, "batch_size": 8, "gradient_accumulation_steps": 2}, 1,
+         "step 4 falls between"),
+        ({"num_iterations": 3}, {"num_iterations": 3}, 1, "step 4 falls between the --num_iterations 3 steps"),
+        ({"num_iterations": 3}, {"num_iterations": 3, "num_generations": 2}, 2, "step 4 falls between"),
+        # At a multiple of --num_iterations another world size resumes, with the same prompts a step only.
+        ({"num_iterations": 2}, {"num_iterations": 2, "batch_size": 8}, 1, ""),
+        ({"num_iterations": 2}, {"num_iterations": 2}, 1, "continues only with 2 prompts a step"),
+        ({}, {}, 1, ""),  # --num_iterations 1: any layout
+    ],
+)  # fmt: skip
+def test_grpo_resumes_where_its_prompts_and_generation_fit(tmp_path: Path, saved: dict, resumed: dict,
+                                                           world_size: int, needle: str) -> None:  # fmt: skip
+    grpo = {"objective": "grpo", "reward_funcs": "m:f", "batch_size": 4, "num_generations": 4}
+    ckpt = _checkpoint(tmp_path, recorded_settings(replace(_config(), **grpo, **saved)))
+    settings = recorded_settings(replace(_config(), **{**grpo, **resumed}))
+    rules = {**RULES, "world_size": world_size}
+    if not needle:
+        check_resume_compatible(ckpt, settings, **rules)
+    else:
+        with pytest.raises(UserError, match=re.escape(needle)):
+            check_resume_compatible(ckpt, settings, **rules)
