@@ -54,6 +54,8 @@ def _broken_module(tmp_path: Path) -> str:
         (["--reward_funcs", GOOD, "--generation_mode", "gathered", "--fsdp_version", "1"],
          ["--generation_mode gathered with --fsdp_version 1", "use --fsdp_version 2"]),
         (["--reward_funcs", GOOD, "--generation_mode", "local"], ["--generation_mode must be one of sharded"]),
+        (["--reward_funcs", GOOD, "--beta", "0.04", "--quant", "none", "--train_type", "full"],
+         ["--train_type full", "grpo with --beta 0 need no reference"]),
     ],
 )  # fmt: skip
 def test_bad_flags_and_reward_functions(no_weights: Path, tmp_path: Path, flags: list[str],

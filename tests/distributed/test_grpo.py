@@ -107,3 +107,19 @@ def test_resume_completions_log_and_parameter_bytes(tiny_model: Path, tmp_path: 
     train(["--model", str(tiny_model), "--dataset", str(DATASET), *COMMON[COMMON.index("--precision"):-4],
            *flags[:6], "--max_steps", "1", "--output_dir", str(sft)], nproc=2)  # fmt: skip
     assert whole[0]["param_bytes_per_rank"] == read_metrics(sft)[0]["param_bytes_per_rank"]
+
+
+@pytest.mark.parametrize("case", ["full", "mixtral"])
+def test_full_fine_tuning_and_a_mixture_of_experts_sample_and_train(tiny_model: Path, moe_models: dict[str, Path],
+                                                                    tmp_path: Path, case: str) -> None:  # fmt: skip
+    """As for DPO: --train_type full --quant none trains every weight with --beta 0 (no reference; FSDP1, whose flat
+    parameters hide the trained head: its per-token losses take whole logits); a Mixtral samples through its
+    quantized experts (bnb, FSDP2, weights gathered) and trains against the reference."""
+    model, flags = {
+        "full": (tiny_model, ("--quant", "none", "--train_type", "full", "--fsdp_version", "1", "--lr", "1e-3")),
+        "mixtral": (moe_models["mixtral"], ("--quant", "bnb", "--generation_mode", "gathered", "--beta", "0.04")),
+    }[case]  # fmt: skip
+    records = _run(model, tmp_path / case, "--batch_size", "4", "--max_steps", "2", *flags, nproc=2)
+    assert len(records) == 2
+    assert all(math.isfinite(r["loss"]) and r["grad_norm"] > 0 and r["entropy"] > 0 for r in records)
+    assert records[0]["reward_std"] > 0  # the completions differ, so advantages are not all 0
