@@ -56,6 +56,7 @@ from benchmarks.cpu_suite import (
     ensure_model,
     launch_conditions,
     launches_markdown,
+    model_record,
 )
 from benchmarks.data_suite import _shell
 from benchmarks.report import fmt, render
@@ -377,12 +378,7 @@ def run_checkpoint_suite(plan: CheckpointPlan, *, cache: Path, log: Callable[[st
     return {
         "suite": "cpu-checkpoint",
         "quick": p.quick,
-        "model": {
-            "path": str(full),
-            "parameters": _parameters(full),
-            "shards": len(list(full.glob("*.safetensors"))),
-            "sizes": p.full_model,
-        },
+        "model": model_record(full, p.full_model),
         "models": {c: {"path": str(m), "parameters": _parameters(m)} for c, m in models.items()},
         "settings": {
             **asdict(p),

@@ -403,12 +403,7 @@ def run_cpu_suite(
     return {
         "suite": "cpu-large" if plan.large else "cpu-loss" if plan.loss else "cpu-packing" if plan.packing else "cpu",
         "quick": plan.quick,
-        "model": {
-            "path": str(model_dir),
-            "parameters": details["parameters"],
-            "shards": len(list(model_dir.glob("*.safetensors"))),
-            "sizes": {k: config.get(k) for k in SIZE_KEYS},
-        },
+        "model": model_record(model_dir, {k: config.get(k) for k in SIZE_KEYS}),
         "settings": {
             **asdict(plan),
             "precision": f"{plan.precision} parameters, storage and compute (ours --precision {plan.precision}; "
@@ -685,6 +680,13 @@ def _quality(runner: Runner, model: Path, config: dict[str, Any], rows: list, de
                     note=f"{record['matrices']} matrices of layers {layers}, {record['params']:,} weights",
                 )
             )
+
+
+def model_record(model: Path, sizes: dict[str, Any]) -> dict[str, Any]:
+    """results.json's record of a suite's model: where it is, its parameters and shards, the sizes it was built
+    with (or read from its config)."""
+    shards = len(list(model.glob("*.safetensors")))
+    return {"path": str(model), "parameters": _parameters(model), "shards": shards, "sizes": sizes}
 
 
 def _parameters(model: Path) -> int:

@@ -34,10 +34,10 @@ from benchmarks.cpu_suite import (
     CpuPlan,
     LaunchSettings,
     Runner,
-    _parameters,
     ensure_model,
     launch_conditions,
     launches_markdown,
+    model_record,
 )
 from benchmarks.report import render
 from benchmarks.rows import row
@@ -558,12 +558,7 @@ def run_data_suite(
     return {
         "suite": "cpu-data",
         "quick": plan.quick,
-        "model": {
-            "path": str(model_dir),
-            "parameters": _parameters(model_dir),
-            "shards": len(list(model_dir.glob("*.safetensors"))),
-            "sizes": {k: config.get(k) for k in SIZE_KEYS},
-        },
+        "model": model_record(model_dir, {k: config.get(k) for k in SIZE_KEYS}),
         "settings": {
             **asdict(plan),
             "precision": f"--precision {plan.precision}",

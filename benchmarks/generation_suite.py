@@ -34,10 +34,10 @@ from benchmarks.cpu_suite import (
     CpuPlan,
     LaunchSettings,
     Runner,
-    _parameters,
     ensure_model,
     launch_conditions,
     launches_markdown,
+    model_record,
 )
 from benchmarks.report import render
 from benchmarks.rows import row
@@ -153,12 +153,7 @@ def run_generation_suite(plan: GenerationPlan, *, cache: Path, log: Callable[[st
     return {
         "suite": "cpu-generation",
         "quick": p.quick,
-        "model": {
-            "path": str(model),
-            "parameters": _parameters(model),
-            "shards": len(list(model.glob("*.safetensors"))),
-            "sizes": p.model,
-        },
+        "model": model_record(model, p.model),
         "settings": {
             **asdict(p),
             "precision": f"--precision {p.precision}",

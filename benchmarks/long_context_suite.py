@@ -47,10 +47,10 @@ from benchmarks.cpu_suite import (
     CpuPlan,
     LaunchSettings,
     Runner,
-    _parameters,
     ensure_model,
     launch_conditions,
     launches_markdown,
+    model_record,
 )
 from benchmarks.data_suite import _shell
 from benchmarks.preference_suite import probed_train
@@ -290,12 +290,7 @@ def run_long_context_suite(plan: LongContextPlan, *, cache: Path, log: Callable[
     return {
         "suite": "cpu-long-context",
         "quick": p.quick,
-        "model": {
-            "path": str(model),
-            "parameters": _parameters(model),
-            "shards": len(list(model.glob("*.safetensors"))),
-            "sizes": p.model,
-        },
+        "model": model_record(model, p.model),
         "settings": {
             **asdict(p),
             "candidates": p.candidates(),

@@ -42,10 +42,10 @@ from benchmarks.cpu_suite import (
     CpuPlan,
     LaunchSettings,
     Runner,
-    _parameters,
     ensure_model,
     launch_conditions,
     launches_markdown,
+    model_record,
 )
 from benchmarks.data_suite import _shell
 from benchmarks.report import fmt, render
@@ -390,12 +390,7 @@ def run_preference_suite(plan: PreferencePlan, *, cache: Path, log: Callable[[st
     return {
         "suite": "cpu-preference",
         "quick": p.quick,
-        "model": {
-            "path": str(model),
-            "parameters": _parameters(model),
-            "shards": len(list(model.glob("*.safetensors"))),
-            "sizes": p.model,
-        },
+        "model": model_record(model, p.model),
         "data": {k: v for k, v in data.items() if k != "files"},
         "settings": {
             **asdict(p),

@@ -35,8 +35,8 @@ LONG_FILES = (
     "test_after_training_bnb.py", "test_options.py", "test_after_training_hqq.py", "test_reliability.py",
     "test_packing_eval.py", "test_options_fsdp1.py", "test_harness.py", "test_elastic_resume.py",
     "test_preference_smollm2.py", "test_kto_smollm2.py", "test_vlm.py", "test_data_scale.py", "test_moe_e2e.py",
-    "test_chat_training.py", "test_train_e2e.py", "test_moe_families_e2e.py", "test_grpo.py", "test_sequence_parallel.py",
-    "test_long_context_suite.py",
+    "test_chat_training.py", "test_train_e2e.py", "test_moe_families_e2e.py", "test_grpo.py",
+    "test_sequence_parallel.py", "test_long_context_suite.py",
 )  # fmt: skip
 
 
