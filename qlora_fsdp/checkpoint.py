@@ -393,7 +393,6 @@ def check_resume_compatible(
 
 def _new_layout(path: Path, state: TrainState, settings: dict[str, Any], world_size: int) -> list[str]:
     """What a resume on another world size or global batch changes, or the reason it cannot continue the data."""
-    layout_flags = ("batch_size", "gradient_accumulation_steps", "num_generations")
 
     def shape(ranks: int, flags: dict[str, Any]) -> tuple[int, int, str]:
         batch, accumulation = flags.get("batch_size", 1), flags.get("gradient_accumulation_steps", 1)
@@ -416,9 +415,12 @@ def _new_layout(path: Path, state: TrainState, settings: dict[str, Any], world_s
             f"--batch_size), so it continues only with world size x --batch_size = {old_micro}"
         )
     iterations, group = settings.get("num_iterations") or 1, state.settings.get("num_generations")
-    layout = (world_size, settings.get("batch_size"), settings.get("gradient_accumulation_steps"),
-              settings.get("num_generations"))  # fmt: skip
-    if state.step % iterations and layout != (state.world_size, *(state.settings.get(k) for k in layout_flags)):
+
+    def layout(ranks: int, flags: dict[str, Any]) -> tuple[Any, ...]:
+        """What a rank's held generation depends on: the ranks and how each one's micro-batches are made."""
+        return ranks, *(flags.get(k) for k in ("batch_size", "gradient_accumulation_steps", "num_generations"))
+
+    if state.step % iterations and layout(world_size, settings) != layout(state.world_size, state.settings):
         raise UserError(
             f"--resume_from {path}: step {state.step} falls between the --num_iterations {iterations} steps that reuse "
             f"one generation of completions, which the checkpoint holds rank by rank for {old_text}, --num_generations "

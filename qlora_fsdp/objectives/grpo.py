@@ -123,9 +123,8 @@ class GrpoObjective(Objective):
         for them at the generation's first step (a batch of completions already, as tests give, stays as it is)."""
         if PROMPT_INDEX not in batch or self.rollout is None:
             return batch
-        r = self.rollout
         indices = batch[PROMPT_INDEX].tolist()
-        first = step - (step - 1) % r.num_iterations
+        first = step - (step - 1) % self.iterations
         self.prepared = step
         if step != first:
             held = self.generation
@@ -134,13 +133,18 @@ class GrpoObjective(Objective):
                                    f"{indices} to reuse")  # fmt: skip
             return {**held["batches"][index], SAMPLING_S: torch.tensor(0.0)}  # nothing sampled at this step
         out = self._sample(model, indices, step)
-        if r.num_iterations > 1:
+        if self.iterations > 1:
             out = self._with_logps(model, out)
             if index == 0:
                 self.generation = {"step": step, "prompts": [], "batches": []}
             self.generation["prompts"].append(indices)
             self.generation["batches"].append(out)
         return out
+
+    @property
+    def iterations(self) -> int:
+        """Optimizer steps each generation serves (1 without a rollout)."""
+        return self.rollout.num_iterations if self.rollout is not None else 1
 
     def _with_logps(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The batch with the policy's per-token log-probs of its completions now, which the steps reusing it
@@ -156,13 +160,13 @@ class GrpoObjective(Objective):
     def state_dict(self) -> dict[str, Any]:
         """The generation later steps will reuse; none once its last step has prepared (a checkpoint at a multiple
         of --num_iterations has no use for it)."""
-        n = self.rollout.num_iterations if self.rollout is not None else 1
-        return dict(self.generation) if self.generation and self.prepared < self.generation["step"] + n - 1 else {}
+        held = self.generation and self.prepared < self.generation["step"] + self.iterations - 1
+        return dict(self.generation) if held else {}
 
     def load_state_dict(self, state: dict[str, Any], *, step: int) -> None:
         """A run resumed between the steps of one generation needs that generation back (check_resume_compatible
         has refused a layout other than the one that saved it)."""
-        n = self.rollout.num_iterations if self.rollout is not None else 1
+        n = self.iterations
         if step % n == 0:
             return
         if state.get("step") != step + 1 - step % n:
