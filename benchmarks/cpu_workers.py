@@ -49,11 +49,11 @@ def load_ours(args: dict[str, Any]) -> None:
     import torch.distributed as dist
 
     from benchmarks.measure import model_bytes, preimport
-    from qlora_fsdp.config import FSDPConfig, ModelConfig, QuantConfig
-    from qlora_fsdp.distributed import init_distributed
-    from qlora_fsdp.fsdp import make_sharder
-    from qlora_fsdp.model import build_skeleton, stream_weights
-    from qlora_fsdp.precision import PRECISIONS
+    from qlora_fsdp.config.options import FSDPConfig, ModelConfig, QuantConfig
+    from qlora_fsdp.model.loading import build_skeleton, stream_weights
+    from qlora_fsdp.parallel.distributed import init_distributed
+    from qlora_fsdp.parallel.precision import PRECISIONS
+    from qlora_fsdp.parallel.sharding import make_sharder
     from qlora_fsdp.quant import make_backend
     from qlora_fsdp.quant.base import QuantizedLinear
 
@@ -180,8 +180,8 @@ def quant_quality(args: dict[str, Any]) -> None:
     from torch import nn
 
     from benchmarks.measure import tensor_bytes
-    from qlora_fsdp.config import QuantConfig
-    from qlora_fsdp.model import shard_files
+    from qlora_fsdp.config.options import QuantConfig
+    from qlora_fsdp.model.loading import shard_files
     from qlora_fsdp.quant import make_backend
 
     layers = {f"model.layers.{i}." for i in args["layers"]}

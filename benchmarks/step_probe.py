@@ -6,8 +6,8 @@ loading did reports loading's peak, and no step's own need shows. The probe ther
 clear_refs "5", see benchmarks.common.reset_peak_rss) just before the first step, noting the RSS at that moment as
 the baseline, and again right after each step's reading: step k's figure is the largest RSS during step k alone,
 and metrics.jsonl's `peak_memory_bytes` of these runs is that per-step peak too. Two names of the package are
-wrapped, never edited: `qlora_fsdp.trainer.train_loop` (the baseline) and `qlora_fsdp.loop.peak_memory_bytes`
-(each step's reading). Each rank writes `$BENCH_STEP_RSS_FILE.rankR.json`.
+wrapped, never edited: `qlora_fsdp.train.trainer.train_loop` (the baseline) and
+`qlora_fsdp.train.loop.peak_memory_bytes` (each step's reading). Each rank writes `$BENCH_STEP_RSS_FILE.rankR.json`.
 
 It also makes the profiler's tensor peak (`--profile true`) honest under gloo: a gloo collective returns while its
 worker thread still holds the buffers for a moment, so the last reference, and the free, can fall on that thread,
@@ -32,7 +32,8 @@ from benchmarks.common import current_rss_bytes, peak_rss_bytes, reset_peak_rss,
 RESET_SLACK_BYTES = 1 << 20
 """A reset counts as done when VmHWM reads at most this much above the RSS right after it (pages move meanwhile)."""
 COLLECTIVES = ("all_to_all_single", "all_reduce", "all_gather")
-"""The torch.distributed calls of qlora_fsdp/sequence_parallel.py whose buffers gloo may free on its own thread."""
+"""The torch.distributed calls of qlora_fsdp/parallel/sequence_parallel.py whose buffers gloo may free on its own
+thread."""
 RELEASE_WAIT_S = 1.0
 """Give up waiting for gloo to let a tensor go after this long (a holder that never lets go is not gloo's)."""
 
@@ -46,8 +47,8 @@ def _reset() -> tuple[int, bool]:
 
 def install(record: dict[str, Any]) -> None:
     """Wrap the trainer's train_loop and the loop's peak_memory_bytes so that they fill `record`."""
-    import qlora_fsdp.loop as loop
-    import qlora_fsdp.trainer as trainer
+    import qlora_fsdp.train.loop as loop
+    import qlora_fsdp.train.trainer as trainer
 
     for module, name in ((trainer, "train_loop"), (loop, "peak_memory_bytes")):
         if not callable(getattr(module, name, None)):

@@ -9,10 +9,10 @@ from collections.abc import Callable
 from typing import Any
 
 from qlora_fsdp.compat import quiet_peft_checkpointing_warning
-from qlora_fsdp.config import build_config
+from qlora_fsdp.config.help import option_docs
+from qlora_fsdp.config.options import build_config
 from qlora_fsdp.errors import UserError
-from qlora_fsdp.help import option_docs
-from qlora_fsdp.tool_config import build_tool_config, tool_flags
+from qlora_fsdp.tools.config import build_tool_config, tool_flags
 
 
 def main(config: str | None = None, **flags: Any) -> None:
@@ -25,7 +25,7 @@ def main(config: str | None = None, **flags: Any) -> None:
     _quiet_known_noise()
     try:
         cfg = build_config({k.replace("-", "_"): v for k, v in flags.items()}, config).validate()
-        from qlora_fsdp.trainer import run
+        from qlora_fsdp.train.trainer import run
 
         run(cfg)
     except UserError as exc:
@@ -55,8 +55,8 @@ def preprocess(config: str | None = None, **flags: Any) -> None:
 
         from qlora_fsdp.data.images import load_image_inputs
         from qlora_fsdp.data.loader import prepare_caches
-        from qlora_fsdp.distributed import DistEnv
-        from qlora_fsdp.model import load_tokenizer, resolve_model_path
+        from qlora_fsdp.model.loading import load_tokenizer, resolve_model_path
+        from qlora_fsdp.parallel.distributed import DistEnv
 
         path = resolve_model_path(cfg.model.model)
         tokenizer = load_tokenizer(path)

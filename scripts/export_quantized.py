@@ -8,7 +8,7 @@ checks every layer against the digests training recorded before anything is writ
 
 bnb: a directory `AutoModelForCausalLM.from_pretrained` loads in 4 bits without quantizing again; hqq: HQQ's
 qmodel.pt + config.json, which `AutoHQQHFModel.from_quantized` loads. Pass the trained adapter on top with PEFT or
-scripts/generate.py. --help lists every flag; the logic lives in qlora_fsdp/export.py.
+scripts/generate.py. --help lists every flag; the logic lives in qlora_fsdp/tools/export.py.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from qlora_fsdp.cli import run_tool  # after the sys.path set-up above
-from qlora_fsdp.config import TrainConfig
-from qlora_fsdp.tool_config import ExportConfig
+from qlora_fsdp.config.options import TrainConfig
+from qlora_fsdp.tools.config import ExportConfig
 
 
 def _export(cfg: TrainConfig, options: ExportConfig) -> None:
-    from qlora_fsdp.export import export_quantized
+    from qlora_fsdp.tools.export import export_quantized
 
     written = export_quantized(cfg.model, cfg.quant, precision=cfg.fsdp.precision, options=options)
     print(written.summary(f"{cfg.quant.quant} model"), flush=True)

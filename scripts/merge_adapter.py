@@ -6,7 +6,7 @@ python scripts/merge_adapter.py --model BASE --adapter ADAPTER_DIR --output OUT 
 The quantization flags of train.py come from the adapter's qlora_manifest.json (pass them only for an adapter
 without one); with --base_weights dequantized the base is checked against its digests before anything is written.
 
---help lists every flag; the logic lives in qlora_fsdp/export.py.
+--help lists every flag; the logic lives in qlora_fsdp/tools/export.py.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from qlora_fsdp.cli import run_tool  # after the sys.path set-up above
-from qlora_fsdp.config import TrainConfig
-from qlora_fsdp.tool_config import MergeConfig
+from qlora_fsdp.config.options import TrainConfig
+from qlora_fsdp.tools.config import MergeConfig
 
 
 def _merge(cfg: TrainConfig, options: MergeConfig) -> None:
-    from qlora_fsdp.export import merge_adapter
+    from qlora_fsdp.tools.export import merge_adapter
 
     written = merge_adapter(cfg.model, cfg.quant, precision=cfg.fsdp.precision, options=options)
     print(written.summary("merged model"), flush=True)

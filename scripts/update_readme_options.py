@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from qlora_fsdp.help import option_docs
+from qlora_fsdp.config.help import option_docs
 
 OPTIONS = Path(__file__).resolve().parents[1] / "docs" / "options.md"
 START, END = "<!-- options:start -->", "<!-- options:end -->"

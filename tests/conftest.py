@@ -22,7 +22,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DATASET = REPO_ROOT / "data" / "alpaca_tiny.jsonl"
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 # Whether this torch's FSDP2 shards uint8 parameters (2.12+), as the trainer asks; older ones get the float view by
-# default (qlora_fsdp/fsdp2.py).
+# default (qlora_fsdp/parallel/fsdp2.py).
 UINT8_FSDP2 = fsdp2_uint8_problem() is None
 # Tokenized caches of a test session stay in a directory of its own (launched CLIs inherit it), not the user's.
 os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="qlora-test-datasets-"))

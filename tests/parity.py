@@ -15,12 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qlora_fsdp.config import LoraConfig, ModelConfig, QuantConfig
+from qlora_fsdp.checkpoint.manifest import intra_op_threads, layer_digests, read_manifest
+from qlora_fsdp.config.options import LoraConfig, ModelConfig, QuantConfig
 from qlora_fsdp.data.formats import IGNORE_INDEX, load_examples, pad_token_id
 from qlora_fsdp.data.rows import collate, fit_examples
-from qlora_fsdp.lora import adapter_keys, init_adapters, inject_lora, lora_layers
-from qlora_fsdp.manifest import intra_op_threads, layer_digests, read_manifest
-from qlora_fsdp.model import Skeleton, build_skeleton, load_model, load_tokenizer
+from qlora_fsdp.model.loading import Skeleton, build_skeleton, load_model, load_tokenizer
+from qlora_fsdp.model.lora import adapter_keys, init_adapters, inject_lora, lora_layers
 from qlora_fsdp.quant import make_backend
 from qlora_fsdp.quant.base import QuantizedLinear
 from qlora_fsdp.quant.experts import QuantizedExperts
@@ -89,7 +89,7 @@ def dequantized_transformers_model(model_path: Path, base: Skeleton) -> nn.Modul
     its slice of the fused `gate_up_proj`/`down_proj`. Every quantized layer is placed (checked)."""
     from transformers import AutoConfig
 
-    from qlora_fsdp.vision import auto_model_class
+    from qlora_fsdp.model.vision import auto_model_class
 
     config = AutoConfig.from_pretrained(model_path)
     model = auto_model_class(config, where=str(model_path)).from_pretrained(model_path, dtype=torch.float32)

@@ -30,13 +30,13 @@ import time
 import traceback
 from typing import TextIO
 
-from qlora_fsdp.distributed import _free_port
+from qlora_fsdp.parallel.distributed import _free_port
 
 # What a training rank imports (the CLI imports lazily): loaded once here, before any fork.
 PRELOAD = (
     "torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.checkpoint", "transformers",
     "transformers.models.llama.modeling_llama", "peft", "datasets", "bitsandbytes", "hqq.core.quantize", "fire",
-    "qlora_fsdp.cli", "qlora_fsdp.trainer",
+    "qlora_fsdp.cli", "qlora_fsdp.train.trainer",
 )  # fmt: skip
 # A failed rank's peers get this long to finish on their own (printing their own error line) before SIGTERM, and
 # as long again before SIGKILL.

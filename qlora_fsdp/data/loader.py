@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from qlora_fsdp.config import DataConfig, EvalConfig
+from qlora_fsdp.config.options import DataConfig, EvalConfig
 from qlora_fsdp.data.cache import CacheSpec, TokenizedCache, open_cache, tokenize_in_memory
 from qlora_fsdp.data.chat import load_chat_template
 from qlora_fsdp.data.formats import IGNORE_INDEX, pad_token_id
@@ -26,8 +26,8 @@ from qlora_fsdp.data.images import ImageInputs
 from qlora_fsdp.data.rows import PackedRows, PairRows, SampleRows, all_dropped_error, build_rows, collate
 from qlora_fsdp.data.sources import synthetic
 from qlora_fsdp.data.stream import StreamRows
-from qlora_fsdp.distributed import DistEnv, leaders_first
 from qlora_fsdp.errors import UserError
+from qlora_fsdp.parallel.distributed import DistEnv, leaders_first
 
 logger = logging.getLogger(__name__)
 
@@ -251,7 +251,7 @@ def _rows(
 
 Split = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 """What becomes of a collated batch before the loop sees it: this rank's slice of its rows, with sequence
-parallelism (qlora_fsdp.sequence_parallel.split_rows)."""
+parallelism (qlora_fsdp.parallel.sequence_parallel.split_rows)."""
 
 
 def _loader_kwargs(

@@ -15,13 +15,13 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from qlora_fsdp.config import DataConfig
+from qlora_fsdp.config.options import DataConfig
 from qlora_fsdp.data.chat import Conversation, load_chat_template, parse_messages
 from qlora_fsdp.data.formats import format_prompt, missing_prefix, special_prefix
 from qlora_fsdp.data.loader import GlobalOrderSampler, RepeatedStepsSampler
 from qlora_fsdp.data.sources import read_rows, source_names
-from qlora_fsdp.distributed import DistEnv
 from qlora_fsdp.errors import UserError
+from qlora_fsdp.parallel.distributed import DistEnv
 
 PROMPT_INDEX = "prompt_index"
 

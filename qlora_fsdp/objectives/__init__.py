@@ -7,7 +7,7 @@ unpaired completions (`kto.py`) and GRPO on the completions it samples (`grpo.py
 
 from __future__ import annotations
 
-from qlora_fsdp.objective_config import ObjectiveConfig
+from qlora_fsdp.config.objectives import ObjectiveConfig
 from qlora_fsdp.objectives.base import Forward, Objective, combined_loss
 from qlora_fsdp.objectives.grpo import GrpoObjective, Rollout
 from qlora_fsdp.objectives.kto import KtoObjective

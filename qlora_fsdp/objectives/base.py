@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from qlora_fsdp.data.rows import model_inputs
-from qlora_fsdp.precision import Precision
-from qlora_fsdp.sequence_parallel import SequenceParallel
+from qlora_fsdp.parallel.precision import Precision
+from qlora_fsdp.parallel.sequence_parallel import SequenceParallel
 
 
 @dataclass

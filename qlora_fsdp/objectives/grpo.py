@@ -2,10 +2,10 @@
 as TRL's GRPOTrainer computes both.
 
 Before a micro-batch's forward, `prepare` turns its prompts into a batch of completions (Rollout): --num_generations per
-prompt, sampled through the sharded model or with its weights gathered first (qlora_fsdp.sampling), scored by the reward
-functions (objectives/rewards.py), their weighted sum compared within each prompt's group: advantage = (reward - the
-group's mean) / (the group's, or the whole batch's over every rank, standard deviation + 1e-4), or not divided
-(--scale_rewards none); a completion no function scored has advantage 0. Each rank samples whole groups.
+prompt, sampled through the sharded model or with its weights gathered first (qlora_fsdp.objectives.sampling), scored by
+the reward functions (objectives/rewards.py), their weighted sum compared within each prompt's group: advantage =
+(reward - the group's mean) / (the group's, or the whole batch's over every rank, standard deviation + 1e-4), or not
+divided (--scale_rewards none); a completion no function scored has advantage 0. Each rank samples whole groups.
 
 The loss's batch holds completions (prompt then completion, the completion's tokens labelled), each with its
 advantage, and optionally the per-token log-probs the completion was sampled under (`old_logps`, when a generation
@@ -44,7 +44,7 @@ from qlora_fsdp.data.rows import collate
 from qlora_fsdp.objectives.base import Forward, Objective
 from qlora_fsdp.objectives.reference import reference_logps
 from qlora_fsdp.objectives.rewards import Reward, score
-from qlora_fsdp.sampling import sample
+from qlora_fsdp.objectives.sampling import sample
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
 ADVANTAGES, OLD_LOGPS, REF_LOGPS = "advantages", "old_logps", "ref_logps"

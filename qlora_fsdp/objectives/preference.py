@@ -25,7 +25,7 @@ from torch import nn
 from qlora_fsdp.data import target_mask
 from qlora_fsdp.objectives.base import Forward, Objective
 from qlora_fsdp.objectives.reference import ReferenceLookup, reference_logps
-from qlora_fsdp.sequence_parallel import ROW_LABEL_TOKENS
+from qlora_fsdp.parallel.sequence_parallel import ROW_LABEL_TOKENS
 
 PairLosses = tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, list[torch.Tensor]]
 

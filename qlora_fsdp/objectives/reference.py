@@ -20,8 +20,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from qlora_fsdp.distributed import DistEnv
 from qlora_fsdp.objectives.base import Forward
+from qlora_fsdp.parallel.distributed import DistEnv
 
 REFERENCE_FILE = "reference_logps.safetensors"
 ReferenceLookup = Callable[[torch.Tensor], torch.Tensor]

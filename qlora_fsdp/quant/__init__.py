@@ -10,7 +10,7 @@ import importlib
 
 import torch
 
-from qlora_fsdp.config import QuantConfig
+from qlora_fsdp.config.options import QuantConfig
 from qlora_fsdp.quant.base import QuantBackend
 
 BACKENDS = {"bnb": f"{__name__}.bnb", "hqq": f"{__name__}.hqq"}
@@ -27,7 +27,8 @@ def make_backend(
 ) -> QuantBackend | None:
     """The backend for `--quant`, or None for `--quant none` (plain LoRA or full fine-tuning).
 
-    `storage_dtype` and `shard_state` are the FSDP version's packed layout (`qlora_fsdp.fsdp.PackedLayout`).
+    `storage_dtype` and `shard_state` are the FSDP version's packed layout
+    (`qlora_fsdp.parallel.sharding.PackedLayout`).
     """
     if cfg.quant == "none":
         return None

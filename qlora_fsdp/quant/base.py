@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qlora_fsdp.config import QuantConfig
-from qlora_fsdp.distributed import DistEnv
+from qlora_fsdp.config.options import QuantConfig
+from qlora_fsdp.parallel.distributed import DistEnv
 
 
 @dataclass
@@ -37,7 +37,7 @@ class QuantizedLinear(nn.Linear):
 
     Every tensor is kept as flat bytes; the dtypes and shapes to read them back are plain attributes, so no cast
     can ever touch them. `storage_dtype` and `shard_state` pick the layout the FSDP version needs (decided in
-    `qlora_fsdp.fsdp.PackedLayout`):
+    `qlora_fsdp.parallel.sharding.PackedLayout`):
     - uint8 (FSDP2 on torch 2.12+): the packed bytes and every state tensor are uint8 parameters of this module, so
       FSDP2 shards them all with the decoder layer and mixed precision, which skips non-floating parameters, never
       casts them.

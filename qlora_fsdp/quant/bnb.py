@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from qlora_fsdp.compat import all_gather_single
-from qlora_fsdp.config import QuantConfig
-from qlora_fsdp.distributed import DistEnv
+from qlora_fsdp.config.options import QuantConfig
+from qlora_fsdp.parallel.distributed import DistEnv
 from qlora_fsdp.quant.base import QuantBackend, QuantizedLinear, QuantizedWeight
 
 BLOCKSIZE = 64

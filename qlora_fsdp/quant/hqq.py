@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from hqq.core.quantize import Quantizer
 from torch import nn
 
-from qlora_fsdp.config import QuantConfig
-from qlora_fsdp.distributed import DistEnv
+from qlora_fsdp.config.options import QuantConfig
+from qlora_fsdp.parallel.distributed import DistEnv
 from qlora_fsdp.quant.base import QuantBackend, QuantizedLinear, QuantizedWeight
 
 # Groups are packed along dim 0 of the [groups, group_size] matrix; these bit widths pack that many groups into

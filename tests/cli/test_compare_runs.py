@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from qlora_fsdp.metrics import read_metrics
+from qlora_fsdp.train.metrics import read_metrics
 from tests.conftest import DATASET, REPO_ROOT, train, worker_env
 
 pytestmark = pytest.mark.distributed  # every test here runs the CLI or a script in a process

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from qlora_fsdp.manifest import read_manifest, tensor_digest
+from qlora_fsdp.checkpoint.manifest import read_manifest, tensor_digest
 from scripts import export_quantized, generate, merge_adapter
 from tests.conftest import REPO_ROOT, train
 

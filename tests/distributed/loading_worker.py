@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
-from qlora_fsdp.config import ModelConfig, QuantConfig
-from qlora_fsdp.distributed import init_distributed
-from qlora_fsdp.model import build_skeleton, load_model, stream_weights
+from qlora_fsdp.config.options import ModelConfig, QuantConfig
+from qlora_fsdp.model.loading import build_skeleton, load_model, stream_weights
+from qlora_fsdp.parallel.distributed import init_distributed
 from qlora_fsdp.quant import make_backend
 from qlora_fsdp.quant.base import QuantizedLinear
 

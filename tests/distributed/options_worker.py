@@ -18,16 +18,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from qlora_fsdp.config import PRECISIONS, TrainConfig, build_config
+from qlora_fsdp.config.options import PRECISIONS, TrainConfig, build_config
 from qlora_fsdp.data.loader import build_loaders
-from qlora_fsdp.distributed import DistEnv, init_distributed
-from qlora_fsdp.lora import init_adapters, inject_lora, lora_layers, prepare_full_finetune
-from qlora_fsdp.metrics import read_metrics
-from qlora_fsdp.model import build_skeleton, expanded_layer_prefixes, load_tokenizer, stream_weights
-from qlora_fsdp.precision import PRECISIONS as MODES
-from qlora_fsdp.precision import quant_compute_dtype
+from qlora_fsdp.model.loading import build_skeleton, expanded_layer_prefixes, load_tokenizer, stream_weights
+from qlora_fsdp.model.lora import init_adapters, inject_lora, lora_layers, prepare_full_finetune
+from qlora_fsdp.parallel.distributed import DistEnv, init_distributed
+from qlora_fsdp.parallel.precision import PRECISIONS as MODES
+from qlora_fsdp.parallel.precision import quant_compute_dtype
 from qlora_fsdp.quant import make_backend
-from qlora_fsdp.trainer import run
+from qlora_fsdp.train.metrics import read_metrics
+from qlora_fsdp.train.trainer import run
 from tests.distributed.scenarios import run_scenarios
 
 DATASET = str(Path(__file__).resolve().parents[2] / "data" / "alpaca_tiny.jsonl")

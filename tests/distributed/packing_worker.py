@@ -18,12 +18,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from qlora_fsdp.config import TrainConfig, build_config, replace
+from qlora_fsdp.config.options import TrainConfig, build_config, replace
 from qlora_fsdp.data.rows import model_inputs
-from qlora_fsdp.distributed import init_distributed
 from qlora_fsdp.errors import UserError
-from qlora_fsdp.metrics import read_metrics
-from qlora_fsdp.trainer import run
+from qlora_fsdp.parallel.distributed import init_distributed
+from qlora_fsdp.train.metrics import read_metrics
+from qlora_fsdp.train.trainer import run
 from tests.distributed.options_worker import first_global_batch, unsharded_model
 from tests.distributed.scenarios import run_scenarios
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from qlora_fsdp.distributed import DistEnv, teardown
+from qlora_fsdp.parallel.distributed import DistEnv, teardown
 
 
 def run_scenarios(

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from qlora_fsdp.config import build_config
-from qlora_fsdp.distributed import init_distributed
-from qlora_fsdp.metrics import METRICS_FILE, read_metrics
-from qlora_fsdp.trainer import run
+from qlora_fsdp.config.options import build_config
+from qlora_fsdp.parallel.distributed import init_distributed
+from qlora_fsdp.train.metrics import METRICS_FILE, read_metrics
+from qlora_fsdp.train.trainer import run
 from tests.distributed.scenarios import run_scenarios
 
 DATA = Path(__file__).resolve().parents[2] / "data"

@@ -18,13 +18,13 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from qlora_fsdp.config import FSDPConfig, LoraConfig, ModelConfig, QuantConfig
-from qlora_fsdp.distributed import init_distributed
+from qlora_fsdp.config.options import FSDPConfig, LoraConfig, ModelConfig, QuantConfig
 from qlora_fsdp.errors import UserError
-from qlora_fsdp.fsdp import PackedWeightsChanged, make_sharder, verify_packed
-from qlora_fsdp.lora import init_adapters, inject_lora, lora_layers
-from qlora_fsdp.model import build_skeleton, stream_weights
-from qlora_fsdp.precision import PRECISIONS, Precision
+from qlora_fsdp.model.loading import build_skeleton, stream_weights
+from qlora_fsdp.model.lora import init_adapters, inject_lora, lora_layers
+from qlora_fsdp.parallel.distributed import init_distributed
+from qlora_fsdp.parallel.precision import PRECISIONS, Precision
+from qlora_fsdp.parallel.sharding import PackedWeightsChanged, make_sharder, verify_packed
 from qlora_fsdp.quant import make_backend
 from qlora_fsdp.quant.base import QuantizedLinear
 

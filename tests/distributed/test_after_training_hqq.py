@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from qlora_fsdp.manifest import MANIFEST_FILE
+from qlora_fsdp.checkpoint.manifest import MANIFEST_FILE
 from scripts import export_quantized
 from tests.cli.test_after_training_bad_input import one_error
 from tests.distributed.after_training import check_answers, train_fact

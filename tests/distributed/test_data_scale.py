@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from qlora_fsdp.metrics import read_metrics
+from qlora_fsdp.train.metrics import read_metrics
 from tests.conftest import DATASET, stopped_at, train
 
 pytestmark = pytest.mark.distributed

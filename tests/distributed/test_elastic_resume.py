@@ -20,8 +20,8 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from qlora_fsdp.checkpoint import SHARDED, TRAINER_STATE, list_checkpoints
-from qlora_fsdp.metrics import METRICS_FILE, read_metrics
+from qlora_fsdp.checkpoint.dcp import SHARDED, TRAINER_STATE, list_checkpoints
+from qlora_fsdp.train.metrics import METRICS_FILE, read_metrics
 from tests.conftest import DATASET, REPO_ROOT, TORCHRUN, launch, stopped_at, train, worker_env
 from tests.distributed.test_reliability import kill_job, start, workers_of
 

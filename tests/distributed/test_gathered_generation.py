@@ -19,9 +19,9 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
-from qlora_fsdp.fsdp2 import Fsdp2Model
-from qlora_fsdp.loss import CausalLMLoss
-from qlora_fsdp.sampling import sample
+from qlora_fsdp.objectives.loss import CausalLMLoss
+from qlora_fsdp.objectives.sampling import sample
+from qlora_fsdp.parallel.fsdp2 import Fsdp2Model
 
 pytestmark = pytest.mark.distributed
 

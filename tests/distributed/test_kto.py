@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from qlora_fsdp.metrics import read_metrics
 from qlora_fsdp.objectives.reference import REFERENCE_FILE
+from qlora_fsdp.train.metrics import read_metrics
 from tests.conftest import DATASET, REPO_ROOT, stopped_at, train
 
 pytestmark = pytest.mark.distributed

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from qlora_fsdp.distributed import DistEnv, leaders_first
 from qlora_fsdp.errors import UserError
+from qlora_fsdp.parallel.distributed import DistEnv, leaders_first
 
 pytestmark = pytest.mark.distributed
 

@@ -23,9 +23,9 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from qlora_fsdp.metrics import read_metrics
-from qlora_fsdp.model import Skeleton
+from qlora_fsdp.model.loading import Skeleton
 from qlora_fsdp.quant.experts import QuantizedExperts
+from qlora_fsdp.train.metrics import read_metrics
 from tests import parity
 from tests.conftest import train
 from tests.moe_models import FAMILIES

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from qlora_fsdp.metrics import read_metrics
+from qlora_fsdp.train.metrics import read_metrics
 from tests.conftest import DATASET, REPO_ROOT, TORCHRUN, worker_env
 
 pytestmark = pytest.mark.distributed

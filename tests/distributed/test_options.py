@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from qlora_fsdp.config import PRECISIONS
+from qlora_fsdp.config.options import PRECISIONS
 from tests.conftest import REPO_ROOT, launch, run_worker
 
 pytestmark = pytest.mark.distributed

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from qlora_fsdp.config import PRECISIONS
+from qlora_fsdp.config.options import PRECISIONS
 from tests.distributed.test_options import (  # noqa: F401 - collected here again, under FSDP1
     four,
     models,

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from qlora_fsdp.metrics import read_metrics
+from qlora_fsdp.train.metrics import read_metrics
 from tests.conftest import DATASET, REPO_ROOT, UINT8_FSDP2, train, worker_env
 
 pytestmark = pytest.mark.distributed

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from qlora_fsdp.metrics import read_metrics
+from qlora_fsdp.train.metrics import read_metrics
 from tests.conftest import DATASET, REPO_ROOT, stopped_at, train
 
 pytestmark = pytest.mark.distributed

@@ -15,8 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from qlora_fsdp.checkpoint import TRAINER_STATE, list_checkpoints
-from qlora_fsdp.metrics import read_metrics
+from qlora_fsdp.checkpoint.dcp import TRAINER_STATE, list_checkpoints
+from qlora_fsdp.train.metrics import read_metrics
 from tests.conftest import DATASET, REPO_ROOT, TORCHRUN, launch, train, worker_env
 
 pytestmark = pytest.mark.distributed

@@ -22,9 +22,9 @@ from PIL import Image
 from safetensors.torch import load_file
 from torch import nn
 
-from qlora_fsdp.metrics import read_metrics
+from qlora_fsdp.model.vision import vision_parts
 from qlora_fsdp.quant.base import QuantizedLinear
-from qlora_fsdp.vision import vision_parts
+from qlora_fsdp.train.metrics import read_metrics
 from tests import parity
 from tests.conftest import train
 from tests.distributed.test_moe_e2e import ROWS

@@ -14,8 +14,8 @@ from tests.conftest import launch
 
 pytestmark = pytest.mark.distributed
 
-# torchrun's variables that a rank of ours reads (qlora_fsdp/distributed.py) or that say where it sits; MASTER_PORT
-# is a free port, different on each launch.
+# torchrun's variables that a rank of ours reads (qlora_fsdp/parallel/distributed.py) or that say where it sits;
+# MASTER_PORT is a free port, different on each launch.
 MIRRORED = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE",
             "GROUP_WORLD_SIZE", "MASTER_ADDR", "OMP_NUM_THREADS", "TORCHELASTIC_RESTART_COUNT",
             "TORCHELASTIC_MAX_RESTARTS")  # fmt: skip

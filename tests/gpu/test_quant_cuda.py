@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from qlora_fsdp.config import QuantConfig
-from qlora_fsdp.manifest import layer_digests
+from qlora_fsdp.checkpoint.manifest import layer_digests
+from qlora_fsdp.config.options import QuantConfig
 from qlora_fsdp.quant import make_backend
 from qlora_fsdp.quant.base import QuantizedLinear, QuantizedWeight
 

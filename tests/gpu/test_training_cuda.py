@@ -11,13 +11,13 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from qlora_fsdp.config import QuantConfig, build_config
-from qlora_fsdp.fsdp import PackedWeightsChanged, packed_digest, verify_packed
-from qlora_fsdp.metrics import read_metrics
-from qlora_fsdp.model import build_skeleton, stream_weights
+from qlora_fsdp.config.options import QuantConfig, build_config
+from qlora_fsdp.model.loading import build_skeleton, stream_weights
+from qlora_fsdp.parallel.sharding import PackedWeightsChanged, packed_digest, verify_packed
 from qlora_fsdp.quant import make_backend
 from qlora_fsdp.quant.base import QuantizedLinear
-from qlora_fsdp.trainer import run
+from qlora_fsdp.train.metrics import read_metrics
+from qlora_fsdp.train.trainer import run
 from scripts import export_quantized
 
 pytestmark = pytest.mark.gpu

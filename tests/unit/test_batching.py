@@ -11,13 +11,13 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from qlora_fsdp.config import DataConfig, EvalConfig, build_config
+from qlora_fsdp.config.options import DataConfig, EvalConfig, build_config
 from qlora_fsdp.data.formats import IGNORE_INDEX, load_examples
 from qlora_fsdp.data.loader import GROUP_WINDOW, LengthGroupedSampler, build_loaders
 from qlora_fsdp.data.rows import collate, fit_examples
 from qlora_fsdp.data.stream import PACK_BUFFER, StreamRows
-from qlora_fsdp.distributed import DistEnv
 from qlora_fsdp.errors import UserError
+from qlora_fsdp.parallel.distributed import DistEnv
 
 DATASET = Path(__file__).resolve().parents[2] / "data" / "alpaca_tiny.jsonl"
 

@@ -17,15 +17,15 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from qlora_fsdp.config import DataConfig, EvalConfig
+from qlora_fsdp.config.options import DataConfig, EvalConfig
 from qlora_fsdp.data import IGNORE_INDEX
 from qlora_fsdp.data.chat import Conversation
 from qlora_fsdp.data.formats import Example, load_examples, pad_token_id, special_prefix
 from qlora_fsdp.data.loader import build_loaders
 from qlora_fsdp.data.rows import PAD_MULTIPLE, collate, fit_examples
 from qlora_fsdp.data.sources import read_rows, source_names
-from qlora_fsdp.distributed import DistEnv
 from qlora_fsdp.errors import UserError
+from qlora_fsdp.parallel.distributed import DistEnv
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "data" / "chat_templates"
 LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from qlora_fsdp.checkpoint import (
+from qlora_fsdp.checkpoint.dcp import (
     TRAINER_STATE,
     TrainState,
     check_resume_compatible,
@@ -61,7 +61,7 @@ def test_resume_must_match_settings_but_reshards_onto_another_world_size(tmp_pat
 
 
 def test_a_format_1_checkpoint_resumes_only_at_its_world_size(tmp_path: Path) -> None:
-    from qlora_fsdp.checkpoint import read_train_state
+    from qlora_fsdp.checkpoint.dcp import read_train_state
 
     ckpt = make_checkpoint(tmp_path, 3, legacy=True, batch_size=2)
     state = read_train_state(ckpt)
@@ -102,9 +102,9 @@ def _settings(model: Path, **flags: object) -> dict[str, object]:
     """What the trainer records in a checkpoint for these flags."""
     import torch
 
-    from qlora_fsdp.config import build_config
-    from qlora_fsdp.distributed import DistEnv
-    from qlora_fsdp.trainer import _settings
+    from qlora_fsdp.config.options import build_config
+    from qlora_fsdp.parallel.distributed import DistEnv
+    from qlora_fsdp.train.trainer import _settings
 
     env = DistEnv(0, 0, 8, 4, torch.device("cpu"), "gloo")  # 2 nodes x 4
     return _settings(build_config({"model": str(model), **flags}).validate(), model, env)
@@ -120,7 +120,7 @@ def _settings(model: Path, **flags: object) -> dict[str, object]:
 def test_a_resume_that_changes_the_base_adapters_or_shards_is_refused_naming_the_flag(
     tiny_model: Path, tmp_path: Path, flag: str, value: object
 ) -> None:
-    from qlora_fsdp.resume_rules import MAY_CHANGE, RESHARDED
+    from qlora_fsdp.checkpoint.resume_rules import MAY_CHANGE, RESHARDED
 
     ckpt = make_checkpoint(tmp_path, 3, **_settings(tiny_model))
     with pytest.raises(UserError, match=rf"--{flag} \S+ -> "):
@@ -137,7 +137,7 @@ def test_a_resume_that_changes_the_base_adapters_or_shards_is_refused_naming_the
 def test_layout_flags_reshard_a_format_2_checkpoint_but_not_a_format_1_one(
     tiny_model: Path, tmp_path: Path, flag: str, value: object
 ) -> None:
-    from qlora_fsdp.resume_rules import MAY_CHANGE, RESHARDED
+    from qlora_fsdp.checkpoint.resume_rules import MAY_CHANGE, RESHARDED
 
     rules = {"world_size": 2, "may_change": MAY_CHANGE, "resharded": RESHARDED}
     new = _settings(tiny_model, **{flag: value})
@@ -150,7 +150,7 @@ def test_layout_flags_reshard_a_format_2_checkpoint_but_not_a_format_1_one(
 def test_a_resume_on_another_base_model_is_refused(tiny_model: Path, tmp_path: Path) -> None:
     import shutil
 
-    from qlora_fsdp.model import model_identity
+    from qlora_fsdp.model.loading import model_identity
 
     # The same model under another name is the same model; other weights under the same name are not.
     renamed = tmp_path / "renamed"
@@ -174,7 +174,7 @@ def test_a_resume_on_another_base_model_is_refused(tiny_model: Path, tmp_path: P
      ("pad_to_context", True), ("save_steps", 5)],
 )  # fmt: skip
 def test_schedule_and_speed_flags_may_change(tiny_model: Path, tmp_path: Path, flag: str, value: object) -> None:
-    from qlora_fsdp.resume_rules import MAY_CHANGE
+    from qlora_fsdp.checkpoint.resume_rules import MAY_CHANGE
 
     ckpt = make_checkpoint(tmp_path, 3, **_settings(tiny_model))
     changes = check_resume_compatible(ckpt, _settings(tiny_model, **{flag: value}), world_size=2, may_change=MAY_CHANGE)
@@ -182,7 +182,7 @@ def test_schedule_and_speed_flags_may_change(tiny_model: Path, tmp_path: Path, f
 
 
 def test_remove_checkpoints_takes_complete_and_unfinished_ones_only(tmp_path: Path) -> None:
-    from qlora_fsdp.checkpoint import remove_checkpoints
+    from qlora_fsdp.checkpoint.dcp import remove_checkpoints
 
     make_checkpoint(tmp_path, 3)
     make_checkpoint(tmp_path, 6, complete=False)
@@ -197,10 +197,10 @@ def test_hybrid_sharding_records_the_shard_group_it_really_used(tiny_model: Path
     """--shard_group_size 0 means one node: 2 nodes x 4 and 1 node x 8 shard differently under the same flags."""
     import torch
 
-    from qlora_fsdp.config import build_config
-    from qlora_fsdp.distributed import DistEnv
-    from qlora_fsdp.resume_rules import MAY_CHANGE
-    from qlora_fsdp.trainer import _settings
+    from qlora_fsdp.checkpoint.resume_rules import MAY_CHANGE
+    from qlora_fsdp.config.options import build_config
+    from qlora_fsdp.parallel.distributed import DistEnv
+    from qlora_fsdp.train.trainer import _settings
 
     cfg = build_config({"model": str(tiny_model), "sharding_strategy": "hybrid_shard"}).validate()
     two_nodes = _settings(cfg, tiny_model, DistEnv(0, 0, 8, 4, torch.device("cpu"), "gloo"))

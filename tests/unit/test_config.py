@@ -1,4 +1,4 @@
-"""qlora_fsdp.config: validation messages, YAML/flag precedence, coercion, docs, and the --help listing."""
+"""qlora_fsdp.config.options: validation messages, YAML/flag precedence, coercion, docs, and the --help listing."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ import pytest
 
 import qlora_fsdp.data.formats
 import qlora_fsdp.quant
-from qlora_fsdp import config as config_module
-from qlora_fsdp.config import (
+from qlora_fsdp.config import options as config_module
+from qlora_fsdp.config.help import option_docs
+from qlora_fsdp.config.options import (
     FLAGS,
     SECTIONS,
     ConfigError,
@@ -21,7 +22,6 @@ from qlora_fsdp.config import (
     build_config,
 )
 from qlora_fsdp.errors import UserError
-from qlora_fsdp.help import option_docs
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

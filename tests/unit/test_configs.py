@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from qlora_fsdp.config import FLAGS, SECTIONS, build_config
+from qlora_fsdp.config.options import FLAGS, SECTIONS, build_config
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PRESETS = sorted((REPO_ROOT / "configs").glob("*.yaml"))

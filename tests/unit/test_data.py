@@ -12,14 +12,14 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from qlora_fsdp.config import ConfigError, DataConfig, EvalConfig, build_config
+from qlora_fsdp.config.options import ConfigError, DataConfig, EvalConfig, build_config
 from qlora_fsdp.data import IGNORE_INDEX, sources
 from qlora_fsdp.data.formats import PROMPT_STYLES, Example, load_examples, pad_token_id
 from qlora_fsdp.data.loader import build_loaders
 from qlora_fsdp.data.rows import PAD_MULTIPLE, FitStats, collate, fit_examples
 from qlora_fsdp.data.sources import DATASET_NAMES
-from qlora_fsdp.distributed import DistEnv
 from qlora_fsdp.errors import UserError
+from qlora_fsdp.parallel.distributed import DistEnv
 
 ROWS = [
     {"instruction": "Name a color.", "output": "Blue."},

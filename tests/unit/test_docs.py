@@ -79,7 +79,7 @@ def help_flags() -> list[str]:
 
 def test_help_lists_every_config_flag() -> None:
     """A control for the next test: the flags read from the help text are all of the config's, and --config."""
-    from qlora_fsdp.config import FLAGS
+    from qlora_fsdp.config.options import FLAGS
 
     flags = help_flags()
     assert len(flags) == len(set(flags)), "a flag is listed twice in --help"

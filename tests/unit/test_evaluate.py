@@ -1,4 +1,4 @@
-"""qlora_fsdp.evaluate on one gloo rank: token weighting, dropout off, the model's mode restored, no gradients.
+"""qlora_fsdp.train.evaluate on one gloo rank: token weighting, dropout off, the model's mode restored, no gradients.
 
 Agreement across ranks is tested on real 2-rank jobs (tests/distributed/test_packing_eval.py).
 """
@@ -18,9 +18,9 @@ from torch import nn
 from qlora_fsdp.data import IGNORE_INDEX
 from qlora_fsdp.data.loader import EvalShard
 from qlora_fsdp.data.rows import collate
-from qlora_fsdp.distributed import DistEnv
-from qlora_fsdp.evaluate import evaluate
 from qlora_fsdp.objectives import Objective
+from qlora_fsdp.parallel.distributed import DistEnv
+from qlora_fsdp.train.evaluate import evaluate
 
 VOCAB = 11
 

@@ -16,12 +16,12 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from qlora_fsdp.config import build_config
+from qlora_fsdp.checkpoint.manifest import LayerDigests, training_manifest
+from qlora_fsdp.config.options import build_config
 from qlora_fsdp.data.formats import format_prompt
-from qlora_fsdp.lora import init_adapters, inject_lora, lora_layers
-from qlora_fsdp.manifest import LayerDigests, training_manifest
-from qlora_fsdp.model import build_skeleton, load_tokenizer, stream_weights
-from qlora_fsdp.precision import PRECISIONS, quant_compute_dtype
+from qlora_fsdp.model.loading import build_skeleton, load_tokenizer, stream_weights
+from qlora_fsdp.model.lora import init_adapters, inject_lora, lora_layers
+from qlora_fsdp.parallel.precision import PRECISIONS, quant_compute_dtype
 from qlora_fsdp.quant import make_backend
 from qlora_fsdp.quant.base import QuantizedLinear
 from scripts import export_quantized, generate, merge_adapter
@@ -233,8 +233,8 @@ def test_bnb_export_on_the_cpu_kernel_stays_close(bnb_export: tuple[Trained, Pat
     training-time logit."""
     import bitsandbytes.functional as bnbf
 
-    from qlora_fsdp.generate import load_for_generation
-    from qlora_fsdp.tool_config import GenerateConfig, build_tool_config
+    from qlora_fsdp.tools.config import GenerateConfig, build_tool_config
+    from qlora_fsdp.tools.generate import load_for_generation
 
     if not bnbf.has_avx512bf16():
         pytest.skip(
@@ -295,8 +295,8 @@ def test_generate_answers_as_the_model_does(tiny_model: Path, tmp_path: Path, ca
     assert generate.main([*args, "--prompt", PROMPTS[0], "--max_new_tokens", "6"]) == 0
     assert capsys.readouterr().out.strip() == expected
 
-    from qlora_fsdp.generate import run_generate
-    from qlora_fsdp.tool_config import GenerateConfig, build_tool_config
+    from qlora_fsdp.tools.config import GenerateConfig, build_tool_config
+    from qlora_fsdp.tools.generate import run_generate
 
     cfg, options = build_tool_config(
         GenerateConfig,

@@ -1,4 +1,4 @@
-"""qlora_fsdp.fsdp without a process group: precision modes and verify_packed's verdicts."""
+"""qlora_fsdp.parallel.sharding without a process group: precision modes and verify_packed's verdicts."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from qlora_fsdp.config import PRECISIONS as PRECISION_NAMES
-from qlora_fsdp.config import QuantConfig
-from qlora_fsdp.fsdp import PackedWeightsChanged, packed_digest, verify_packed
-from qlora_fsdp.precision import PRECISIONS
+from qlora_fsdp.config.options import PRECISIONS as PRECISION_NAMES
+from qlora_fsdp.config.options import QuantConfig
+from qlora_fsdp.parallel.precision import PRECISIONS
+from qlora_fsdp.parallel.sharding import PackedWeightsChanged, packed_digest, verify_packed
 from qlora_fsdp.quant import make_backend
 
 

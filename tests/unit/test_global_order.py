@@ -93,9 +93,9 @@ def test_a_resumed_epoch_run_counts_the_steps_left_at_its_own_global_batch(world
     epoch, however many steps that now takes."""
     from types import SimpleNamespace
 
-    from qlora_fsdp.checkpoint import TrainState
-    from qlora_fsdp.config import OptimConfig
-    from qlora_fsdp.trainer import _total_steps
+    from qlora_fsdp.checkpoint.dcp import TrainState
+    from qlora_fsdp.config.options import OptimConfig
+    from qlora_fsdp.train.trainer import _total_steps
 
     def loader(ranks: int) -> SimpleNamespace:
         return SimpleNamespace(sampler=GlobalOrderSampler(1000, world_size=ranks, rank=0, batch_size=1,

@@ -17,9 +17,9 @@ from qlora_fsdp.data.cache import PREFERENCE, UNPAIRED, CacheSpec, open_cache
 from qlora_fsdp.data.formats import IGNORE_INDEX
 from qlora_fsdp.data.loader import EvalShard
 from qlora_fsdp.data.rows import DESIRABLE, UnpairedRows, build_rows, collate
-from qlora_fsdp.distributed import DistEnv
 from qlora_fsdp.objectives.kto import KtoObjective
 from qlora_fsdp.objectives.preference import reply_tokens
+from qlora_fsdp.parallel.distributed import DistEnv
 
 ROWS = [
     {"prompt": "Name a color.", "completion": "Blue.", "label": True},

@@ -11,12 +11,12 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from qlora_fsdp.config import DataConfig, EvalConfig
+from qlora_fsdp.config.options import DataConfig, EvalConfig
 from qlora_fsdp.data import IGNORE_INDEX
 from qlora_fsdp.data.loader import EvalShard, build_loaders, held_out
 from qlora_fsdp.data.rows import PAD_MULTIPLE
-from qlora_fsdp.distributed import DistEnv
 from qlora_fsdp.errors import UserError
+from qlora_fsdp.parallel.distributed import DistEnv
 
 
 def cpu_env(rank: int, world_size: int) -> DistEnv:

@@ -1,4 +1,5 @@
-"""qlora_fsdp.loss: the chunked loss equals the whole-logit loss, value and gradients, for every head it serves."""
+"""qlora_fsdp.objectives.loss: the chunked loss equals the whole-logit loss, value and gradients, for every head it
+serves."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from torch import nn
 from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from qlora_fsdp.data import IGNORE_INDEX
-from qlora_fsdp.loss import CausalLMLoss, chunked_loss_sum, full_loss_sum
+from qlora_fsdp.objectives.loss import CausalLMLoss, chunked_loss_sum, full_loss_sum
 
 VOCAB, HIDDEN = 301, 24
 

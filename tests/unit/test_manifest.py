@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from qlora_fsdp.config import build_config
-from qlora_fsdp.manifest import MANIFEST_FILE, layer_digests, read_manifest
+from qlora_fsdp.checkpoint.manifest import MANIFEST_FILE, layer_digests, read_manifest
+from qlora_fsdp.config.options import build_config
 from qlora_fsdp.quant import make_backend
 from scripts import export_quantized, generate, merge_adapter
 from scripts.make_tiny_model import build_tiny_model

@@ -11,10 +11,10 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from qlora_fsdp.config import LoraConfig, ModelConfig, QuantConfig
+from qlora_fsdp.config.options import LoraConfig, ModelConfig, QuantConfig
 from qlora_fsdp.errors import UserError
-from qlora_fsdp.lora import adapter_keys, inject_lora, lora_layers
-from qlora_fsdp.model import build_skeleton, load_model, stream_weights
+from qlora_fsdp.model.loading import build_skeleton, load_model, stream_weights
+from qlora_fsdp.model.lora import adapter_keys, inject_lora, lora_layers
 from qlora_fsdp.quant import make_backend
 from qlora_fsdp.quant.base import QuantizedLinear
 from qlora_fsdp.quant.experts import ExpertAdapter, QuantizedExperts, replace_experts, router_gates
@@ -211,7 +211,7 @@ def test_named_modules_without_experts_leave_experts_alone(moe_models: dict[str,
 def test_aux_loss_equals_transformers(moe_models: dict[str, Path]) -> None:
     """The load-balancing loss on the router logits of the training forward (a padded row included) equals what
     transformers' own model returns as aux_loss for the same batch."""
-    from qlora_fsdp.loss import CausalLMLoss, router_loss
+    from qlora_fsdp.objectives.loss import CausalLMLoss, router_loss
 
     path = moe_models["mixtral"]
     skeleton = load_model(ModelConfig(model=str(path)), backend=None, device=CPU, param_dtype=torch.float32)
@@ -312,8 +312,8 @@ def test_merged_mixtral_loads_in_transformers_and_reproduces_base_plus_adapter(
     from peft import PeftModel
     from safetensors import safe_open
 
-    from qlora_fsdp.export import merge_adapter
-    from qlora_fsdp.tool_config import MergeConfig
+    from qlora_fsdp.tools.config import MergeConfig
+    from qlora_fsdp.tools.export import merge_adapter
 
     path = moe_models["mixtral"]
     skeleton, peft_model, keys = _adapted(path, "bnb")
@@ -344,9 +344,9 @@ def test_merged_mixtral_loads_in_transformers_and_reproduces_base_plus_adapter(
 
 def test_generate_applies_the_adapter_to_quantized_experts(moe_models: dict[str, Path], tmp_path: Path) -> None:
     """scripts/generate.py's model: the quantized base with the saved adapter, experts included."""
-    from qlora_fsdp.config import TrainConfig
-    from qlora_fsdp.generate import load_for_generation
-    from qlora_fsdp.tool_config import GenerateConfig
+    from qlora_fsdp.config.options import TrainConfig
+    from qlora_fsdp.tools.config import GenerateConfig
+    from qlora_fsdp.tools.generate import load_for_generation
 
     path = moe_models["qwen2_moe"]
     _, peft_model, keys = _adapted(path, "hqq")
@@ -360,8 +360,8 @@ def test_generate_applies_the_adapter_to_quantized_experts(moe_models: dict[str,
 
 
 def test_export_refuses_moe_in_one_line(moe_models: dict[str, Path], tmp_path: Path) -> None:
-    from qlora_fsdp.export import export_quantized
-    from qlora_fsdp.tool_config import ExportConfig
+    from qlora_fsdp.tools.config import ExportConfig
+    from qlora_fsdp.tools.export import export_quantized
 
     options = ExportConfig(output=str(tmp_path / "out"))
     with pytest.raises(UserError, match=r"routed experts.*merge the adapter instead"):
@@ -392,7 +392,7 @@ def test_dense_modules_with_3d_weights_are_not_experts() -> None:
 
 
 def test_gate_named_linears_of_dense_models_are_adapted(tiny_model: Path) -> None:
-    from qlora_fsdp.lora import target_modules
+    from qlora_fsdp.model.lora import target_modules
 
     model = build_skeleton(ModelConfig(model=str(tiny_model)), backend=None, param_dtype=torch.float32).model
     model.model.layers[0].per_layer_input_gate = nn.Linear(4, 4, device="meta")
@@ -421,7 +421,7 @@ def test_a_checkpoint_missing_one_experts_tensor_is_refused_before_reading(
 
 def test_router_loss_on_packed_rows_skips_padding(moe_models: dict[str, Path]) -> None:
     """Packed rows go without an attention mask; `token_mask` keeps their padding out of the router's loss."""
-    from qlora_fsdp.loss import CausalLMLoss, router_loss
+    from qlora_fsdp.objectives.loss import CausalLMLoss, router_loss
 
     skeleton = load_model(
         ModelConfig(model=str(moe_models["mixtral"])), backend=None, device=CPU, param_dtype=torch.float32
@@ -440,7 +440,7 @@ def test_router_loss_on_packed_rows_skips_padding(moe_models: dict[str, Path]) -
 
 
 def test_router_loss_flag_on_a_model_without_one_is_refused(tiny_model: Path) -> None:
-    from qlora_fsdp.loss import router_loss
+    from qlora_fsdp.objectives.loss import router_loss
 
     model = build_skeleton(ModelConfig(model=str(tiny_model)), backend=None, param_dtype=torch.float32).model
     assert router_loss(model, None) is None
@@ -451,7 +451,7 @@ def test_router_loss_flag_on_a_model_without_one_is_refused(tiny_model: Path) ->
 def test_adapters_off_is_the_base_model_experts_included(moe_models: dict[str, Path]) -> None:
     """DPO's reference (lora.adapters_off) switches the routed experts' own adapters off with PEFT's: the logits are
     the base model's, and the adapters are back on afterwards."""
-    from qlora_fsdp.lora import adapters_off
+    from qlora_fsdp.model.lora import adapters_off
 
     _, peft_model, _ = _adapted(moe_models["mixtral"], "bnb")
     batch = inputs(peft_model.config.vocab_size)

@@ -12,11 +12,11 @@ import pytest
 import torch
 from torch import nn
 
-from qlora_fsdp.attention import fix_latent_attention
-from qlora_fsdp.config import LoraConfig, ModelConfig, QuantConfig
+from qlora_fsdp.config.options import LoraConfig, ModelConfig, QuantConfig
 from qlora_fsdp.errors import UserError
-from qlora_fsdp.lora import adapter_keys, inject_lora, lora_layers, peft_lora_layers
-from qlora_fsdp.model import build_skeleton, stream_weights
+from qlora_fsdp.model.attention import fix_latent_attention
+from qlora_fsdp.model.loading import build_skeleton, stream_weights
+from qlora_fsdp.model.lora import adapter_keys, inject_lora, lora_layers, peft_lora_layers
 from qlora_fsdp.quant import make_backend
 from qlora_fsdp.quant.base import QuantizedLinear
 from qlora_fsdp.quant.experts import ExpertAdapter, QuantizedExperts, router_gates
@@ -108,7 +108,7 @@ def test_names_peft_reads_as_experts_are_not_adapted(
     """DeepSeek-V2's dense MLP and shared experts (gate_proj, up_proj, down_proj) are names PEFT converts to the
     routed experts' parameters on transformers 5: `all` leaves them out and says so; listing one is refused."""
     skeleton, _ = skeleton_of(families["deepseek_v2"])
-    with caplog.at_level(logging.WARNING, logger="qlora_fsdp.lora"):
+    with caplog.at_level(logging.WARNING, logger="qlora_fsdp.model.lora"):
         peft_model = inject_lora(skeleton.model, LoraConfig(lora_rank=4, lora_alpha=8), dtype=torch.float32)
     assert "PEFT reads down_proj, gate_proj, up_proj" in caplog.text
     config = peft_model.peft_config["default"]

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from qlora_fsdp.config import build_config
-from qlora_fsdp.metrics import read_metrics
-from qlora_fsdp.trainer import run
+from qlora_fsdp.config.options import build_config
+from qlora_fsdp.train.metrics import read_metrics
+from qlora_fsdp.train.trainer import run
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BASE = {

@@ -1,4 +1,4 @@
-"""qlora_fsdp.optim: the warmup + decay multiplier, the LambdaLR built on it, and which parameters AdamW sees."""
+"""qlora_fsdp.train.optim: the warmup + decay multiplier, the LambdaLR built on it, and which parameters AdamW sees."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from fractions import Fraction
 import pytest
 import torch
 
-from qlora_fsdp.config import OptimConfig
-from qlora_fsdp.optim import build_optimizer, build_scheduler, lr_factor
+from qlora_fsdp.config.options import OptimConfig
+from qlora_fsdp.train.optim import build_optimizer, build_scheduler, lr_factor
 
 TOTAL = 20
 WARMUP_RATIO = 0.1

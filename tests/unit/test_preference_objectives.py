@@ -12,12 +12,12 @@ import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from qlora_fsdp.config import ObjectiveConfig
+from qlora_fsdp.config.options import ObjectiveConfig
 from qlora_fsdp.data import IGNORE_INDEX
 from qlora_fsdp.data.rows import collate
-from qlora_fsdp.loss import CausalLMLoss
 from qlora_fsdp.objectives import Forward, combined_loss, make_objective
-from qlora_fsdp.precision import PRECISIONS
+from qlora_fsdp.objectives.loss import CausalLMLoss
+from qlora_fsdp.parallel.precision import PRECISIONS
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +136,7 @@ def test_log1mexp_has_finite_gradients_up_to_certainty() -> None:
 
 def test_every_objective_the_config_accepts_is_built() -> None:
     """OBJECTIVES (what --objective accepts) and make_objective stay in step: each name builds its objective."""
-    from qlora_fsdp.objective_config import OBJECTIVES
+    from qlora_fsdp.config.objectives import OBJECTIVES
     from qlora_fsdp.objectives import Objective
 
     forward = Forward(torch.device("cpu"), PRECISIONS["fp32"])

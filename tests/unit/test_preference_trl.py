@@ -30,13 +30,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer
 from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
 from trl.trainer.dpo_trainer import DataCollatorForPreference
 
-from qlora_fsdp.config import ObjectiveConfig
+from qlora_fsdp.config.options import ObjectiveConfig
 from qlora_fsdp.data import IGNORE_INDEX
 from qlora_fsdp.data.rows import collate
-from qlora_fsdp.loss import CausalLMLoss
 from qlora_fsdp.objectives import Forward, PreferenceObjective, combined_loss, make_objective
+from qlora_fsdp.objectives.loss import CausalLMLoss
 from qlora_fsdp.objectives.preference import DpoObjective
-from qlora_fsdp.precision import PRECISIONS
+from qlora_fsdp.parallel.precision import PRECISIONS
 
 CPU = torch.device("cpu")
 FP32 = Forward(CPU, PRECISIONS["fp32"])

@@ -13,7 +13,7 @@ from peft import LoraConfig, inject_adapter_in_model
 from peft.utils.integrations import dequantize_module_weight
 from torch import nn
 
-from qlora_fsdp.config import QuantConfig
+from qlora_fsdp.config.options import QuantConfig
 from qlora_fsdp.quant import make_backend
 from qlora_fsdp.quant.base import QuantBackend, QuantizedLinear
 from qlora_fsdp.quant.bnb import Bnb4bitLinear

@@ -11,10 +11,8 @@ from typing import Any, get_args
 
 import pytest
 
-from qlora_fsdp.checkpoint import TRAINER_STATE, TrainState, check_resume_compatible
-from qlora_fsdp.config import FLAGS, TrainConfig, build_config, replace
-from qlora_fsdp.errors import UserError
-from qlora_fsdp.resume_rules import (
+from qlora_fsdp.checkpoint.dcp import TRAINER_STATE, TrainState, check_resume_compatible
+from qlora_fsdp.checkpoint.resume_rules import (
     MAY_CHANGE,
     MUST_MATCH,
     NOT_IDENTITY,
@@ -26,6 +24,8 @@ from qlora_fsdp.resume_rules import (
     unrecorded,
     unrecorded_message,
 )
+from qlora_fsdp.config.options import FLAGS, TrainConfig, build_config, replace
+from qlora_fsdp.errors import UserError
 
 CLASSES = {"MUST_MATCH": MUST_MATCH, "RESHARDED": RESHARDED, "MAY_CHANGE": MAY_CHANGE, "NOT_IDENTITY": NOT_IDENTITY}
 RULES: dict[str, Any] = {"world_size": 2, "may_change": MAY_CHANGE, "resharded": RESHARDED}
@@ -45,7 +45,7 @@ def test_every_flag_is_in_exactly_one_class() -> None:
     listed = [flag for flags in CLASSES.values() for flag in flags]
     twice = {flag: [name for name, flags in CLASSES.items() if flag in flags] for flag, n in Counter(listed).items()}
     assert {flag: where for flag, where in twice.items() if len(where) > 1} == {}, "a flag in two classes"
-    assert sorted(set(FLAGS) - set(listed)) == [], "a flag in no class: add it to one in qlora_fsdp/resume_rules.py"
+    assert sorted(set(FLAGS) - set(listed)) == [], "a flag in no class: add it to one in checkpoint/resume_rules.py"
     assert sorted(set(listed) - set(FLAGS)) == [], "a class names a flag TrainConfig does not have"
     assert set(TrainConfig().to_dict()) == set(FLAGS)  # FLAGS covers every section of TrainConfig
 
@@ -53,8 +53,8 @@ def test_every_flag_is_in_exactly_one_class() -> None:
 def test_a_checkpoint_records_exactly_the_compared_flags(tiny_model: Path) -> None:
     import torch
 
-    from qlora_fsdp.distributed import DistEnv
-    from qlora_fsdp.trainer import _settings
+    from qlora_fsdp.parallel.distributed import DistEnv
+    from qlora_fsdp.train.trainer import _settings
 
     cfg = build_config({"model": str(tiny_model)}).validate()
     settings = _settings(cfg, tiny_model, DistEnv(0, 0, 2, 2, torch.device("cpu"), "gloo"))

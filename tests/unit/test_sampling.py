@@ -1,9 +1,9 @@
-"""qlora_fsdp.sampling on the tiny Llama with a non-zero LoRA adapter, in one process: decoding through the root with a
-KV cache from left-padded prompts gives each drawn token the log-probability that transformers' own forward over the
-whole sequence (right-padded) gives it, and the entropy of its distribution; top_p keeps only the most likely token when
-it is tiny; a completion stops at its end token; the same generator state draws the same completions. Checked by hand:
-new tokens that attend to the prompts' left padding fail the first test (6 of 7 log-probs of a row differ); rotary
-positions make the prompts' position offsets invisible to it."""
+"""qlora_fsdp.objectives.sampling on the tiny Llama with a non-zero LoRA adapter, in one process: decoding through the
+root with a KV cache from left-padded prompts gives each drawn token the log-probability that transformers' own forward
+over the whole sequence (right-padded) gives it, and the entropy of its distribution; top_p keeps only the most likely
+token when it is tiny; a completion stops at its end token; the same generator state draws the same completions. Checked
+by hand: new tokens that attend to the prompts' left padding fail the first test (6 of 7 log-probs of a row differ);
+rotary positions make the prompts' position offsets invisible to it."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from qlora_fsdp.loss import CausalLMLoss
-from qlora_fsdp.sampling import sample
+from qlora_fsdp.objectives.loss import CausalLMLoss
+from qlora_fsdp.objectives.sampling import sample
 from tests.unit.test_preference_trl import PAD, _perturb
 
 PROMPTS = [[5, 9, 33, 71, 2048 % 500], [17], [400, 401, 402, 403, 404, 405, 406, 407], [88, 89, 90]]

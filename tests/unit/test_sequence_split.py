@@ -10,12 +10,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from qlora_fsdp.config import build_config
+from qlora_fsdp.config.options import build_config
 from qlora_fsdp.data import IGNORE_INDEX
 from qlora_fsdp.data.rows import collate
 from qlora_fsdp.errors import UserError
-from qlora_fsdp.loss import full_loss_sum
-from qlora_fsdp.sequence_parallel import POSITIONS, ROW_LABEL_TOKENS, check_heads, split_rows
+from qlora_fsdp.objectives.loss import full_loss_sum
+from qlora_fsdp.parallel.sequence_parallel import POSITIONS, ROW_LABEL_TOKENS, check_heads, split_rows
 from tests.cli.test_bad_input import assert_one_line_error, run_cli
 from tests.conftest import DATASET, without_weights
 

@@ -10,13 +10,13 @@ import pytest
 import torch
 from torch import nn
 
-from qlora_fsdp.config import LoraConfig, ModelConfig, QuantConfig, build_config
+from qlora_fsdp.config.options import LoraConfig, ModelConfig, QuantConfig, build_config
 from qlora_fsdp.errors import UserError
-from qlora_fsdp.lora import inject_lora, lora_layers
-from qlora_fsdp.loss import CausalLMLoss
-from qlora_fsdp.model import build_skeleton, stream_weights
+from qlora_fsdp.model.loading import build_skeleton, stream_weights
+from qlora_fsdp.model.lora import inject_lora, lora_layers
+from qlora_fsdp.objectives.loss import CausalLMLoss
+from qlora_fsdp.parallel.tiled_mlp import tile_count, tile_mlps, tiled_modules
 from qlora_fsdp.quant import make_backend
-from qlora_fsdp.tiled_mlp import tile_count, tile_mlps, tiled_modules
 from tests.conftest import randomize_adapters
 
 CPU = torch.device("cpu")

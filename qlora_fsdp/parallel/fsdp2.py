@@ -21,11 +21,11 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from qlora_fsdp.compat import fsdp2_uint8_problem
-from qlora_fsdp.config import FSDPConfig
-from qlora_fsdp.distributed import DistEnv
+from qlora_fsdp.config.options import FSDPConfig
 from qlora_fsdp.errors import UserError
-from qlora_fsdp.fsdp import PackedLayout, ShardedModel, Sharder
-from qlora_fsdp.precision import Precision
+from qlora_fsdp.parallel.distributed import DistEnv
+from qlora_fsdp.parallel.precision import Precision
+from qlora_fsdp.parallel.sharding import PackedLayout, ShardedModel, Sharder
 
 # shard_grad_op keeps gathered parameters from forward to backward (ZeRO-2); no_shard is a shard group of one.
 RESHARD_AFTER_FORWARD = {

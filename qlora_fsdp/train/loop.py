@@ -16,16 +16,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-from qlora_fsdp.checkpoint import TrainState
+from qlora_fsdp.checkpoint.dcp import TrainState
 from qlora_fsdp.compat import dump_cuda_memory_snapshot, start_cuda_memory_history
-from qlora_fsdp.config import OptimConfig, OutputConfig, profile_window
+from qlora_fsdp.config.options import OptimConfig, OutputConfig, profile_window
 from qlora_fsdp.data import target_mask
-from qlora_fsdp.distributed import DistEnv, gather_ints
 from qlora_fsdp.errors import UserError
-from qlora_fsdp.fsdp import ShardedModel
-from qlora_fsdp.loss import RouterLoss
-from qlora_fsdp.metrics import MetricsLogger, peak_memory_bytes
 from qlora_fsdp.objectives import Objective, combined_loss
+from qlora_fsdp.objectives.loss import RouterLoss
+from qlora_fsdp.parallel.distributed import DistEnv, gather_ints
+from qlora_fsdp.parallel.sharding import ShardedModel
+from qlora_fsdp.train.metrics import MetricsLogger, peak_memory_bytes
 
 log = logging.getLogger(__name__)
 

@@ -18,12 +18,19 @@ from typing import Any, TextIO
 import torch
 from torch import nn
 
-from qlora_fsdp.attention import fix_latent_attention
-from qlora_fsdp.config import PROMPT_STYLES, TrainConfig
+from qlora_fsdp.checkpoint.manifest import intra_op_threads, read_manifest
+from qlora_fsdp.config.options import PROMPT_STYLES, TrainConfig
 from qlora_fsdp.data.formats import format_prompt, missing_prefix, special_prefix
 from qlora_fsdp.data.images import ImageInputs, load_image_inputs, resolve_image
 from qlora_fsdp.errors import UserError
-from qlora_fsdp.export import (
+from qlora_fsdp.model.attention import fix_latent_attention
+from qlora_fsdp.model.loading import build_skeleton, load_tokenizer, resolve_model_path, stream_weights
+from qlora_fsdp.model.lora import load_saved_adapter
+from qlora_fsdp.model.vision import auto_model_class
+from qlora_fsdp.parallel.precision import PRECISIONS, quant_compute_dtype
+from qlora_fsdp.quant.experts import QuantizedExperts
+from qlora_fsdp.tools.config import GenerateConfig
+from qlora_fsdp.tools.export import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     HQQ_WEIGHTS,
@@ -32,13 +39,6 @@ from qlora_fsdp.export import (
     training_backend,
     training_base,
 )
-from qlora_fsdp.lora import load_saved_adapter
-from qlora_fsdp.manifest import intra_op_threads, read_manifest
-from qlora_fsdp.model import build_skeleton, load_tokenizer, resolve_model_path, stream_weights
-from qlora_fsdp.precision import PRECISIONS, quant_compute_dtype
-from qlora_fsdp.quant.experts import QuantizedExperts
-from qlora_fsdp.tool_config import GenerateConfig
-from qlora_fsdp.vision import auto_model_class
 
 EXIT_WORDS = ("exit", "quit")
 EXPORT_KINDS = {"hqq": "hqq", "bitsandbytes": "bnb"}
@@ -84,7 +84,7 @@ def load_for_generation(cfg: TrainConfig, options: GenerateConfig) -> tuple[nn.M
             stream_weights(skeleton, backend=backend, device=quantize_on)
         base.check({name: skeleton.model.get_submodule(name) for name in skeleton.quantized})
         model = skeleton.model.to(device)
-    fix_latent_attention(model)  # padded prompts take the masked attention path (see qlora_fsdp/attention.py)
+    fix_latent_attention(model)  # padded prompts take the masked attention path (see qlora_fsdp/model/attention.py)
     if adapter is not None:
         from peft import PeftModel
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from qlora_fsdp.config import OutputConfig
+from qlora_fsdp.config.options import OutputConfig
 
 METRICS_FILE = "metrics.jsonl"
 COMPLETIONS_FILE = "completions.jsonl"

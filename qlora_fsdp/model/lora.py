@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 from qlora_fsdp.compat import peft_rewrites_target
-from qlora_fsdp.config import LoraConfig
+from qlora_fsdp.config.options import LoraConfig
 from qlora_fsdp.errors import UserError
+from qlora_fsdp.model.vision import split_vision_targets, vision_parts
 from qlora_fsdp.quant.experts import FUSED, ExpertAdapter, QuantizedExperts, is_projection, router_gates
-from qlora_fsdp.vision import split_vision_targets, vision_parts
 
 log = logging.getLogger(__name__)
 

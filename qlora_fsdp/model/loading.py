@@ -22,16 +22,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from qlora_fsdp.attention import fix_latent_attention
 from qlora_fsdp.compat import no_split_modules
-from qlora_fsdp.config import ModelConfig
-from qlora_fsdp.conversion import CheckpointNames
-from qlora_fsdp.distributed import DistEnv
+from qlora_fsdp.config.options import ModelConfig
 from qlora_fsdp.errors import UserError
+from qlora_fsdp.model.attention import fix_latent_attention
+from qlora_fsdp.model.conversion import CheckpointNames
+from qlora_fsdp.model.vision import auto_model_class, vision_parts
+from qlora_fsdp.parallel.distributed import DistEnv
 from qlora_fsdp.quant import QuantBackend
 from qlora_fsdp.quant.base import QuantizedLinear, QuantizedWeight
 from qlora_fsdp.quant.experts import FUSED, QuantizedExperts, replace_experts, router_gates
-from qlora_fsdp.vision import auto_model_class, vision_parts
 
 log = logging.getLogger(__name__)
 

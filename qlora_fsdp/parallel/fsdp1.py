@@ -19,11 +19,11 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
 
 from qlora_fsdp.compat import hybrid_shard_zero2, init_fsdp1_root
-from qlora_fsdp.config import FSDPConfig
-from qlora_fsdp.distributed import DistEnv
-from qlora_fsdp.fsdp import PackedLayout, ShardedModel, Sharder, unwrapped
-from qlora_fsdp.lora import is_trainable_leaf
-from qlora_fsdp.precision import Precision
+from qlora_fsdp.config.options import FSDPConfig
+from qlora_fsdp.model.lora import is_trainable_leaf
+from qlora_fsdp.parallel.distributed import DistEnv
+from qlora_fsdp.parallel.precision import Precision
+from qlora_fsdp.parallel.sharding import PackedLayout, ShardedModel, Sharder, unwrapped
 
 STRATEGIES = {
     "full_shard": ShardingStrategy.FULL_SHARD,

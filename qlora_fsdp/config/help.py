@@ -11,7 +11,7 @@ import itertools
 from dataclasses import fields
 from typing import Any
 
-from qlora_fsdp.config import SECTIONS
+from qlora_fsdp.config.options import SECTIONS
 
 
 def field_docs(cls: type) -> dict[str, str]:

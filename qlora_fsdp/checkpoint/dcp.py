@@ -2,7 +2,7 @@
 
 A checkpoint directory `checkpoint-STEP/` holds:
 - `adapter_model.safetensors` + `adapter_config.json` (LoRA and DoRA): the adapter gathered to rank 0, loadable by
-  PEFT on its own, with `qlora_manifest.json` (qlora_fsdp/manifest.py), so the after-training scripts take a
+  PEFT on its own, with `qlora_manifest.json` (qlora_fsdp/checkpoint/manifest.py), so the after-training scripts take a
   checkpoint too;
 - `sharded/`: the trainable parameters and the optimizer state, written by torch.distributed.checkpoint (DCP) as
   each rank holds them, with their global layout, so a resume on another number of ranks or another sharding
@@ -44,16 +44,16 @@ from torch import nn
 from torch.distributed.checkpoint.staging import StagingOptions
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from qlora_fsdp.checkpoint.resume_rules import as_argument
 from qlora_fsdp.compat import reusable_stager
-from qlora_fsdp.distributed import DistEnv, broadcast_object
+from qlora_fsdp.config.objectives import with_defaults
 from qlora_fsdp.errors import UserError
-from qlora_fsdp.fsdp import ShardedModel
-from qlora_fsdp.loss import LM_PREFIX
-from qlora_fsdp.objective_config import with_defaults
-from qlora_fsdp.resume_rules import as_argument
+from qlora_fsdp.objectives.loss import LM_PREFIX
+from qlora_fsdp.parallel.distributed import DistEnv, broadcast_object
+from qlora_fsdp.parallel.sharding import ShardedModel
 
 if TYPE_CHECKING:
-    from qlora_fsdp.manifest import Manifest
+    from qlora_fsdp.checkpoint.manifest import Manifest
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"

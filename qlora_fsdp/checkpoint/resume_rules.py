@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from qlora_fsdp.config import TrainConfig
+from qlora_fsdp.config.options import TrainConfig
 
 MUST_MATCH: tuple[str, ...] = (
     # The base model (recorded as a fingerprint of its config and weights) and how it is quantized.

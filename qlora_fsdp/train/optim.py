@@ -9,7 +9,7 @@ from fractions import Fraction
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from qlora_fsdp.config import OptimConfig
+from qlora_fsdp.config.options import OptimConfig
 
 # name -> (class, whether torch has a fused CUDA kernel for it)
 OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], bool]] = {

@@ -1,7 +1,7 @@
 """The --objective flags: which objective, each one's own settings with TRL's defaults, and their ranges.
 
-A section of the run's config (qlora_fsdp.config holds the others and checks how sections combine); the objectives
-themselves are in qlora_fsdp/objectives.
+A section of the run's config (qlora_fsdp.config.options holds the others and checks how sections combine); the
+objectives themselves are in qlora_fsdp/objectives.
 """
 
 from __future__ import annotations

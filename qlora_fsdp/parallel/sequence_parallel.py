@@ -34,8 +34,8 @@ import torch.distributed as dist
 from torch import nn
 
 from qlora_fsdp.data import IGNORE_INDEX, target_mask
-from qlora_fsdp.distributed import DistEnv
 from qlora_fsdp.errors import UserError
+from qlora_fsdp.parallel.distributed import DistEnv
 
 ATTENTION = "qlora_ulysses"
 """The name the attention function is registered under in transformers' attention and mask interfaces."""

@@ -31,8 +31,8 @@ from torch.utils.checkpoint import checkpoint
 from qlora_fsdp.compat import kv_cache_argument
 from qlora_fsdp.data import IGNORE_INDEX, target_mask
 from qlora_fsdp.errors import UserError
-from qlora_fsdp.lora import adapters_off
-from qlora_fsdp.vision import hidden_states_model
+from qlora_fsdp.model.lora import adapters_off
+from qlora_fsdp.model.vision import hidden_states_model
 
 LM_PREFIX = "lm."
 """What the root's state dict puts before the wrapped model's names."""
@@ -79,10 +79,10 @@ class CausalLMLoss(nn.Module):
     ) -> torch.Tensor:
         """`per_token`: each label position's cross-entropy, [rows, labels' width - 1] (0 where there is no label;
         GRPO's per-token ratios), of the logits divided by `temperature` (GRPO's sampling temperature). `cache`: a
-        transformers KV cache to decode with (qlora_fsdp.sampling): the next token's fp32 logits [rows, vocabulary]
-        instead of a loss, through this root so FSDP gathers what it holds. `token_mask`: which positions are tokens
-        rather than padding, where `attention_mask` is not given (packed rows); only the router's loss reads it.
-        `images`: an image-text model's image inputs (pixel_values, ...)."""
+        transformers KV cache to decode with (qlora_fsdp.objectives.sampling): the next token's fp32 logits [rows,
+        vocabulary] instead of a loss, through this root so FSDP gathers what it holds. `token_mask`: which positions
+        are tokens rather than padding, where `attention_mask` is not given (packed rows); only the router's loss reads
+        it. `images`: an image-text model's image inputs (pixel_values, ...)."""
         if cache is not None:
             out = self.lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                           use_cache=True, logits_to_keep=1, **{self.cache_argument: cache})  # fmt: skip

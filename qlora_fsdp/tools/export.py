@@ -6,8 +6,8 @@ written out and freed as soon as it is whole, into safetensors shards of at most
 about one output shard, one layer and the embeddings, never the whole model. Every input is checked before anything
 is written; results go to a staging directory that is renamed into place at the end.
 
-With the adapter's manifest (qlora_fsdp/manifest.py), the base is quantized where training quantized it (CUDA when
-training did and a GPU is visible) and each quantized layer must match training's digests before any of it is
+With the adapter's manifest (qlora_fsdp/checkpoint/manifest.py), the base is quantized where training quantized it (CUDA
+when training did and a GPU is visible) and each quantized layer must match training's digests before any of it is
 written: a mismatch stops the script and the staging directory is removed.
 """
 
@@ -29,13 +29,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from qlora_fsdp.checkpoint.manifest import MANIFEST_FILE, intra_op_threads, read_manifest
 from qlora_fsdp.compat import revert_weight_conversion
-from qlora_fsdp.config import ModelConfig, QuantConfig
+from qlora_fsdp.config.options import ModelConfig, QuantConfig
 from qlora_fsdp.data.images import load_image_inputs
 from qlora_fsdp.errors import UserError
-from qlora_fsdp.manifest import MANIFEST_FILE, intra_op_threads, read_manifest
-from qlora_fsdp.metrics import peak_memory_bytes
-from qlora_fsdp.model import (
+from qlora_fsdp.model.loading import (
     INDEX_FILE,
     SINGLE_FILE,
     Skeleton,
@@ -44,11 +43,12 @@ from qlora_fsdp.model import (
     resolve_model_path,
     stream_weights,
 )
-from qlora_fsdp.precision import PRECISIONS, quant_compute_dtype
+from qlora_fsdp.parallel.precision import PRECISIONS, quant_compute_dtype
 from qlora_fsdp.quant import QuantBackend, make_backend
 from qlora_fsdp.quant.base import QuantizedLinear
 from qlora_fsdp.quant.experts import FUSED, QuantizedExperts, fused_order, peft_wrapper_depth
-from qlora_fsdp.tool_config import OUTPUT_DTYPES, ExportConfig, MergeConfig
+from qlora_fsdp.tools.config import OUTPUT_DTYPES, ExportConfig, MergeConfig
+from qlora_fsdp.train.metrics import peak_memory_bytes
 
 SHARD_BYTES = 1 << 30
 """Largest output shard: what a merge or export holds in memory besides one layer and the embeddings."""

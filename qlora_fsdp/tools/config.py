@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, get_type_hints
 
-from qlora_fsdp.config import (
+from qlora_fsdp.config.help import field_docs, option_docs
+from qlora_fsdp.config.options import (
     FLAGS,
     PROMPT_STYLES,
     ConfigError,
@@ -20,7 +21,6 @@ from qlora_fsdp.config import (
     choice,
     coerce,
 )
-from qlora_fsdp.help import field_docs, option_docs
 
 BUILD_FLAGS = (
     "model", "trust_remote_code", "quant", "bnb_quant_type", "bnb_double_quant", "hqq_bits", "hqq_group_size",
@@ -139,7 +139,7 @@ def recorded_flags(directory: str) -> dict[str, Any]:
     """The flags the manifest in an adapter directory records; empty where there is none (older adapters)."""
     if not directory:
         return {}
-    from qlora_fsdp.manifest import read_manifest  # torch and the backends: only where an adapter is given
+    from qlora_fsdp.checkpoint.manifest import read_manifest  # torch and the backends: only where an adapter is given
 
     manifest = read_manifest(directory)
     return {} if manifest is None else {k: v for k, v in manifest.flags.items() if k in BUILD_FLAGS}

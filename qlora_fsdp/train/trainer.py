@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.utils.data import DataLoader
 
-from qlora_fsdp.checkpoint import (
+from qlora_fsdp.checkpoint.dcp import (
     TRAINED_BLOCKS,
     Checkpointer,
     TrainState,
@@ -33,28 +33,22 @@ from qlora_fsdp.checkpoint import (
     save_full_model,
     save_trained_blocks,
 )
-from qlora_fsdp.config import OptimConfig, OutputConfig, TrainConfig
+from qlora_fsdp.checkpoint.manifest import LayerDigests, Manifest, training_manifest
+from qlora_fsdp.checkpoint.resume_rules import (
+    MAY_CHANGE,
+    RESHARDED,
+    recorded_settings,
+    resumed_message,
+    unrecorded,
+    unrecorded_message,
+)
+from qlora_fsdp.config.options import OptimConfig, OutputConfig, TrainConfig
 from qlora_fsdp.data.formats import pad_token_id
 from qlora_fsdp.data.images import load_image_inputs
 from qlora_fsdp.data.loader import build_loaders
 from qlora_fsdp.data.prompts import Prompt, prompt_loader
-from qlora_fsdp.distributed import DistEnv, broadcast_object, gather_ints, init_distributed, teardown
 from qlora_fsdp.errors import UserError
-from qlora_fsdp.evaluate import evaluate
-from qlora_fsdp.fsdp import PackedLayout, ShardedModel, make_sharder, verify_packed
-from qlora_fsdp.loop import Events, Step, TrainingStopped, TrainResult, make_profiler, preemption_flag, train_loop
-from qlora_fsdp.lora import (
-    adapter_keys,
-    adapts_experts,
-    init_adapters,
-    inject_lora,
-    lora_layers,
-    prepare_full_finetune,
-)
-from qlora_fsdp.loss import CausalLMLoss, RouterLoss, router_loss
-from qlora_fsdp.manifest import LayerDigests, Manifest, training_manifest
-from qlora_fsdp.metrics import METRICS_FILE, CompletionLog, MetricsLogger
-from qlora_fsdp.model import (
+from qlora_fsdp.model.loading import (
     FLASH_ATTENTION,
     attention_implementation,
     build_skeleton,
@@ -64,24 +58,30 @@ from qlora_fsdp.model import (
     resolve_model_path,
     stream_weights,
 )
+from qlora_fsdp.model.lora import (
+    adapter_keys,
+    adapts_experts,
+    init_adapters,
+    inject_lora,
+    lora_layers,
+    prepare_full_finetune,
+)
 from qlora_fsdp.objectives import Forward, make_objective
 from qlora_fsdp.objectives.grpo import Rollout
+from qlora_fsdp.objectives.loss import CausalLMLoss, RouterLoss, router_loss
 from qlora_fsdp.objectives.reference import REFERENCE_FILE, reference_table
 from qlora_fsdp.objectives.rewards import Reward, load_rewards
-from qlora_fsdp.optim import build_optimizer, build_scheduler
-from qlora_fsdp.precision import PRECISIONS, Precision, quant_compute_dtype
+from qlora_fsdp.parallel.distributed import DistEnv, broadcast_object, gather_ints, init_distributed, teardown
+from qlora_fsdp.parallel.precision import PRECISIONS, Precision, quant_compute_dtype
+from qlora_fsdp.parallel.sequence_parallel import check_heads, enable, sequence_groups, split_rows
+from qlora_fsdp.parallel.sharding import PackedLayout, ShardedModel, make_sharder, verify_packed
+from qlora_fsdp.parallel.tiled_mlp import tile_mlps
 from qlora_fsdp.quant import make_backend
 from qlora_fsdp.quant.base import QuantizedLinear
-from qlora_fsdp.resume_rules import (
-    MAY_CHANGE,
-    RESHARDED,
-    recorded_settings,
-    resumed_message,
-    unrecorded,
-    unrecorded_message,
-)
-from qlora_fsdp.sequence_parallel import check_heads, enable, sequence_groups, split_rows
-from qlora_fsdp.tiled_mlp import tile_mlps
+from qlora_fsdp.train.evaluate import evaluate
+from qlora_fsdp.train.loop import Events, Step, TrainingStopped, TrainResult, make_profiler, preemption_flag, train_loop
+from qlora_fsdp.train.metrics import METRICS_FILE, CompletionLog, MetricsLogger
+from qlora_fsdp.train.optim import build_optimizer, build_scheduler
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

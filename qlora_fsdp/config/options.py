@@ -15,8 +15,7 @@ from typing import Any, get_type_hints
 
 import yaml
 
-from qlora_fsdp.errors import UserError
-from qlora_fsdp.objective_config import (
+from qlora_fsdp.config.objectives import (
     OBJECTIVE_SETTINGS,
     OBJECTIVES,
     REFERENCE_OBJECTIVES,
@@ -24,6 +23,7 @@ from qlora_fsdp.objective_config import (
     ObjectiveConfig,
     objective_ranges,
 )
+from qlora_fsdp.errors import UserError
 
 
 class ConfigError(UserError):

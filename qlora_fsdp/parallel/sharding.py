@@ -21,10 +21,10 @@ import torch.distributed as dist
 from torch import nn
 
 from qlora_fsdp.compat import checkpoint_unwrapped, checkpoint_wrapped
-from qlora_fsdp.config import FSDPConfig
-from qlora_fsdp.distributed import DistEnv
+from qlora_fsdp.config.options import FSDPConfig
 from qlora_fsdp.errors import UserError
-from qlora_fsdp.precision import Precision
+from qlora_fsdp.parallel.distributed import DistEnv
+from qlora_fsdp.parallel.precision import Precision
 from qlora_fsdp.quant.base import QuantizedLinear
 
 
@@ -165,7 +165,7 @@ def make_sharder(
     """The sharder for `--fsdp_version`. `ignore` and `adapters_own_units` only matter to FSDP1, which flattens
     each unit into one tensor: quantized layers must stay out of a casting unit, and frozen and trainable
     parameters cannot share one."""
-    module = importlib.import_module(f"qlora_fsdp.fsdp{cfg.fsdp_version}")
+    module = importlib.import_module(f"qlora_fsdp.parallel.fsdp{cfg.fsdp_version}")
     return module.SHARDER(cfg, env=env, precision=precision, ignore=ignore, adapters_own_units=adapters_own_units)
 
 

@@ -1,0 +1,1 @@
+"""Saving and resuming: final artifacts, sharded DCP checkpoints, resume rules, the manifest."""

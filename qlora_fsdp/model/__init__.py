@@ -1,0 +1,2 @@
+"""Building the model: reading checkpoints, the meta skeleton, streaming and quantizing weights, conversion, vision
+parts, attention fixes, LoRA."""

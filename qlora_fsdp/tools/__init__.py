@@ -1,0 +1,1 @@
+"""After training: merge, export and generate, and the options of their scripts."""

@@ -1,0 +1,1 @@
+"""Training: the trainer that builds a run, the step loop, the optimizer, evaluation and metrics."""
