@@ -50,7 +50,8 @@ def load_ours(args: dict[str, Any]) -> None:
 
     from benchmarks.measure import model_bytes, preimport
     from qlora_fsdp.config.options import FSDPConfig, ModelConfig, QuantConfig
-    from qlora_fsdp.model.loading import build_skeleton, stream_weights
+    from qlora_fsdp.model.skeleton import build_skeleton
+    from qlora_fsdp.model.streaming import stream_weights
     from qlora_fsdp.parallel.distributed import init_distributed
     from qlora_fsdp.parallel.precision import PRECISIONS
     from qlora_fsdp.parallel.sharding import make_sharder
@@ -181,7 +182,7 @@ def quant_quality(args: dict[str, Any]) -> None:
 
     from benchmarks.measure import tensor_bytes
     from qlora_fsdp.config.options import QuantConfig
-    from qlora_fsdp.model.loading import shard_files
+    from qlora_fsdp.model.hub import shard_files
     from qlora_fsdp.quant import make_backend
 
     layers = {f"model.layers.{i}." for i in args["layers"]}

@@ -461,7 +461,7 @@ def write_model(args: dict[str, Any]) -> None:
     import torch
 
     from benchmarks.common import write_json
-    from qlora_fsdp.model.loading import meta_model
+    from qlora_fsdp.model.skeleton import meta_model
     from scripts.make_tiny_model import (
         DEFAULT_DATA,
         make_config,

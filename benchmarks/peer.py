@@ -61,7 +61,7 @@ def dummy_batches(path: str | Path, *, batch_size: int, context_length: int, cou
     """The same rows our CLI trains on with `--dataset dummy` (no padding: every row fills the context)."""
     from qlora_fsdp.data.formats import load_examples, pad_token_id
     from qlora_fsdp.data.rows import collate, fit_examples
-    from qlora_fsdp.model.loading import load_tokenizer
+    from qlora_fsdp.model.hub import load_tokenizer
 
     tokenizer = load_tokenizer(Path(path))
     examples = load_examples("dummy", samples=batch_size * count)

@@ -55,7 +55,7 @@ def preprocess(config: str | None = None, **flags: Any) -> None:
 
         from qlora_fsdp.data.images import load_image_inputs
         from qlora_fsdp.data.loader import prepare_caches
-        from qlora_fsdp.model.loading import load_tokenizer, resolve_model_path
+        from qlora_fsdp.model.hub import load_tokenizer, resolve_model_path
         from qlora_fsdp.parallel.distributed import DistEnv
 
         path = resolve_model_path(cfg.model.model)

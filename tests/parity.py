@@ -19,8 +19,10 @@ from qlora_fsdp.checkpoint.manifest import intra_op_threads, layer_digests, read
 from qlora_fsdp.config.options import LoraConfig, ModelConfig, QuantConfig
 from qlora_fsdp.data.formats import IGNORE_INDEX, load_examples, pad_token_id
 from qlora_fsdp.data.rows import collate, fit_examples
-from qlora_fsdp.model.loading import Skeleton, build_skeleton, load_model, load_tokenizer
+from qlora_fsdp.model.hub import load_tokenizer
 from qlora_fsdp.model.lora import adapter_keys, init_adapters, inject_lora, lora_layers
+from qlora_fsdp.model.skeleton import Skeleton, build_skeleton
+from qlora_fsdp.model.streaming import load_model
 from qlora_fsdp.quant import make_backend
 from qlora_fsdp.quant.base import QuantizedLinear
 from qlora_fsdp.quant.experts import QuantizedExperts

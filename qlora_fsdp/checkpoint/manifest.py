@@ -27,7 +27,7 @@ from torch import nn
 
 from qlora_fsdp.config.options import QuantConfig, TrainConfig
 from qlora_fsdp.errors import UserError
-from qlora_fsdp.model.loading import model_identity
+from qlora_fsdp.model.hub import model_identity
 from qlora_fsdp.quant import QuantBackend
 from qlora_fsdp.quant.base import QuantizedLinear
 

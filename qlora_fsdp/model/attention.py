@@ -1,4 +1,5 @@
-"""Corrections to transformers' attention modules where their bookkeeping disagrees with the tensors they make.
+"""Attention: which of transformers' implementations the model attends with, and corrections to transformers'
+attention modules where their bookkeeping disagrees with the tensors they make.
 
 Multi-head latent attention (DeepSeek-V2/V3 and the families built on it) expands its compressed latent through
 `kv_b_proj` into keys and values for every query head, yet transformers 5 still sets `num_key_value_groups` from
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import logging
 
+import torch
 from torch import nn
 
 log = logging.getLogger(__name__)
@@ -41,3 +43,15 @@ def fix_latent_attention(model: nn.Module) -> list[str]:
             getattr(model.config, "num_attention_heads", "?"),
         )
     return fixed
+
+
+FLASH_ATTENTION = "flash_attention_2"
+
+
+def attention_implementation(*, packing: bool, device: torch.device, dtype: torch.dtype) -> str:
+    """flash_attention_2 for packed rows on a GPU where flash-attn is installed (it needs bf16/fp16), else sdpa."""
+    if not packing or device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return "sdpa"
+    from transformers.utils import is_flash_attn_2_available
+
+    return FLASH_ATTENTION if is_flash_attn_2_available() else "sdpa"

@@ -34,15 +34,9 @@ from qlora_fsdp.compat import revert_weight_conversion
 from qlora_fsdp.config.options import ModelConfig, QuantConfig
 from qlora_fsdp.data.images import load_image_inputs
 from qlora_fsdp.errors import UserError
-from qlora_fsdp.model.loading import (
-    INDEX_FILE,
-    SINGLE_FILE,
-    Skeleton,
-    build_skeleton,
-    checkpoint_targets,
-    resolve_model_path,
-    stream_weights,
-)
+from qlora_fsdp.model.hub import INDEX_FILE, SINGLE_FILE, resolve_model_path
+from qlora_fsdp.model.skeleton import Skeleton, build_skeleton
+from qlora_fsdp.model.streaming import checkpoint_targets, stream_weights
 from qlora_fsdp.parallel.precision import PRECISIONS, quant_compute_dtype
 from qlora_fsdp.quant import QuantBackend, make_backend
 from qlora_fsdp.quant.base import QuantizedLinear

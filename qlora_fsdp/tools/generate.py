@@ -24,8 +24,10 @@ from qlora_fsdp.data.formats import format_prompt, missing_prefix, special_prefi
 from qlora_fsdp.data.images import ImageInputs, load_image_inputs, resolve_image
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.model.attention import fix_latent_attention
-from qlora_fsdp.model.loading import build_skeleton, load_tokenizer, resolve_model_path, stream_weights
+from qlora_fsdp.model.hub import load_tokenizer, resolve_model_path
 from qlora_fsdp.model.lora import load_saved_adapter
+from qlora_fsdp.model.skeleton import build_skeleton
+from qlora_fsdp.model.streaming import stream_weights
 from qlora_fsdp.model.vision import auto_model_class
 from qlora_fsdp.parallel.precision import PRECISIONS, quant_compute_dtype
 from qlora_fsdp.quant.experts import QuantizedExperts

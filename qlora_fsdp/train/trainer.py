@@ -48,16 +48,8 @@ from qlora_fsdp.data.images import load_image_inputs
 from qlora_fsdp.data.loader import build_loaders
 from qlora_fsdp.data.prompts import Prompt, prompt_loader
 from qlora_fsdp.errors import UserError
-from qlora_fsdp.model.loading import (
-    FLASH_ATTENTION,
-    attention_implementation,
-    build_skeleton,
-    expanded_layer_prefixes,
-    load_tokenizer,
-    model_identity,
-    resolve_model_path,
-    stream_weights,
-)
+from qlora_fsdp.model.attention import FLASH_ATTENTION, attention_implementation
+from qlora_fsdp.model.hub import load_tokenizer, model_identity, resolve_model_path
 from qlora_fsdp.model.lora import (
     adapter_keys,
     adapts_experts,
@@ -66,6 +58,8 @@ from qlora_fsdp.model.lora import (
     lora_layers,
     prepare_full_finetune,
 )
+from qlora_fsdp.model.skeleton import build_skeleton, expanded_layer_prefixes
+from qlora_fsdp.model.streaming import stream_weights
 from qlora_fsdp.objectives import Forward, make_objective
 from qlora_fsdp.objectives.grpo import Rollout
 from qlora_fsdp.objectives.loss import CausalLMLoss, RouterLoss, router_loss

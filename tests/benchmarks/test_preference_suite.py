@@ -85,7 +85,7 @@ def test_datasets_train_the_same_sequences(tiny_model: Path, tmp_path: Path) -> 
     """Through the trainer's own encoding, every pair's sides and the SFT rows are the same sequences, each of
     sequence_tokens, with the reply and its EOS labelled; the files are deterministic."""
     from qlora_fsdp.data.formats import encode_examples, load_examples, pair_example
-    from qlora_fsdp.model.loading import load_tokenizer
+    from qlora_fsdp.model.hub import load_tokenizer
 
     p = dataclasses.replace(plan(quick=True, threads=1, reps=None, idle_wait_s=None, precision="fp32"), steps=4)
     info = write_datasets(p, tiny_model, tmp_path / "a")

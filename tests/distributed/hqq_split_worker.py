@@ -18,7 +18,8 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from qlora_fsdp.config.options import ModelConfig
-from qlora_fsdp.model.loading import build_skeleton, stream_weights
+from qlora_fsdp.model.skeleton import build_skeleton
+from qlora_fsdp.model.streaming import stream_weights
 from qlora_fsdp.parallel.distributed import DistEnv, init_distributed
 from qlora_fsdp.quant.base import QuantizedLinear, QuantizedWeight
 from qlora_fsdp.quant.hqq import HqqBackend

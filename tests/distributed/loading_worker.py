@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 
 from qlora_fsdp.config.options import ModelConfig, QuantConfig
-from qlora_fsdp.model.loading import build_skeleton, load_model, stream_weights
+from qlora_fsdp.model.skeleton import build_skeleton
+from qlora_fsdp.model.streaming import load_model, stream_weights
 from qlora_fsdp.parallel.distributed import init_distributed
 from qlora_fsdp.quant import make_backend
 from qlora_fsdp.quant.base import QuantizedLinear

@@ -20,8 +20,10 @@ import torch.nn.functional as F
 
 from qlora_fsdp.config.options import PRECISIONS, TrainConfig, build_config
 from qlora_fsdp.data.loader import build_loaders
-from qlora_fsdp.model.loading import build_skeleton, expanded_layer_prefixes, load_tokenizer, stream_weights
+from qlora_fsdp.model.hub import load_tokenizer
 from qlora_fsdp.model.lora import init_adapters, inject_lora, lora_layers, prepare_full_finetune
+from qlora_fsdp.model.skeleton import build_skeleton, expanded_layer_prefixes
+from qlora_fsdp.model.streaming import stream_weights
 from qlora_fsdp.parallel.distributed import DistEnv, init_distributed
 from qlora_fsdp.parallel.precision import PRECISIONS as MODES
 from qlora_fsdp.parallel.precision import quant_compute_dtype

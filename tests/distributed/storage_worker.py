@@ -20,8 +20,9 @@ from safetensors.torch import load_file
 
 from qlora_fsdp.config.options import FSDPConfig, LoraConfig, ModelConfig, QuantConfig
 from qlora_fsdp.errors import UserError
-from qlora_fsdp.model.loading import build_skeleton, stream_weights
 from qlora_fsdp.model.lora import init_adapters, inject_lora, lora_layers
+from qlora_fsdp.model.skeleton import build_skeleton
+from qlora_fsdp.model.streaming import stream_weights
 from qlora_fsdp.parallel.distributed import init_distributed
 from qlora_fsdp.parallel.precision import PRECISIONS, Precision
 from qlora_fsdp.parallel.sharding import PackedWeightsChanged, make_sharder, verify_packed

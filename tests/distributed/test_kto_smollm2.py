@@ -18,7 +18,7 @@ import torch
 from qlora_fsdp.data import IGNORE_INDEX
 from qlora_fsdp.data.formats import encode_examples
 from qlora_fsdp.data.rows import collate
-from qlora_fsdp.model.loading import load_tokenizer
+from qlora_fsdp.model.hub import load_tokenizer
 from qlora_fsdp.train.metrics import read_metrics
 from tests.conftest import REPO_ROOT, train
 from tests.parity import trained_adapter_model

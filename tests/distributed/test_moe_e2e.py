@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from qlora_fsdp.model.loading import Skeleton
+from qlora_fsdp.model.skeleton import Skeleton
 from qlora_fsdp.quant.experts import QuantizedExperts
 from qlora_fsdp.train.metrics import read_metrics
 from tests import parity

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from qlora_fsdp.data.formats import load_examples
 from qlora_fsdp.data.rows import fit_examples
-from qlora_fsdp.model.loading import load_tokenizer
+from qlora_fsdp.model.hub import load_tokenizer
 from qlora_fsdp.train.metrics import read_metrics
 from tests.conftest import train
 from tests.distributed.test_moe_e2e import ROWS  # two rows that 2 ranks x batch 1 take whole every step

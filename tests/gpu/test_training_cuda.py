@@ -12,7 +12,8 @@ from safetensors import safe_open
 from torch import nn
 
 from qlora_fsdp.config.options import QuantConfig, build_config
-from qlora_fsdp.model.loading import build_skeleton, stream_weights
+from qlora_fsdp.model.skeleton import build_skeleton
+from qlora_fsdp.model.streaming import stream_weights
 from qlora_fsdp.parallel.sharding import PackedWeightsChanged, packed_digest, verify_packed
 from qlora_fsdp.quant import make_backend
 from qlora_fsdp.quant.base import QuantizedLinear

@@ -150,7 +150,7 @@ def test_layout_flags_reshard_a_format_2_checkpoint_but_not_a_format_1_one(
 def test_a_resume_on_another_base_model_is_refused(tiny_model: Path, tmp_path: Path) -> None:
     import shutil
 
-    from qlora_fsdp.model.loading import model_identity
+    from qlora_fsdp.model.hub import model_identity
 
     # The same model under another name is the same model; other weights under the same name are not.
     renamed = tmp_path / "renamed"

@@ -19,8 +19,10 @@ from torch import nn
 from qlora_fsdp.checkpoint.manifest import LayerDigests, training_manifest
 from qlora_fsdp.config.options import build_config
 from qlora_fsdp.data.formats import format_prompt
-from qlora_fsdp.model.loading import build_skeleton, load_tokenizer, stream_weights
+from qlora_fsdp.model.hub import load_tokenizer
 from qlora_fsdp.model.lora import init_adapters, inject_lora, lora_layers
+from qlora_fsdp.model.skeleton import build_skeleton
+from qlora_fsdp.model.streaming import stream_weights
 from qlora_fsdp.parallel.precision import PRECISIONS, quant_compute_dtype
 from qlora_fsdp.quant import make_backend
 from qlora_fsdp.quant.base import QuantizedLinear

@@ -13,8 +13,9 @@ from torch import nn
 
 from qlora_fsdp.config.options import LoraConfig, ModelConfig, OutputConfig, QuantConfig
 from qlora_fsdp.errors import UserError
-from qlora_fsdp.model.loading import build_skeleton, load_model
 from qlora_fsdp.model.lora import adapter_keys, init_adapters, inject_lora, lora_layers, target_modules
+from qlora_fsdp.model.skeleton import build_skeleton
+from qlora_fsdp.model.streaming import load_model
 from qlora_fsdp.quant import QuantBackend, make_backend
 from qlora_fsdp.train.metrics import METRICS_FILE, MetricsLogger, peak_memory_bytes, read_metrics
 
@@ -273,7 +274,7 @@ def test_init_adapters_is_peft_default_and_depends_only_on_seed_and_name(tiny_mo
 
 @pytest.mark.parametrize("quant", ["bnb", "hqq"])
 def test_init_adapters_sets_dora_magnitude_to_the_dequantized_row_norms(tiny_model: Path, quant: str) -> None:
-    from qlora_fsdp.model.loading import stream_weights
+    from qlora_fsdp.model.streaming import stream_weights
 
     skeleton, peft_model = skeleton_with_adapters(tiny_model, quant, dora=True)
     backend = make_backend(QuantConfig(quant=quant), storage_dtype=torch.uint8, compute_dtype=torch.float32)

@@ -1,5 +1,6 @@
-"""qlora_fsdp.model.loading: the meta skeleton, streaming a safetensors checkpoint into it (each decoder layer handed on
-as soon as it is whole), quantization from each layer's own tensor, architecture variants and error messages."""
+"""qlora_fsdp.model.skeleton and .streaming: the meta skeleton, streaming a safetensors checkpoint into it (each
+decoder layer handed on as soon as it is whole), quantization from each layer's own tensor, architecture variants and
+error messages."""
 
 from __future__ import annotations
 
@@ -19,14 +20,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from qlora_fsdp.config.options import ModelConfig, QuantConfig
 from qlora_fsdp.errors import UserError
-from qlora_fsdp.model.loading import (
-    Skeleton,
-    build_skeleton,
-    decoder_layer_classes,
-    load_model,
-    load_tokenizer,
-    stream_weights,
-)
+from qlora_fsdp.model.hub import load_tokenizer
+from qlora_fsdp.model.skeleton import Skeleton, build_skeleton, decoder_layer_classes
+from qlora_fsdp.model.streaming import load_model, stream_weights
 from qlora_fsdp.quant import QuantBackend, make_backend
 from qlora_fsdp.quant.base import QuantizedLinear
 from scripts.make_tiny_model import build_tiny_model
@@ -440,7 +436,7 @@ def test_checkpoint_tensor_unknown_to_the_model_is_ignored_with_a_warning(
     extra = "model.layers.0.mlp.unused.weight"
     tensors[extra] = torch.ones(3)
     rewrite_shards(path, tensors, lambda n: int(unit_of(n) != LAYERS[0]), seed=8)
-    with caplog.at_level(logging.WARNING, logger="qlora_fsdp.model.loading"):
+    with caplog.at_level(logging.WARNING, logger="qlora_fsdp.model.streaming"):
         _, skeleton, calls = stream(path, "none")
     assert calls == LAYERS
     assert extra in caplog.text
@@ -638,7 +634,7 @@ def test_a_header_whose_offsets_do_not_fit_is_refused_before_any_read(tmp_path: 
     """The reader fills each tensor's memory straight from the file: a header must never make it write past it."""
     import json as _json
 
-    from qlora_fsdp.model.loading import read_safetensors
+    from qlora_fsdp.model.formats.files import read_safetensors
 
     header = _json.dumps({"w": {"dtype": "F32", "shape": [1], "data_offsets": offsets}}).encode()
     path = tmp_path / "model.safetensors"

@@ -15,8 +15,9 @@ from torch import nn
 from qlora_fsdp.config.options import LoraConfig, ModelConfig, QuantConfig
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.model.attention import fix_latent_attention
-from qlora_fsdp.model.loading import build_skeleton, stream_weights
 from qlora_fsdp.model.lora import adapter_keys, inject_lora, lora_layers, peft_lora_layers
+from qlora_fsdp.model.skeleton import build_skeleton
+from qlora_fsdp.model.streaming import stream_weights
 from qlora_fsdp.quant import make_backend
 from qlora_fsdp.quant.base import QuantizedLinear
 from qlora_fsdp.quant.experts import ExpertAdapter, QuantizedExperts, router_gates

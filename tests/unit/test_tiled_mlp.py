@@ -12,8 +12,9 @@ from torch import nn
 
 from qlora_fsdp.config.options import LoraConfig, ModelConfig, QuantConfig, build_config
 from qlora_fsdp.errors import UserError
-from qlora_fsdp.model.loading import build_skeleton, stream_weights
 from qlora_fsdp.model.lora import inject_lora, lora_layers
+from qlora_fsdp.model.skeleton import build_skeleton
+from qlora_fsdp.model.streaming import stream_weights
 from qlora_fsdp.objectives.loss import CausalLMLoss
 from qlora_fsdp.parallel.tiled_mlp import tile_count, tile_mlps, tiled_modules
 from qlora_fsdp.quant import make_backend

@@ -12,8 +12,8 @@ from torch import nn
 
 from qlora_fsdp.config.options import LoraConfig, ModelConfig
 from qlora_fsdp.errors import UserError
-from qlora_fsdp.model.loading import build_skeleton, meta_model
 from qlora_fsdp.model.lora import inject_lora
+from qlora_fsdp.model.skeleton import build_skeleton, meta_model
 from qlora_fsdp.model.vision import VisionParts, split_vision_targets, vision_parts
 from tests.parity import make_quant_backend
 from tests.vlm_models import build_vlm
@@ -108,7 +108,7 @@ def test_the_cache_keeps_image_ids_and_paths_and_is_rebuilt_when_an_image_change
     from qlora_fsdp.data.cache import CacheSpec, open_cache
     from qlora_fsdp.data.formats import IGNORE_INDEX
     from qlora_fsdp.data.images import load_image_inputs
-    from qlora_fsdp.model.loading import load_tokenizer
+    from qlora_fsdp.model.hub import load_tokenizer
 
     model = vlms["llava"]
     images, tokenizer = load_image_inputs(model), load_tokenizer(model)
@@ -160,7 +160,7 @@ def test_a_collated_image_row_is_what_the_processor_makes_of_it(
     from qlora_fsdp.data.formats import IGNORE_INDEX
     from qlora_fsdp.data.images import load_image_inputs
     from qlora_fsdp.data.rows import IMAGE_PREFIX, collate
-    from qlora_fsdp.model.loading import load_tokenizer
+    from qlora_fsdp.model.hub import load_tokenizer
 
     model = request.getfixturevalue("gemma3_smollm2_tokenizer") if family.endswith("tokenizer") else vlms[family]
     if not (model / "processor_config.json").is_file():
@@ -209,7 +209,7 @@ def test_the_cache_key_follows_the_processor_settings_and_prompt_completion_rows
 
     from qlora_fsdp.data.cache import CacheSpec, cache_key, tokenize_in_memory
     from qlora_fsdp.data.images import load_image_inputs
-    from qlora_fsdp.model.loading import load_tokenizer
+    from qlora_fsdp.model.hub import load_tokenizer
 
     model = tmp_path / "gemma3"
     shutil.copytree(vlms["gemma3"], model)
@@ -239,7 +239,7 @@ def test_an_image_token_written_in_the_text_is_refused(vlms: dict[str, Path], tm
 
     from qlora_fsdp.data.cache import CacheSpec, tokenize_in_memory
     from qlora_fsdp.data.images import load_image_inputs
-    from qlora_fsdp.model.loading import load_tokenizer
+    from qlora_fsdp.model.hub import load_tokenizer
 
     model = vlms["gemma3"]
     Image.new("RGB", (28, 28), (255, 0, 0)).save(tmp_path / "red.png")

@@ -1,0 +1,284 @@
+"""Filling the skeleton: stream the checkpoint one tensor at a time, quantize each linear as it arrives, and hand
+each decoder layer on (to be sharded) as soon as it is whole.
+
+Every rank reads the checkpoint itself; none holds more than its shards plus the layers in flight and the
+embeddings, head and norm (sharded last, with the root). There is no rank-0 copy of the model; the only thing sent
+between ranks is quantized results, which the ranks share out instead of each computing them all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from qlora_fsdp.config.options import ModelConfig
+from qlora_fsdp.errors import UserError
+from qlora_fsdp.model.conversion import CheckpointNames
+from qlora_fsdp.model.skeleton import Skeleton, build_skeleton
+from qlora_fsdp.parallel.distributed import DistEnv
+from qlora_fsdp.quant import QuantBackend
+from qlora_fsdp.quant.base import QuantizedLinear, QuantizedWeight
+from qlora_fsdp.quant.experts import FUSED, QuantizedExperts
+
+log = logging.getLogger(__name__)
+
+
+class _Params:
+    """Every (module, attribute) that holds each parameter, so replacing a tied parameter replaces it everywhere."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.holders: dict[int, list[tuple[nn.Module, str]]] = {}
+        for module in model.modules():
+            for attr, param in module._parameters.items():
+                if param is not None:
+                    self.holders.setdefault(id(param), []).append((module, attr))
+
+    def replace(self, old: nn.Parameter, value: torch.Tensor) -> None:
+        new = nn.Parameter(value, requires_grad=old.requires_grad)
+        holders = self.holders.pop(id(old))
+        for module, attr in holders:
+            module._parameters[attr] = new
+        self.holders[id(new)] = holders
+
+    def materialize(self, module: nn.Module, device: torch.device) -> None:
+        """Allocate every parameter of `module` still on meta (adapters: initialised later) and move buffers."""
+        for param in list(module.parameters()):
+            if param.is_meta:
+                self.replace(param, torch.empty_like(param, device=device))
+        for sub in module.modules():
+            for name, buf in sub._buffers.items():
+                if buf is not None and not buf.is_meta:
+                    sub._buffers[name] = buf.to(device)
+
+
+def stream_weights(
+    skeleton: Skeleton,
+    *,
+    backend: QuantBackend | None,
+    device: torch.device,
+    on_unit_ready: Callable[[str, nn.Module], None] | None = None,
+    env: DistEnv | None = None,
+) -> None:
+    """Read the checkpoint one tensor at a time into the skeleton, quantizing each target weight as it arrives.
+
+    With `env`, every rank of the job streams the same checkpoint and shares the quantization out: the backend
+    splits each weight between the ranks (see QuantBackend.quantize), or, for a backend that needs weights whole
+    (`whole_weights`), each rank quantizes whole weights of a decoder layer and the layer's results are exchanged
+    when it is complete (_WeightShares). Without `env` this process quantizes every weight itself.
+
+    Tensors may come in any order and a decoder layer may span shards: as soon as every tensor of a layer has
+    arrived, its remaining meta parameters (adapters) are allocated and `on_unit_ready(name, layer)` runs, so the
+    caller can shard it and free the full copy. Parameters outside decoder layers (embeddings, norm, head) are
+    kept whole; the caller handles them after this returns. Raises UserError naming a missing tensor.
+    """
+    model = skeleton.model
+    params = _Params(model)
+    quantized = {id(m) for n, m in model.named_modules() if backend is not None and backend.is_quantized(m)}
+    by_length = sorted(skeleton.units, key=len, reverse=True)
+
+    def unit_of(name: str) -> str:
+        return next((u for u in by_length if name.startswith(u + ".")), "")
+
+    # A required "slot" is one parameter; tied names (embed_tokens / lm_head) share one slot.
+    slot_of = {name: id(m._parameters[attr]) for name, (m, attr) in skeleton.sources.items() if attr in m._parameters}
+    pending: dict[str, set[int]] = {}
+    for name, slot in slot_of.items():
+        pending.setdefault(unit_of(name), set()).add(slot)
+    first_name = {}
+    for name, slot in slot_of.items():
+        first_name.setdefault(slot, name)
+    shares = None
+    if backend is not None and backend.whole_weights and env is not None and env.world_size > 1:
+        by_unit: dict[str, list[QuantizedLinear]] = {}
+        for name, (module, attr) in skeleton.sources.items():
+            if id(module) in quantized and attr == "weight" and unit_of(name):
+                by_unit.setdefault(unit_of(name), []).append(module)  # type: ignore[arg-type]
+        shares = _WeightShares(by_unit, backend=backend, env=env, device=device)
+
+    # Where every tensor goes is known from the files' names: a checkpoint that cannot fill the model is refused
+    # before any weight is read.
+    experts = _split_experts(skeleton)
+    names = _checkpoint_names(skeleton, experts)
+    filled = {slot_of[n] for target in names.targets() for n in _expand(target, experts) if n in slot_of}
+    missing = sorted(first_name[s] for slots in pending.values() for s in slots if s not in filled)
+    if missing:
+        raise UserError(
+            f"--model {skeleton.path}: checkpoint lacks {len(missing)} tensor(s), e.g. {missing[0]}; is it complete?"
+        )
+    short = names.incomplete(lambda target: _expert_count(model, target))
+    if short:
+        raise UserError(f"--model {skeleton.path}: checkpoint lacks expert tensors ({short[0]}); is it complete?")
+
+    def place(name: str, tensor: torch.Tensor) -> None:
+        source = skeleton.sources.get(name)
+        if source is None:
+            log.warning("ignoring checkpoint tensor %s: no such parameter in the model", name)
+            return
+        module, attr = source
+        if id(module) in quantized and attr == "weight":  # a bias of a quantized layer is a plain parameter
+            if shares is not None and shares.covers(module):
+                shares.arrive(module, tensor)  # type: ignore[arg-type]
+            else:
+                backend.load_weight(module, tensor, device=device, env=env)  # type: ignore[union-attr]
+        elif attr in module._parameters:
+            old = module._parameters[attr]
+            params.replace(old, tensor.to(device=device, dtype=old.dtype if tensor.is_floating_point() else None))
+        else:
+            module._buffers[attr] = tensor.to(device)
+            return
+        unit = unit_of(name)
+        waiting = pending.get(unit)
+        if waiting is None:
+            return
+        waiting.discard(slot_of[name])
+        if not waiting and unit:
+            del pending[unit]
+            if shares is not None:
+                shares.exchange(unit)
+            layer = skeleton.units[unit]
+            params.materialize(layer, device)
+            if on_unit_ready is not None:
+                on_unit_ready(unit, layer)
+
+    for checkpoint_name, tensor in skeleton.checkpoint_format.tensors(skeleton.files):
+        for name, converted in names.arrive(checkpoint_name, tensor).items():
+            parts = _expand(name, experts)
+            if parts == [name]:
+                place(name, converted)
+            else:  # a fused experts tensor: one 2-D weight per expert
+                for part, weight in zip(parts, converted.unbind(0), strict=True):
+                    place(part, weight)
+    params.materialize(model, device)
+
+
+def checkpoint_targets(skeleton: Skeleton) -> set[str]:
+    """The model names the checkpoint fills, after transformers' conversion (fused experts by their fused name)."""
+    return _checkpoint_names(skeleton, _split_experts(skeleton)).targets()
+
+
+def _checkpoint_names(skeleton: Skeleton, experts: dict[str, QuantizedExperts]) -> CheckpointNames:
+    names = skeleton.checkpoint_format.names(skeleton.files)
+    return CheckpointNames(skeleton.model, names, _model_names(skeleton, experts))
+
+
+def _expert_count(model: nn.Module, target: str) -> int | None:
+    """How many experts the module holding `target` has (None: not an experts module)."""
+    with contextlib.suppress(AttributeError):
+        return getattr(model.get_submodule(target.rpartition(".")[0]), "num_experts", None)
+    return None
+
+
+def _split_experts(skeleton: Skeleton) -> dict[str, QuantizedExperts]:
+    return {n: m for n, m in skeleton.model.named_modules() if isinstance(m, QuantizedExperts)}
+
+
+def _model_names(skeleton: Skeleton, experts: dict[str, QuantizedExperts]) -> list[str]:
+    """The model's tensor names as transformers knows them: routed experts split here keep their fused names."""
+    inside = tuple(f"{n}." for n in experts)
+    names = [n for n in skeleton.sources if not (inside and n.startswith(inside))]
+    return names + [f"{n}.{fused}" for n in experts for fused in FUSED]
+
+
+def _expand(name: str, experts: dict[str, QuantizedExperts]) -> list[str]:
+    """`name` itself, or for a fused experts name (`...experts.gate_up_proj`) the per-expert weights it fills."""
+    module_name, _, attr = name.rpartition(".")
+    if module_name not in experts or attr not in FUSED:
+        return [name]
+    return [f"{module_name}.{FUSED[attr]}.{i}.weight" for i in range(experts[module_name].num_experts)]
+
+
+class _WeightShares:
+    """Which rank quantizes which whole weight of each decoder layer, for a backend that needs weights whole (HQQ).
+
+    A rank quantizes the weights it owns as they arrive and drops the others; when a layer is complete, each
+    owner broadcasts its results, so every rank ends with the bytes one process quantizing everything produces.
+    Owners are fixed up front from the skeleton's shapes, the same on every rank without communication: largest
+    weight first, each to the rank with the least work so far (carried across layers), so the ranks finish a
+    layer's shares at about the same time.
+    """
+
+    def __init__(
+        self,
+        by_unit: dict[str, list[QuantizedLinear]],
+        *,
+        backend: QuantBackend,
+        env: DistEnv,
+        device: torch.device,
+    ) -> None:
+        self.by_unit = by_unit
+        self.backend = backend
+        self.env = env
+        self.device = device
+        self.owner: dict[int, int] = {}
+        self.results: dict[int, QuantizedWeight] = {}
+        work = [0] * env.world_size
+        for modules in by_unit.values():
+            for module in sorted(modules, key=lambda m: -m.in_features * m.out_features):
+                rank = min(range(env.world_size), key=lambda r: (work[r], r))
+                self.owner[id(module)] = rank
+                work[rank] += module.in_features * module.out_features
+
+    def covers(self, module: nn.Module) -> bool:
+        return id(module) in self.owner
+
+    def arrive(self, module: QuantizedLinear, weight: torch.Tensor) -> None:
+        """Quantize `weight` now if this rank owns it; another rank's is dropped, its result comes in exchange."""
+        if self.owner[id(module)] == self.env.rank:
+            self.results[id(module)] = self.backend.quantize(weight.to(self.device))
+
+    def exchange(self, unit: str) -> None:
+        """Every weight of a complete `unit` into its layer on every rank, each sent from its owner.
+
+        One object collective carries the layer's small metadata (scalar meta, dtypes and shapes); each weight's
+        bytes then go in one broadcast of a flat uint8 tensor on the weights' device (gloo or NCCL alike).
+        """
+        modules = self.by_unit.pop(unit, [])
+        if not modules:
+            return
+        mine = {i: self.results.pop(id(m)) for i, m in enumerate(modules) if self.owner[id(m)] == self.env.rank}
+        layouts: list[dict[int, tuple]] = [{} for _ in range(self.env.world_size)]
+        dist.all_gather_object(layouts, {i: _layout(q) for i, q in mine.items()})
+        for i, module in enumerate(modules):
+            owner = self.owner[id(module)]
+            module.set_quantized(_broadcast(mine.get(i), layouts[owner][i], src=owner, device=self.device))
+
+
+def _layout(quantized: QuantizedWeight) -> tuple[int, list[tuple[str, torch.dtype, torch.Size]], dict]:
+    """What a receiver needs to rebuild `quantized` from its bytes: packed size, state dtypes and shapes, meta."""
+    states = [(name, t.dtype, t.shape) for name, t in quantized.state.items()]
+    return quantized.packed.numel(), states, quantized.meta
+
+
+def _broadcast(quantized: QuantizedWeight | None, layout: tuple, *, src: int, device: torch.device) -> QuantizedWeight:
+    """Rank `src`'s `quantized` on every rank (None elsewhere): packed bytes and state sent as one flat buffer."""
+    packed_numel, states, meta = layout
+    sizes = [packed_numel, *(shape.numel() * dtype.itemsize for _, dtype, shape in states)]
+    if quantized is not None:
+        state_bytes = [t.contiguous().flatten().view(torch.uint8) for t in quantized.state.values()]
+        dist.broadcast(torch.cat([quantized.packed.flatten(), *state_bytes]), src=src)
+        return quantized
+    buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+    dist.broadcast(buffer, src=src)
+    packed, *parts = buffer.split(sizes)
+    state = {name: t.clone().view(dtype).view(shape) for (name, dtype, shape), t in zip(states, parts, strict=True)}
+    return QuantizedWeight(packed.clone(), state, meta)
+
+
+def load_model(
+    cfg: ModelConfig,
+    *,
+    backend: QuantBackend | None,
+    device: torch.device,
+    param_dtype: torch.dtype,
+    path: Path | None = None,
+) -> Skeleton:
+    """The whole model in this process, quantized, unsharded (tools and tests; training streams into shards)."""
+    skeleton = build_skeleton(cfg, backend=backend, param_dtype=param_dtype, path=path)
+    stream_weights(skeleton, backend=backend, device=device)
+    return skeleton
