@@ -1,4 +1,4 @@
-"""Saving and resuming: the LoRA adapter in PEFT's format, and atomic checkpoints that resume on any world size.
+"""Checkpoints: atomic `checkpoint-STEP/` directories, written during training and loaded on any world size.
 
 A checkpoint directory `checkpoint-STEP/` holds:
 - `adapter_model.safetensors` + `adapter_config.json` (LoRA and DoRA): the adapter gathered to rank 0, loadable by
@@ -26,7 +26,6 @@ import datetime
 import json
 import os
 import random
-import secrets
 import shutil
 import threading
 import time
@@ -39,26 +38,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.checkpoint.staging import StagingOptions
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from qlora_fsdp.checkpoint.resume_rules import as_argument
+from qlora_fsdp.checkpoint.artifacts import load_adapter_into, save_adapter
 from qlora_fsdp.compat import reusable_stager
-from qlora_fsdp.config.objectives import with_defaults
-from qlora_fsdp.errors import UserError
-from qlora_fsdp.objectives.loss import LM_PREFIX
-from qlora_fsdp.parallel.distributed import DistEnv, broadcast_object
+from qlora_fsdp.parallel.distributed import DistEnv
 from qlora_fsdp.parallel.sharding import ShardedModel
 
 if TYPE_CHECKING:
     from qlora_fsdp.checkpoint.manifest import Manifest
 
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
-FULL_WEIGHTS = "model.safetensors"
-TRAINED_BLOCKS = "llama_pro_blocks.safetensors"
 TRAINER_STATE = "trainer_state.json"
 SHARDED = "sharded"
 CHECKPOINT_PREFIX = "checkpoint-"
@@ -82,68 +73,6 @@ class TrainState:
     settings: dict[str, Any] = field(default_factory=dict)
     """The run's flags that a resume is checked against (resume_rules.RECORDED): must match, resharded or named."""
     format: int = FORMAT
-
-
-def gather_adapter(model: ShardedModel, keys: dict[nn.Module, dict[str, str]]) -> dict[str, torch.Tensor]:
-    """Full adapter tensors on rank 0 (empty elsewhere), keyed as PEFT saves them (see lora.adapter_keys)."""
-    state: dict[str, torch.Tensor] = {}
-    for module, tensors in model.gather(list(keys)):
-        for name, tensor in tensors.items():
-            state[keys[module][name]] = tensor
-    return state
-
-
-def load_adapter_into(model: ShardedModel, keys: dict[nn.Module, dict[str, str]], path: Path) -> None:
-    """Copy a saved adapter into the sharded model, module by module, bit for bit (every rank reads the file)."""
-    saved = load_file(str(path / ADAPTER_WEIGHTS))
-    for module, names in keys.items():
-        model.load(module, {name: saved[key] for name, key in names.items()})
-
-
-def save_adapter(
-    model: ShardedModel,
-    peft_model: nn.Module,
-    keys: dict[nn.Module, dict[str, str]],
-    out: Path,
-    *,
-    env: DistEnv,
-    manifest: Manifest | None = None,
-) -> None:
-    """Write adapter_model.safetensors + adapter_config.json that `PeftModel.from_pretrained` loads, and beside them
-    the manifest of the base it was trained on (rank 0 holds it)."""
-    state = gather_adapter(model, keys)
-    if env.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in state.items()}, str(out / ADAPTER_WEIGHTS))
-        peft_model.peft_config["default"].save_pretrained(str(out))
-        if manifest is not None:
-            manifest.write(out)
-    dist.barrier()
-
-
-def save_full_model(model: ShardedModel, hf_model: nn.Module, out: Path, *, env: DistEnv) -> None:
-    """--train_type full: the whole model is what was trained, gathered to rank 0 (on CPU from a GPU)."""
-    state = {name.removeprefix(LM_PREFIX): t for name, t in model.full_state_dict().items()}
-    if env.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        hf_model.save_pretrained(str(out), state_dict=state, safe_serialization=True)
-    dist.barrier()
-
-
-def save_trained_blocks(model: ShardedModel, blocks: dict[nn.Module, str], out: Path, *, env: DistEnv) -> Path:
-    """--train_type llama_pro: the trained blocks' tensors, under their checkpoint names, gathered block by block.
-
-    Copying these tensors over the expanded checkpoint's gives the fine-tuned model.
-    """
-    state: dict[str, torch.Tensor] = {}
-    for block, tensors in model.gather(list(blocks)):
-        state |= {f"{blocks[block]}{name}": tensor for name, tensor in tensors.items()}
-    path = out / TRAINED_BLOCKS
-    if env.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        save_file(state, str(path))
-    dist.barrier()
-    return path
 
 
 def _rng_state(device: torch.device) -> dict[str, Any]:
@@ -337,142 +266,6 @@ def list_checkpoints(output_dir: Path) -> list[Path]:
         if suffix.isdigit() and (path / TRAINER_STATE).is_file():
             found.append((int(suffix), path))
     return [p for _, p in sorted(found)]
-
-
-def resolve_resume(resume_from: str, output_dir: Path) -> Path | None:
-    """The checkpoint to resume from: None for a fresh run, else a complete checkpoint directory."""
-    if not resume_from:
-        return None
-    if resume_from == "auto":
-        found = list_checkpoints(output_dir)
-        return found[-1] if found else None
-    path = Path(resume_from)
-    if not (path / TRAINER_STATE).is_file():
-        raise UserError(f"--resume_from {resume_from}: not a complete checkpoint (no {TRAINER_STATE}); use 'auto'")
-    return path
-
-
-def check_resume_compatible(
-    path: Path,
-    settings: dict[str, Any],
-    *,
-    world_size: int,
-    may_change: tuple[str, ...] = (),
-    resharded: tuple[str, ...] = (),
-) -> list[str]:
-    """Refuse, before any heavy work, a resume whose data order or tensors could not match the checkpoint's.
-
-    `resharded`: settings that change only how the saved state is laid out over ranks and steps (batch size,
-    sharding strategy), which checkpoints of format 2 may change like the world size. Returns the changes to report
-    ("--lr 0.01 -> 0.005", a new world size or global batch), which the caller applies.
-    """
-    state = read_train_state(path)
-    state.settings, settings = with_defaults(state.settings), with_defaults(settings)
-    legacy = state.format < 2
-    if legacy and state.world_size != world_size:
-        raise UserError(
-            f"--resume_from {path}: saved by {state.world_size} processes but this job has {world_size}; this "
-            "checkpoint predates resharded checkpoints (its optimizer state is sharded per rank), so resume it with "
-            f"--nproc_per_node/--nnodes giving {state.world_size}"
-        )
-    allowed = may_change if legacy else may_change + resharded
-    # Settings a checkpoint of an older version did not record are unknown, taken as unchanged (the trainer names
-    # the must-match ones it could not check: resume_rules.unrecorded).
-    changed = {k: f"--{k} {state.settings[k]!r} -> {v!r}" for k, v in settings.items() if state.settings.get(k, v) != v}
-    refused = [k for k in changed if k not in allowed]
-    if refused:
-        saved = " ".join(as_argument(k, state.settings[k]) for k in refused)
-        raise UserError(
-            f"--resume_from {path}: the checkpoint was made with other settings "
-            f"({'; '.join(changed[k] for k in refused)}); to continue it, resume with {saved}, or start a new run in "
-            "another --output_dir"
-        )
-    notes = [text for k, text in changed.items() if k in allowed]
-    return notes if legacy else notes + _new_layout(path, state, settings, world_size)
-
-
-def _new_layout(path: Path, state: TrainState, settings: dict[str, Any], world_size: int) -> list[str]:
-    """What a resume on another world size or global batch changes, or the reason it cannot continue the data."""
-
-    def shape(ranks: int, flags: dict[str, Any]) -> tuple[int, int, str]:
-        batch, accumulation = flags.get("batch_size", 1), flags.get("gradient_accumulation_steps", 1)
-        split = flags.get("sequence_parallel_size", 1)  # the ranks of a group read the same rows
-        readers = f"{ranks // split} groups of {split} ranks" if split > 1 else f"{ranks} ranks"
-        text = f"{readers} x --batch_size {batch} x --gradient_accumulation_steps {accumulation}"
-        return ranks // split * batch, ranks // split * batch * accumulation, text
-
-    old_micro, old_global, old_text = shape(state.world_size, state.settings)
-    new_micro, new_global, new_text = shape(world_size, {**state.settings, **settings})
-    if settings.get("dataset_streaming") and (state.world_size, old_micro) != (world_size, new_micro):
-        raise UserError(
-            f"--resume_from {path}: --dataset_streaming deals rows to ranks by position, so a stream resumes only at "
-            f"its own shape; resume with {state.world_size} processes and --batch_size "
-            f"{state.settings.get('batch_size', 1)}"
-        )
-    if settings.get("group_by_length") and old_micro != new_micro:
-        raise UserError(
-            f"--resume_from {path}: --group_by_length orders rows in global batches of {old_micro} (world size x "
-            f"--batch_size), so it continues only with world size x --batch_size = {old_micro}"
-        )
-    iterations, group = settings.get("num_iterations") or 1, state.settings.get("num_generations")
-
-    def layout(ranks: int, flags: dict[str, Any]) -> tuple[Any, ...]:
-        """What a rank's held generation depends on: the ranks and how each one's micro-batches are made."""
-        return ranks, *(flags.get(k) for k in ("batch_size", "gradient_accumulation_steps", "num_generations"))
-
-    if state.step % iterations and layout(world_size, settings) != layout(state.world_size, state.settings):
-        raise UserError(
-            f"--resume_from {path}: step {state.step} falls between the --num_iterations {iterations} steps that reuse "
-            f"one generation of completions, which the checkpoint holds rank by rank for {old_text}, --num_generations "
-            f"{group}; resume it with those, or from a checkpoint whose step is a multiple of {iterations}"
-        )
-    if iterations > 1 and old_global / group != new_global / settings.get("num_generations"):
-        raise UserError(
-            f"--resume_from {path}: with --num_iterations {iterations} the data position counts each step's prompts "
-            f"{iterations} times, so it continues only with {old_global // group} prompts a step ({old_text} / "
-            f"--num_generations {group}); keep that product, or start a new run"
-        )
-    notes = []
-    if world_size != state.world_size:
-        notes.append(
-            f"world size {state.world_size} -> {world_size} (trainable weights and optimizer state resharded; the "
-            "random state of dropout starts afresh)"
-        )
-    if new_global != old_global:
-        notes.append(
-            f"global batch {old_global} ({old_text}) -> {new_global} ({new_text}): the data goes on from sample "
-            f"{state.samples_in_epoch} of epoch {state.epoch} in the same order, but the steps no longer match the "
-            "saved run's"
-        )
-    return notes
-
-
-def remove_checkpoints(output_dir: Path) -> None:
-    """Delete a previous run's checkpoints (complete and unfinished), so this run neither prunes nor resumes them."""
-    for path in [*output_dir.glob(f"{CHECKPOINT_PREFIX}*"), *output_dir.glob(f".{CHECKPOINT_PREFIX}*.tmp")]:
-        if path.is_dir() and path.name.strip(".").removeprefix(CHECKPOINT_PREFIX).removesuffix(".tmp").isdigit():
-            shutil.rmtree(path, ignore_errors=True)
-
-
-def output_dir_shared(output_dir: Path, env: DistEnv) -> bool:
-    """Whether every rank sees the same `output_dir` (a shared filesystem), tested by a file rank 0 writes there.
-
-    Only multi-node jobs can differ: each rank writes its checkpoint shard, and a node-local directory would leave
-    every checkpoint incomplete.
-    """
-    if env.world_size == env.local_world_size:
-        return True
-    marker = output_dir / f".node-check-{broadcast_object(secrets.token_hex(8), env)}"
-    if env.is_main:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        marker.touch()
-    dist.barrier()
-    seen = torch.tensor(float(marker.exists()), device=env.device)
-    dist.all_reduce(seen, op=dist.ReduceOp.MIN)
-    dist.barrier()
-    if env.is_main:
-        marker.unlink()
-    return bool(seen.item())
 
 
 def read_train_state(path: Path) -> TrainState:

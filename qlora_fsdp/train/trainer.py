@@ -17,23 +17,17 @@ from torch import nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.utils.data import DataLoader
 
+from qlora_fsdp.checkpoint.artifacts import TRAINED_BLOCKS, save_adapter, save_full_model, save_trained_blocks
 from qlora_fsdp.checkpoint.dcp import (
-    TRAINED_BLOCKS,
     Checkpointer,
     TrainState,
-    check_resume_compatible,
     list_checkpoints,
     load_checkpoint,
-    output_dir_shared,
     read_objective_state,
     read_train_state,
-    remove_checkpoints,
-    resolve_resume,
-    save_adapter,
-    save_full_model,
-    save_trained_blocks,
 )
 from qlora_fsdp.checkpoint.manifest import LayerDigests, Manifest, training_manifest
+from qlora_fsdp.checkpoint.resume import check_resume_compatible, output_dir_shared, remove_checkpoints, resolve_resume
 from qlora_fsdp.checkpoint.resume_rules import (
     MAY_CHANGE,
     RESHARDED,

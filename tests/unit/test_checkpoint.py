@@ -8,13 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from qlora_fsdp.checkpoint.dcp import (
-    TRAINER_STATE,
-    TrainState,
-    check_resume_compatible,
-    list_checkpoints,
-    resolve_resume,
-)
+from qlora_fsdp.checkpoint.dcp import TRAINER_STATE, TrainState, list_checkpoints
+from qlora_fsdp.checkpoint.resume import check_resume_compatible, resolve_resume
 from qlora_fsdp.errors import UserError
 
 
@@ -182,7 +177,7 @@ def test_schedule_and_speed_flags_may_change(tiny_model: Path, tmp_path: Path, f
 
 
 def test_remove_checkpoints_takes_complete_and_unfinished_ones_only(tmp_path: Path) -> None:
-    from qlora_fsdp.checkpoint.dcp import remove_checkpoints
+    from qlora_fsdp.checkpoint.resume import remove_checkpoints
 
     make_checkpoint(tmp_path, 3)
     make_checkpoint(tmp_path, 6, complete=False)

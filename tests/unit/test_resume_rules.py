@@ -11,7 +11,8 @@ from typing import Any, get_args
 
 import pytest
 
-from qlora_fsdp.checkpoint.dcp import TRAINER_STATE, TrainState, check_resume_compatible
+from qlora_fsdp.checkpoint.dcp import TRAINER_STATE, TrainState
+from qlora_fsdp.checkpoint.resume import check_resume_compatible
 from qlora_fsdp.checkpoint.resume_rules import (
     MAY_CHANGE,
     MUST_MATCH,
