@@ -1,118 +1,57 @@
 """The checkpoint suite (--suite cpu-checkpoint): training's stall per save with `--async_save true` against a
-synchronous save of the same state.
-
-The issue's acceptance: training's stall per save with --async_save true at most 0.3x a synchronous save's, on the
-largest `--train_type full --quant none` state the CPU suite can hold. Each run is our real CLI on 2 ranks
-(`torchrun train.py --save_steps K`, FSDP2, torch.distributed.checkpoint), a job of its own, in pairs that differ
-in --async_save alone:
-
-- full: `--train_type full --quant none` on a random Llama of TinyLlama's shape (the 1.1B model of --suite
-  cpu-large) cut to 8 of its 22 decoder layers, 483M parameters: in bf16 its parameters, gradients and Adam moments
-  are 3.9 GB over the two ranks, the checkpoint 2.9 GB, and the async side stages another 2.9 GB to host memory
-  (the whole 1.1B model would hold about 15 GB with its staging copy in bf16, 31 GB in fp32: too much for a 24 GB
-  machine shared with other work); in fp32 (a CPU without native bf16 matmuls) 4 of its layers, the same bytes;
-- lora: `--quant bnb` LoRA r16 on every linear of the CPU suite's 171M model: the QLoRA case, where a checkpoint is
-  the adapter (gathered to rank 0 and written as PEFT's safetensors before DCP starts, on both sides) and its AdamW
-  state.
-
-A save's stall, two ways, both from rank 0 (whose completion work the other rank waits for at the next collective):
-- logged: the line the trainer prints at the save, `checkpoint saved to PATH in X s` (sync) or `checkpoint PATH:
-  training goes on after X s` (async); printed to 2 decimals;
-- step times: metrics.jsonl's `elapsed_s` (since training began, at each step's end) less the next step's own time
-  (`tokens / tokens_per_s`) is the time between two steps; a save's stall is that time at its boundary, plus at the
-  boundary where an async save is marked complete (rank 0 writes trainer_state.json, renames the directory, prunes
-  the older checkpoint), each less the median of the boundaries where nothing was saved or completed. Taking each
-  step's own time out keeps the step-to-step variance of a shared machine (several seconds here) out of a figure of
-  a few seconds; `gap_stall_s` in results.json is the plain difference of the step-to-step gaps.
-The async side's other cost, the background writer's CPU on the same 2 cores, shows as slower steps while a write is
-in flight (`step_s_writing` against `step_s_quiet`), beside the total write time (`checkpoint saved ... in Y s`: from
-the save to the step boundary where rank 0 found DCP done). Memory: benchmarks/step_probe.py's per-step peak RSS,
-which counts a save in the step after it, the largest over steps and ranks, and its rise above the RSS before step 1.
-Each pair's last checkpoints are read back and compared tensor by tensor (`python -m benchmarks.checkpoint_suite
-compare JSON`): same seed and data, so the background-written checkpoint should equal the synchronous one bit for bit.
+synchronous save of the same state, 2 ranks, on a 483M full fine-tune and a LoRA case. The issue's bar: the async
+stall at most 0.3x the synchronous one (full case). Stalls are read from rank 0's log and from metrics.jsonl's step
+times; each pair's last checkpoints are compared tensor by tensor. benchmarks/README.md has the method.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
-import sys
-import tempfile
-import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks import cpu_suite
-from benchmarks.common import REPO_ROOT, base_env, median, read_json, run_metrics, worker_cmd, write_json
-from benchmarks.cpu_suite import (
-    CpuPlan,
-    LaunchSettings,
-    Runner,
-    _parameters,
-    ensure_model,
-    launch_conditions,
-    launches_markdown,
-    model_record,
-)
-from benchmarks.data_suite import _shell
-from benchmarks.report import fmt, render
-from benchmarks.rows import row
+from benchmarks import cpu_suite, report
+from benchmarks.harness import Runner, Settings, alternate, brief, median, model_record, parameters, row, session
+from benchmarks.report import fmt
 
 CASES = ("full", "lora")
 STALL_BAR = 0.3
 """The issue's bound on an async save's stall over a synchronous save's (the full case)."""
 FULL_MODEL = {**cpu_suite.LARGE_MODEL, "num_layers": 8, "num_shards": 2}
-"""483M parameters: TinyLlama's hidden size, heads, MLP and vocabulary, 8 of its 22 layers."""
+"""483M parameters: TinyLlama's hidden size, heads, MLP and vocabulary, 8 of its 22 layers (3.9 GB of state in bf16
+over the two ranks, plus the async side's staging copy: what a 24 GB machine shared with other work holds)."""
 FULL_LAYERS_FP32 = 4
-"""--precision fp32 doubles every byte of the state: half the layers (308M parameters) keep it the same size."""
-LORA_MODEL = cpu_suite.FULL_MODEL
-"""The CPU suite's 171M model (the same directory under --cache)."""
-QUICK_MODEL = cpu_suite.QUICK_MODEL
-"""1.6M parameters, both cases of --quick."""
-WORKER = "benchmarks.checkpoint_suite"
-COMPARE_CHUNK_BYTES = 256 << 20
-"""Tensor bytes read from each checkpoint at a time when comparing them."""
-
+"""--precision fp32 doubles every byte of the state: half the layers keep it the same size."""
 STEP_LINE = re.compile(r"\bstep (\d+) loss\b")
 GOES_ON = re.compile(r"checkpoint (\S+?): training goes on after ([0-9.]+)s, the rest is written in the background")
 SAVED = re.compile(r"checkpoint saved to (\S+) in ([0-9.]+)s")
 CHECKPOINT_STEP = re.compile(r"checkpoint-(\d+)$")
+KEEP = ("step", "loss", "tokens", "tokens_per_s", "elapsed_s", "peak_memory_bytes_per_rank")
 
 
 @dataclass
-class CheckpointPlan(LaunchSettings):
-    """Sizes and repetitions of one checkpoint suite run."""
-
+class CheckpointPlan(Settings):
     full_model: dict[str, int]
-    """scripts/make_tiny_model.py size flags of the full case's model."""
     lora_model: dict[str, int]
-    """... and of the LoRA case's."""
     reps: int
     steps: int
     """--max_steps. The boundary after step 1 never saves: the baseline of the time between steps."""
     save_steps: int
-    """--save_steps: saves after steps K, 2K, ...; those before the last step get a step-time measure too."""
     context_length: int
     batch_size: int
-    """--batch_size per rank (--dataset dummy: every row fills the context)."""
+    """Per rank (--dataset dummy: every row fills the context)."""
     cases: tuple[str, ...] = CASES
     nproc: int = 2
-    lora_rank: int = 16
-    lora_alpha: float = 32.0
     save_total_limit: int = 1
-    """Disk: the older checkpoint is pruned as the next one completes (on both sides, inside the measured stall)."""
+    """The older checkpoint is pruned as the next one completes (on both sides, inside the measured stall)."""
     seed: int = 0
-    retries: int = field(default=0, kw_only=True)
-    """No re-measuring on contention: a shared machine's load is recorded for every launch instead (each run of the
-    full case takes about 3 minutes)."""
 
     @property
     def saves(self) -> list[int]:
-        """The steps after which a checkpoint is written."""
         return list(range(self.save_steps, self.steps + 1, self.save_steps))
 
     @property
@@ -123,21 +62,16 @@ class CheckpointPlan(LaunchSettings):
 
 def plan(*, quick: bool, threads: int, reps: int | None, idle_wait_s: float | None,
          precision: str | None = None) -> CheckpointPlan:  # fmt: skip
-    """The full suite (the 483M full fine-tune and the 171M LoRA case, 6 steps saving every 2nd; about 8 minutes
-    on a busy 2-core machine, the models already built) or the quick one the test runs (the 1.6M model in both
-    cases; about a minute)."""
+    """The full suite (the 483M full fine-tune and the 171M LoRA case, 6 steps saving every 2nd) or the quick one
+    (the 1.6M model in both cases). No re-measuring on contention (a full-case run takes minutes)."""
+    models = (cpu_suite.QUICK_MODEL, cpu_suite.QUICK_MODEL) if quick else (FULL_MODEL, cpu_suite.FULL_MODEL)
+    p = CheckpointPlan(*map(dict, models), reps=1, steps=6, save_steps=2, context_length=64, batch_size=1,
+                       quick=quick, retries=0)  # fmt: skip
     if quick:
-        p = CheckpointPlan(dict(QUICK_MODEL), dict(QUICK_MODEL), reps=1, steps=6, save_steps=2, context_length=64,
-                           batch_size=1, quick=True)  # fmt: skip
-        p.idle_wait_s, p.launch_timeout_s = 0.0, 180.0
-    else:
-        p = CheckpointPlan(dict(FULL_MODEL), dict(LORA_MODEL), reps=1, steps=6, save_steps=2, context_length=64,
-                           batch_size=1)  # fmt: skip
-    p.set_launch(threads=threads, precision=precision, idle_wait_s=idle_wait_s)
+        p.launch_timeout_s = 180.0
+    p.configure(threads=threads, precision=precision, idle_wait_s=idle_wait_s, reps=reps)
     if not quick and p.precision == "fp32":
         p.full_model["num_layers"] = FULL_LAYERS_FP32
-    if reps is not None:
-        p.reps = reps
     check_plan(p)
     return p
 
@@ -150,101 +84,44 @@ def check_plan(p: CheckpointPlan) -> None:
         raise ValueError(f"--max_steps {p.steps} leaves no save before the last step (--save_steps {p.save_steps})")
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Launching
-# ---------------------------------------------------------------------------------------------------------------
-
-
-class CheckpointRunner(Runner):
-    """cpu_suite's Runner with this suite's command: train.py on 2 ranks under benchmarks/step_probe.py, rank 0's
-    stdout teed to a file by torchrun (the checkpoint lines)."""
-
-    def __init__(self, plan: CheckpointPlan, work: Path, log: Callable[[str], None]) -> None:
-        super().__init__(plan, work, log)
-        self.ckpt_plan = plan
-
-    def train(self, what: str, model: Path, case: str, *, async_save: bool) -> dict[str, Any]:
-        """One run: metrics.jsonl, rank 0's checkpoint lines, the probe's per-step RSS, the last checkpoint's size."""
-        p = self.ckpt_plan
-        out = Path(self.result_path(f"{case}-{'async' if async_save else 'sync'}"))
-        flags: dict[str, Any] = {
-            "model": model, "precision": p.precision, "dataset": "dummy", "context_length": p.context_length,
-            "dataset_samples": p.nproc * p.batch_size * p.steps, "batch_size": p.batch_size, "max_steps": p.steps,
-            "gradient_checkpointing": "false", "lr": 1e-5, "seed": p.seed, "save_steps": p.save_steps,
-            "save_total_limit": p.save_total_limit, "async_save": str(async_save).lower(), "log_to": "stdout",
-            "save_model": "false", "device": "cpu", "output_dir": out,
-        }  # fmt: skip
-        if case == "full":
-            flags |= {"train_type": "full", "quant": "none"}
-        else:
-            flags |= {"train_type": "lora", "quant": "bnb", "lora_rank": p.lora_rank, "lora_alpha": p.lora_alpha,
-                      "lora_dropout": 0.0, "lora_target_modules": "all"}  # fmt: skip
-        logs = Path(f"{out}.logs")
-        probe = f"{out}.steps"
-        script = ["-m", "benchmarks.step_probe", str(REPO_ROOT / "train.py"), *(f"--{k}={v}" for k, v in flags.items())]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={p.nproc}",
-               f"--log-dir={logs}", "--tee=0:1", *script]  # fmt: skip
-        env = base_env(max(1, p.threads // p.nproc))
-        env["BENCH_STEP_RSS_FILE"] = probe
-        final = out / f"checkpoint-{p.saves[-1]}"
-
-        def reset() -> None:
-            shutil.rmtree(out, ignore_errors=True)
-            shutil.rmtree(logs, ignore_errors=True)
-            for r in range(p.nproc):
-                Path(f"{probe}.rank{r}.json").unlink(missing_ok=True)
-
-        def finished() -> bool:
-            return len(run_metrics(out)) == p.steps and (final / "trainer_state.json").is_file()
-
-        result = self._go(what, [cmd], [env], reset=reset, finished=finished)
-        records = run_metrics(out)
-        if len(records) != p.steps:
-            raise RuntimeError(f"{what}: {len(records)} metrics records, expected {p.steps}:\n{result.log}")
-        stdout = sorted(logs.glob("*/attempt_*/0/stdout.log"))
-        if not stdout:
-            raise RuntimeError(f"{what}: torchrun wrote no stdout.log of rank 0 under {logs}:\n{result.log}")
-        saves = parse_saves(stdout[-1].read_text(), async_save=async_save, expected=p.saves)
-        ranks = [read_json(f"{probe}.rank{r}.json") for r in range(p.nproc)]
-        for r in ranks:
-            if not r["reset"] or r["baseline_rss_bytes"] is None or len(r["steps"]) != p.steps:
-                raise RuntimeError(f"{what}: rank {r['rank']}'s probe did not measure every step: {r}")
-        if not (final / "trainer_state.json").is_file():
-            raise RuntimeError(f"{what}: {final} is not a complete checkpoint:\n{result.log}")
-        left = sorted(x.name for x in out.glob("checkpoint-*"))
-        if left != [final.name]:
-            raise RuntimeError(f"{what}: --save_total_limit {p.save_total_limit} left {left}")
-        return {
-            "case": case,
-            "async_save": async_save,
-            "command": _shell(cmd),
-            "wall_s": result.wall_s,
-            "foreign_cores": result.foreign_cores,
-            "metrics": records,
-            "saves": saves,
-            "ranks": ranks,
-            "checkpoint": {"path": str(final), **tree_bytes(final)},
-            "output_dir": str(out),
-        }
-
-    def compare(self, what: str, a: Path, b: Path) -> dict[str, Any]:
-        """The two checkpoints' DCP tensors, read back in a process of their own and compared."""
-        result = self.result_path("compare")
-        args = {"a": str(a), "b": str(b), "result": result}
-        self._go(what, [worker_cmd(WORKER, "compare", args)], [base_env(self.plan.threads)])
-        return read_json(result)
-
-
-def tree_bytes(path: Path) -> dict[str, int]:
-    """Bytes of the files under a checkpoint directory, all of them and those of DCP's `sharded/`."""
+def train(runner: Runner, what: str, model: Path, case: str, *, async_save: bool) -> dict[str, Any]:
+    """One run under the step probe, rank 0's stdout teed to a file by torchrun: metrics.jsonl, the checkpoint
+    lines, the probe's per-step RSS, the last checkpoint's size."""
+    p = runner.plan
+    flags = runner.flags(
+        f"{case}-{'async' if async_save else 'sync'}", model=model, dataset="dummy", context_length=p.context_length,
+        dataset_samples=p.nproc * p.batch_size * p.steps, batch_size=p.batch_size, max_steps=p.steps,
+        gradient_checkpointing="false", seed=p.seed, save_steps=p.save_steps, save_total_limit=p.save_total_limit,
+        async_save=str(async_save).lower(), **({"train_type": "full", "quant": "none"} if case == "full" else
+                                                {"train_type": "lora", "quant": "bnb"}))  # fmt: skip
+    if case == "full":
+        for key in ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules"):
+            del flags[key]
+    out = Path(flags["output_dir"])
+    logs, final = Path(f"{out}.logs"), out / f"checkpoint-{p.saves[-1]}"
+    run = runner.train(what, flags, nproc=p.nproc, steps=p.steps, probe="steps", torchrun=True,
+                       torchrun_args=(f"--log-dir={logs}", "--tee=0:1"),
+                       reset=lambda: shutil.rmtree(logs, ignore_errors=True),
+                       done=lambda: (final / "trainer_state.json").is_file())  # fmt: skip
+    log = run.pop("log")
+    stdout = sorted(logs.glob("*/attempt_*/0/stdout.log"))
+    if not stdout:
+        raise RuntimeError(f"{what}: torchrun wrote no stdout.log of rank 0 under {logs}:\n{log}")
+    if not (final / "trainer_state.json").is_file():
+        raise RuntimeError(f"{what}: {final} is not a complete checkpoint:\n{log}")
+    left = sorted(x.name for x in out.glob("checkpoint-*"))
+    if left != [final.name]:
+        raise RuntimeError(f"{what}: --save_total_limit {p.save_total_limit} left {left}")
     total = sharded = files = 0
-    for root, _, names in os.walk(path):
+    for root, _, names in os.walk(final):
         for name in names:
             size = (Path(root) / name).stat().st_size
             total, files = total + size, files + 1
-            if Path(root).relative_to(path).parts[:1] == ("sharded",):
-                sharded += size
-    return {"bytes": total, "sharded_bytes": sharded, "files": files}
+            sharded += size if Path(root).relative_to(final).parts[:1] == ("sharded",) else 0
+    return {"case": case, "async_save": async_save, **run,
+            "saves": parse_saves(stdout[-1].read_text(), async_save=async_save, expected=p.saves),
+            "checkpoint": {"path": str(final), "bytes": total, "sharded_bytes": sharded, "files": files},
+            "output_dir": str(out)}  # fmt: skip
 
 
 def parse_saves(text: str, *, async_save: bool, expected: list[int]) -> list[dict[str, Any]]:
@@ -327,77 +204,46 @@ def analyse(run: dict[str, Any], steps: int) -> dict[str, Any]:
     }
 
 
-def _brief(run: dict[str, Any]) -> dict[str, Any]:
-    """A run's record for results.json: of each step what matters here."""
-    keep = ("step", "loss", "tokens", "tokens_per_s", "elapsed_s", "peak_memory_bytes_per_rank")
-    out = {k: v for k, v in run.items() if k not in ("metrics", "saves")}
-    out["steps"] = [{k: x[k] for k in keep if k in x} for x in run["metrics"]]
-    return out
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The suite
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def run_checkpoint_suite(plan: CheckpointPlan, *, cache: Path, log: Callable[[str], None] = print) -> dict[str, Any]:
+def run(p: CheckpointPlan, *, cache: Path, model: Path | None = None,
+        log: Callable[[str], None] = print) -> dict[str, Any]:  # fmt: skip
     """Every run of the checkpoint suite; returns results.json's content."""
-    p = plan
-    suite_start = time.perf_counter()
-    models = {}
-    for case in p.cases:
-        sizes = p.full_model if case == "full" else p.lora_model
-        model_plan = CpuPlan(sizes, reps=1, batch_size=1, context_length=1, warmup_steps=0, measured_steps=0,
-                             threads=p.threads, launch_timeout_s=p.launch_timeout_s)  # fmt: skip
-        models[case] = ensure_model(model_plan, cache)
-    build_s = time.perf_counter() - suite_start
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {c: {"sync": [], "async": []} for c in p.cases}
     compared: dict[str, list[dict[str, Any]]] = {c: [] for c in p.cases}
-    with tempfile.TemporaryDirectory(prefix="bench-ckpt-") as tmp:
-        runner = CheckpointRunner(p, Path(tmp), log)
+    with session(p, "ckpt", log) as runner:
+        models = {c: runner.model(p.full_model if c == "full" else p.lora_model, cache) for c in p.cases}
         log(f"{p.reps} x sync and async saves ({', '.join(p.cases)}): {p.nproc} ranks x {p.batch_size} row(s) of "
             f"{p.context_length} tokens, {p.steps} steps, --save_steps {p.save_steps}")  # fmt: skip
         for rep in range(p.reps):
             for case in p.cases:
-                order = (False, True) if rep % 2 == 0 else (True, False)
                 made = {}
-                for async_save in order:
+                for async_save in alternate(rep, (False, True)):
                     side = "async" if async_save else "sync"
                     what = f"{case} --async_save {str(async_save).lower()} (rep {rep + 1})"
-                    made[side] = runner.train(what, models[case], case, async_save=async_save)
+                    made[side] = train(runner, what, models[case], case, async_save=async_save)
                     runs[case][side].append(made[side])
-                a, b = (Path(made[side]["checkpoint"]["path"]) / "sharded" for side in ("async", "sync"))
-                compared[case].append(runner.compare(f"{case}: compare the async and sync checkpoints", a, b))
+                a, b = (str(Path(made[side]["checkpoint"]["path"]) / "sharded") for side in ("async", "sync"))
+                compared[case] += runner.worker(f"{case}: compare the async and sync checkpoints", "compare",
+                                                {"a": a, "b": b})  # fmt: skip
                 for side in made.values():
                     shutil.rmtree(side["output_dir"], ignore_errors=True)  # gigabytes on the full case
-        launches = runner.launches
-    rows: list[dict[str, Any]] = []
-    details = _rows(p, models, runs, compared, rows)
-    full = models.get("full", models[p.cases[0]])
-    briefs = {c: {side: [_brief(r) for r in v] for side, v in sides.items()} for c, sides in runs.items()}
-    return {
-        "suite": "cpu-checkpoint",
-        "quick": p.quick,
-        "model": model_record(full, p.full_model),
-        "models": {c: {"path": str(m), "parameters": _parameters(m)} for c, m in models.items()},
-        "settings": {
-            **asdict(p),
+        rows: list[dict[str, Any]] = []
+        details = _rows(p, models, runs, compared, rows)
+        details["runs"] = {c: {side: [brief(r, KEEP, drop=("saves",)) for r in v] for side, v in sides.items()}
+                           for c, sides in runs.items()}  # fmt: skip
+        return runner.results("cpu-checkpoint", rows, details, {
             "saves": p.saves,
             "precision": f"--precision {p.precision} (parameters, gradients and Adam moments in {p.precision})",
             "threads": f"OMP_NUM_THREADS={max(1, p.threads // p.nproc)} per rank",
             "our_training": f"torchrun --nproc_per_node {p.nproc} train.py, FSDP2, --dataset dummy, --batch_size "
-            f"{p.batch_size} x {p.context_length} tokens, --max_steps {p.steps} --save_steps {p.save_steps} "
-            f"--save_total_limit {p.save_total_limit}, gradient checkpointing off; full: --train_type full --quant "
-            f"none; lora: --quant bnb, LoRA r{p.lora_rank} on every linear; the two sides differ in --async_save",
+                            f"{p.batch_size} x {p.context_length} tokens, --max_steps {p.steps} --save_steps "
+                            f"{p.save_steps} --save_total_limit {p.save_total_limit}, gradient checkpointing off; "
+                            f"full: --train_type full --quant none; lora: --quant bnb, LoRA r{p.lora_rank} on every "
+                            "linear; the two sides differ in --async_save",
             "stalls": "logged: rank 0's checkpoint line at the save; step times: metrics.jsonl's elapsed_s less the "
-            "next step's tokens / tokens_per_s at the save's boundary (and where an async save is marked complete), "
-            "less the median of the boundaries without either",
-        },
-        "rows": rows,
-        "details": {**details, "runs": briefs},
-        "conditions": {"build_model_s": round(build_s, 1), **launch_conditions(launches)},
-        "wall_time_s": time.perf_counter() - suite_start,
-    }
+                      "next step's tokens / tokens_per_s at the save's boundary (and where an async save is marked "
+                      "complete), less the median of the boundaries without either",
+        }, model=model_record(models.get("full", models[p.cases[0]]), p.full_model),
+           models={c: {"path": str(m), "parameters": parameters(m)} for c, m in models.items()})  # fmt: skip
 
 
 def _rows(p: CheckpointPlan, models: dict[str, Path], runs: dict[str, dict[str, list[dict[str, Any]]]],
@@ -419,46 +265,39 @@ def _rows(p: CheckpointPlan, models: dict[str, Path], runs: dict[str, dict[str, 
         ours, peer = sides["async"], sides["sync"]
         params = ours[0]["trainable_parameters"]
         what = "--train_type full --quant none" if case == "full" else f"--quant bnb, LoRA r{p.lora_rank}"
-        shape = f"{what}, {params:,} trainable of {_parameters(models[case]):,} parameters, {p.nproc} ranks, FSDP2"
+        shape = f"{what}, {params:,} trainable of {parameters(models[case]):,} parameters, {p.nproc} ranks, FSDP2"
         kw = {"ours_label": f"--async_save true; {shape}", "peer_label": "--async_save false (the same CLI)",
               "note": f"{case}: saves after steps {', '.join(map(str, p.saves))} of {p.steps}; {p.reps} repetition(s), "
                       f"medians"}  # fmt: skip
-        made = {}
-        for key, figure, unit in figures:
-            made[key] = row(case, f"{key}_{case}", figure, unit, "lower", [s[key] for s in ours],
-                            [s[key] for s in peer], **kw)  # fmt: skip
-            rows.append(made[key])
+        made = {key: row(case, f"{key}_{case}", figure, unit, "lower", [s[key] for s in ours], [s[key] for s in peer],
+                         **kw) for key, figure, unit in figures}  # fmt: skip
+        rows += made.values()
         same = [c["identical"] for c in compared[case]]
         ratios = {k: made[f"stall_{k}_s"]["ratio"] for k in ("logged", "steps")}
         bar = STALL_BAR if case == "full" else None
         acceptance.append({
-            "case": case,
-            "stall_ratio": ratios,
+            "case": case, "stall_ratio": ratios, "stall_bar": bar, "checkpoints_identical": all(same),
             "stall_s": {side: {k: made[f"stall_{k}_s"][side] for k in ratios} for side in ("ours", "peer")},
-            "stall_bar": bar,
             "checkpoint_bytes": {"async": made["checkpoint_bytes"]["ours"], "sync": made["checkpoint_bytes"]["peer"]},
-            "checkpoints_identical": all(same),
             "passed": all(same) and (bar is None or all(r <= bar for r in ratios.values())),
         })  # fmt: skip
     return {"acceptance": acceptance, "summaries": summaries, "compared": compared}
 
 
-def render_checkpoint(results: dict[str, Any]) -> str:
-    """report.render's tables, then the acceptance checks, every save, and the launches."""
-    lines = [render(results).rstrip("\n")]
-    details = results.get("details", {})
-    if details.get("acceptance"):
-        lines += ["", "### Acceptance", ""]
-        for a in details["acceptance"]:
-            r, s = a["stall_ratio"], a["stall_s"]
-            bar = f" (bar {a['stall_bar']:.2f}x: {'pass' if a['passed'] else 'FAIL'})" if a["stall_bar"] else ""
-            same = "identical" if a["checkpoints_identical"] else "DIFFERENT"
-            size = a["checkpoint_bytes"]["async"]
-            lines.append(f"- {a['case']}: stall per save, async / sync: logged {s['ours']['logged']:.2f} / "
-                         f"{s['peer']['logged']:.2f} s = {r['logged']:.3f}x, from the step times "
-                         f"{s['ours']['steps']:.2f} / {s['peer']['steps']:.2f} s = {r['steps']:.3f}x{bar}; "
-                         f"checkpoint {fmt(size, 'bytes')} ({size:,.0f} bytes), async and sync checkpoints "
-                         f"{same}.")  # fmt: skip
+def render(results: dict[str, Any]) -> str:
+    """The tables, then the acceptance checks and every save."""
+    details, lines = results.get("details", {}), []
+    for a in details.get("acceptance") or []:
+        r, s = a["stall_ratio"], a["stall_s"]
+        bar = f" (bar {a['stall_bar']:.2f}x: {report.verdict(a['passed'])})" if a["stall_bar"] else ""
+        same = "identical" if a["checkpoints_identical"] else "DIFFERENT"
+        size = a["checkpoint_bytes"]["async"]
+        lines.append(f"- {a['case']}: stall per save, async / sync: logged {s['ours']['logged']:.2f} / "
+                     f"{s['peer']['logged']:.2f} s = {r['logged']:.3f}x, from the step times "
+                     f"{s['ours']['steps']:.2f} / {s['peer']['steps']:.2f} s = {r['steps']:.3f}x{bar}; "
+                     f"checkpoint {fmt(size, 'bytes')} ({size:,.0f} bytes), async and sync checkpoints "
+                     f"{same}.")  # fmt: skip
+    lines = report.acceptance("Acceptance", lines)
     summaries = details.get("summaries", {})
     if summaries:
         head = "| run | save after step | logged stall | stall from step times | complete after | found after step |"
@@ -477,59 +316,4 @@ def render_checkpoint(results: dict[str, Any]) -> str:
                     lines.append(f"- {case} (rep {i + 1}): steps {s['steps_writing']} {s['step_s_writing']:.2f} s "
                                  f"against {s['step_s_quiet']:.2f} s (sync run: "
                                  f"{sides['sync'][i]['step_s']:.2f} s a step).")  # fmt: skip
-    lines += launches_markdown(results)
-    return "\n".join(lines) + "\n"
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Worker: compare two DCP checkpoints (`python -m benchmarks.checkpoint_suite compare JSON`)
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def compare(args: dict[str, Any]) -> None:
-    """Whether two DCP directories hold the same tensors, bit for bit; read in chunks of COMPARE_CHUNK_BYTES."""
-    import warnings
-
-    import torch
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-    metas = []
-    for path in (args["a"], args["b"]):
-        items = dcp.FileSystemReader(path).read_metadata().state_dict_metadata.items()
-        metas.append({k: v for k, v in items if isinstance(v, TensorStorageMetadata)})
-    a, b = metas
-    layout = {k: (tuple(v.size), v.properties.dtype) for k, v in a.items()}
-    same_layout = layout == {k: (tuple(v.size), v.properties.dtype) for k, v in b.items()}
-    size = {k: v.size.numel() * v.properties.dtype.itemsize for k, v in a.items()}
-    chunks: list[list[str]] = [[]]
-    for key in sorted(layout) if same_layout else []:
-        if chunks[-1] and sum(size[k] for k in chunks[-1]) + size[key] > COMPARE_CHUNK_BYTES:
-            chunks.append([])
-        chunks[-1].append(key)
-    differing, max_diff = [], 0.0
-    for chunk in filter(None, chunks):
-        loaded = []
-        for path in (args["a"], args["b"]):
-            state = {k: torch.empty(layout[k][0], dtype=layout[k][1]) for k in chunk}
-            dcp.load(state, checkpoint_id=path, no_dist=True)
-            loaded.append(state)
-        for k in chunk:
-            x, y = loaded[0][k], loaded[1][k]
-            if not torch.equal(x, y):
-                differing.append(k)
-                max_diff = max(max_diff, (x.double() - y.double()).abs().max().item())
-    write_json(args["result"], {
-        "tensors": len(a), "tensor_bytes": sum(size.values()), "same_layout": same_layout, "differing": differing,
-        "max_abs_diff": max_diff, "identical": same_layout and not differing,
-    })  # fmt: skip
-
-
-WORKERS = {"compare": compare}
-
-
-if __name__ == "__main__":
-    if len(sys.argv) != 3 or sys.argv[1] not in WORKERS:
-        raise SystemExit(f"usage: python -m benchmarks.checkpoint_suite {{{','.join(WORKERS)}}} JSON_ARGS")
-    WORKERS[sys.argv[1]](json.loads(sys.argv[2]))
+    return report.render(results, lines)

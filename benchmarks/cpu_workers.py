@@ -1,27 +1,87 @@
-"""CPU measurements, each run in a fresh process: `python -m benchmarks.cpu_workers NAME JSON_ARGS`.
+"""CPU measurements, each in a fresh process: `python -m benchmarks.cpu_workers NAME JSON_ARGS`.
 
-A worker imports only what it measures, times only the measured work (not interpreter start or imports), and
-writes one JSON file (per rank, for jobs) that the orchestrator reads. Multi-rank workers join the job through
-the torchrun variables the orchestrator sets (RANK, WORLD_SIZE, MASTER_ADDR, ...).
+A worker imports only what it measures, times only the measured work, and writes one JSON file (per rank, for
+jobs) that the orchestrator reads; multi-rank workers join the job through the torchrun variables the Runner sets.
 """
 
 from __future__ import annotations
 
 import importlib
-import json
-import sys
+import shutil
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import current_rss_bytes, maxrss_bytes, peak_rss_bytes, write_json
+import torch
+from torch import nn
+
+from benchmarks.harness import current_rss_bytes, maxrss_bytes, peak_rss_bytes, worker_main, write_json
+
+COMPARE_CHUNK_BYTES = 256 << 20
+"""Tensor bytes read from each checkpoint at a time when comparing two."""
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _tensors_in(obj: Any) -> list[torch.Tensor]:
+    """Every tensor in a (nested) dict such as HQQ's meta or a bnb QuantState.as_dict()."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors_in(v)]
+    return []
+
+
+def quant_state_tensors(module: nn.Module) -> list[torch.Tensor]:
+    """Quantization state held outside parameters: a bnb Linear4bit's (ours keeps it on the module, HF on the
+    weight), an HQQLinear's meta, or our layers' under FSDP1 (replicated; under FSDP2 it is parameters)."""
+    from qlora_fsdp.quant.base import QuantizedLinear
+
+    if isinstance(module, QuantizedLinear):
+        return [] if module.state_as_parameters else list(module.state_bytes().values())
+    state = getattr(module, "quant_state", None)
+    weight = module._parameters.get("weight")
+    if state is None and weight is not None:
+        state = getattr(weight, "quant_state", None)
+    if state is not None:
+        return _tensors_in(state.as_dict(packed=True))
+    meta = getattr(module, "meta", None)
+    if isinstance(meta, dict):
+        return _tensors_in(meta)
+    return []
+
+
+def model_bytes(model: nn.Module, *, exclude: tuple[str, ...] = ()) -> dict[str, int]:
+    """Bytes of parameters (packed storage included), buffers and quantization state, from the tensors themselves
+    (so padding or a cast shows); tied weights once, meta tensors and names under `exclude` skipped."""
+    seen: set[int] = set()
+    out = {"params": 0, "buffers": 0, "quant_state": 0}
+    for kind, tensors in (("params", model.named_parameters()), ("buffers", model.named_buffers())):
+        for name, t in tensors:
+            if t.is_meta or t.data_ptr() in seen or name.startswith(exclude):
+                continue
+            seen.add(t.data_ptr())
+            out[kind] += tensor_bytes(t)
+    for name, module in model.named_modules():
+        if not name.startswith(exclude):
+            out["quant_state"] += sum(tensor_bytes(t) for t in quant_state_tensors(module) if not t.is_meta)
+    out["total"] = out["params"] + out["buffers"] + out["quant_state"]
+    return out
+
+
+def preimport(model_dir: str | Path) -> None:
+    """Import bitsandbytes and the model's architecture module before timing: both sides would otherwise pay
+    these imports (seconds on a small CPU) inside the timed load."""
+    import bitsandbytes  # noqa: F401
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    AutoModelForCausalLM._model_mapping[type(AutoConfig.from_pretrained(model_dir))]
 
 
 def _dtype(precision: str) -> Any:
-    """The peer's dtype for our --precision (bf16 or fp32: parameters, storage and compute alike)."""
-    import torch
-
+    """The peer's dtype for our --precision (parameters, storage and compute alike)."""
     return {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
 
 
@@ -48,7 +108,6 @@ def load_ours(args: dict[str, Any]) -> None:
     _quiet()
     import torch.distributed as dist
 
-    from benchmarks.measure import model_bytes, preimport
     from qlora_fsdp.config.options import FSDPConfig, ModelConfig, QuantConfig
     from qlora_fsdp.model.skeleton import build_skeleton
     from qlora_fsdp.model.streaming import stream_weights
@@ -117,8 +176,6 @@ def load_ours(args: dict[str, Any]) -> None:
 
 def load_peer(args: dict[str, Any]) -> None:
     """The peer's loading: HF from_pretrained 4-bit onto the CPU in this one process."""
-    from benchmarks.measure import model_bytes
-
     model, record = measured_peer_load(args)
     write_json(args["result"], {**record, "quantized_model_bytes": model_bytes(model)})
 
@@ -127,45 +184,29 @@ def measured_peer_load(args: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     """HF from_pretrained 4-bit of args["model"] onto the CPU in this process, and what the loading cost: seconds,
     peak RSS and the RSS the imports alone took."""
     _quiet()
-    from benchmarks.measure import preimport
     from benchmarks.peer import load_peer as hf_load
 
     preimport(args["model"])
     baseline = current_rss_bytes()
     start = time.perf_counter()
     model = hf_load(args["model"], device="cpu", dtype=_dtype(args["precision"]))
-    load_s = time.perf_counter() - start
-    record = {
-        "load_s": load_s,
-        "peak_rss_bytes": peak_rss_bytes(),
-        "ru_maxrss_bytes": maxrss_bytes(),
-        "rss_after_imports_bytes": baseline,
-    }
-    return model, record
+    return model, {"load_s": time.perf_counter() - start, "peak_rss_bytes": peak_rss_bytes(),
+                   "ru_maxrss_bytes": maxrss_bytes(), "rss_after_imports_bytes": baseline}  # fmt: skip
 
 
 def train_peer(args: dict[str, Any]) -> None:
     """The peer's training throughput: HF 4-bit + PEFT LoRA + AdamW, one process, same rows as our CLI run."""
     _quiet()
-    import torch
-
     from benchmarks.peer import add_lora, dummy_batches, load_peer, train_steps
 
     model = load_peer(args["model"], device="cpu", dtype=_dtype(args["precision"]))
-    model = add_lora(
-        model, rank=args["lora_rank"], alpha=args["lora_alpha"], dropout=0.0, checkpointing=args["checkpointing"]
-    )
-    batches = dummy_batches(
-        args["model"], batch_size=args["batch_size"], context_length=args["context_length"], count=args["steps"]
-    )
+    model = add_lora(model, rank=args["lora_rank"], alpha=args["lora_alpha"], dropout=0.0,
+                     checkpointing=args["checkpointing"])  # fmt: skip
+    batches = dummy_batches(args["model"], batch_size=args["batch_size"], context_length=args["context_length"],
+                            count=args["steps"])  # fmt: skip
     steps = list(train_steps(model, batches, device=torch.device("cpu")))
-    write_json(
-        args["result"],
-        {
-            "steps": [{"tokens": n, "seconds": s, "tokens_per_s": n / s} for n, s in steps],
-            "peak_rss_bytes": peak_rss_bytes(),
-        },
-    )
+    write_json(args["result"], {"steps": [{"tokens": n, "seconds": s, "tokens_per_s": n / s} for n, s in steps],
+                                "peak_rss_bytes": peak_rss_bytes()})  # fmt: skip
 
 
 def quant_quality(args: dict[str, Any]) -> None:
@@ -176,11 +217,8 @@ def quant_quality(args: dict[str, Any]) -> None:
     Both quantize the same real weight matrices of the model; error is |dequantized - original fp32|.
     """
     _quiet()
-    import torch
     from safetensors import safe_open
-    from torch import nn
 
-    from benchmarks.measure import tensor_bytes
     from qlora_fsdp.config.options import QuantConfig
     from qlora_fsdp.model.hub import shard_files
     from qlora_fsdp.quant import make_backend
@@ -224,26 +262,18 @@ def quant_quality(args: dict[str, Any]) -> None:
                 "seconds": time.perf_counter() - start,
             }
         results[fmt["name"]] = sides
-    write_json(
-        args["result"],
-        {"formats": results, "matrices": len(weights), "params": sum(w.numel() for w in weights.values())},
-    )
+    write_json(args["result"], {"formats": results, "matrices": len(weights),
+                                "params": sum(w.numel() for w in weights.values())})  # fmt: skip
 
 
 def _reference_quantize(cfg: Any, w: Any) -> tuple[Any, int]:
     """The library's own path with its default storage: returns (dequantized fp32 weight, stored bytes)."""
-    import torch
-    from torch import nn
-
-    from benchmarks.measure import quant_state_tensors, tensor_bytes
-
     if cfg.quant == "bnb":
         import bitsandbytes.functional as bnbf
 
         # What HF's 4-bit loading does: cast to the compute dtype, quantize in 64-element blocks, uint8 storage.
-        packed, state = bnbf.quantize_4bit(
-            w.to(torch.bfloat16), blocksize=64, compress_statistics=cfg.bnb_double_quant, quant_type=cfg.bnb_quant_type
-        )
+        packed, state = bnbf.quantize_4bit(w.to(torch.bfloat16), blocksize=64, quant_type=cfg.bnb_quant_type,
+                                           compress_statistics=cfg.bnb_double_quant)  # fmt: skip
         deq = bnbf.dequantize_4bit(packed, state).float()
         states = [t for t in state.as_dict(packed=True).values() if isinstance(t, torch.Tensor)]
         return deq, tensor_bytes(packed) + sum(tensor_bytes(t) for t in states)
@@ -251,22 +281,81 @@ def _reference_quantize(cfg: Any, w: Any) -> tuple[Any, int]:
 
     linear = nn.Linear(w.shape[1], w.shape[0], bias=False)
     linear.weight.data = w.clone()
-    module = HQQLinear(
-        linear,
-        BaseQuantizeConfig(nbits=cfg.hqq_bits, group_size=cfg.hqq_group_size),
-        compute_dtype=torch.bfloat16,
-        device="cpu",
-    )
+    module = HQQLinear(linear, BaseQuantizeConfig(nbits=cfg.hqq_bits, group_size=cfg.hqq_group_size),
+                       compute_dtype=torch.bfloat16, device="cpu")  # fmt: skip
     deq = module.dequantize().float()
     return deq, tensor_bytes(module.W_q) + sum(tensor_bytes(t) for t in quant_state_tensors(module))
 
 
-WORKERS: dict[str, Callable[[dict[str, Any]], None]] = {
-    "load_ours": load_ours,
-    "load_peer": load_peer,
-    "train_peer": train_peer,
-    "quant_quality": quant_quality,
-}
+def moe_peer(args: dict[str, Any]) -> None:
+    """HF from_pretrained 4-bit of an MoE in this one process: the bytes it holds, where they are (the fused experts
+    it leaves unquantized, bitsandbytes#1849; the Linear4bit layers), and peak RSS."""
+    model, record = measured_peer_load(args)
+    import bitsandbytes as bnb
+
+    fused = [p for p in model.parameters() if p.dim() == 3]
+    linear4bit = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    write_json(args["result"], {
+        **record, "model_bytes": model_bytes(model), "fused_expert_tensors": len(fused),
+        "fused_expert_bytes": sum(tensor_bytes(p) for p in fused),
+        "fused_expert_dtypes": sorted({str(p.dtype).removeprefix("torch.") for p in fused}),
+        "linear4bit_layers": len(linear4bit),
+        "linear4bit_weight_bytes": sum(tensor_bytes(m.weight) for m in linear4bit),
+    })  # fmt: skip
+
+
+def build_moe(args: dict[str, Any]) -> None:
+    """tests/moe_models.py's Mixtral builder in bf16, written beside `out` and renamed into place, so an interrupted
+    build leaves nothing that looks finished."""
+    from tests.moe_models import build_moe_model
+
+    out = Path(args["out"])
+    tmp = out.with_name(f"{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    build_moe_model("mixtral", tmp, tokenizer_from=Path(args["tokenizer_from"]), seed=args["seed"], dtype="bfloat16",
+                    **args["sizes"])  # fmt: skip
+    tmp.replace(out)
+
+
+def compare(args: dict[str, Any]) -> None:
+    """Whether two DCP directories hold the same tensors bit for bit; read in chunks of COMPARE_CHUNK_BYTES."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    metas = []
+    for path in (args["a"], args["b"]):
+        items = dcp.FileSystemReader(path).read_metadata().state_dict_metadata.items()
+        metas.append({k: v for k, v in items if isinstance(v, TensorStorageMetadata)})
+    a, b = metas
+    layout = {k: (tuple(v.size), v.properties.dtype) for k, v in a.items()}
+    same_layout = layout == {k: (tuple(v.size), v.properties.dtype) for k, v in b.items()}
+    size = {k: v.size.numel() * v.properties.dtype.itemsize for k, v in a.items()}
+    chunks: list[list[str]] = [[]]
+    for key in sorted(layout) if same_layout else []:
+        if chunks[-1] and sum(size[k] for k in chunks[-1]) + size[key] > COMPARE_CHUNK_BYTES:
+            chunks.append([])
+        chunks[-1].append(key)
+    differing, max_diff = [], 0.0
+    for chunk in filter(None, chunks):
+        loaded = []
+        for path in (args["a"], args["b"]):
+            state = {k: torch.empty(layout[k][0], dtype=layout[k][1]) for k in chunk}
+            dcp.load(state, checkpoint_id=path, no_dist=True)
+            loaded.append(state)
+        for k in chunk:
+            x, y = loaded[0][k], loaded[1][k]
+            if not torch.equal(x, y):
+                differing.append(k)
+                max_diff = max(max_diff, (x.double() - y.double()).abs().max().item())
+    write_json(args["result"], {
+        "tensors": len(a), "tensor_bytes": sum(size.values()), "same_layout": same_layout, "differing": differing,
+        "max_abs_diff": max_diff, "identical": same_layout and not differing,
+    })  # fmt: skip
+
 
 if __name__ == "__main__":
-    WORKERS[sys.argv[1]](json.loads(sys.argv[2]))
+    worker_main({f.__name__: f for f in (load_ours, load_peer, train_peer, quant_quality, moe_peer, build_moe,
+                                         compare)})  # fmt: skip

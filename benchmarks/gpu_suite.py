@@ -1,19 +1,9 @@
-"""The GPU suite: the GPU test tier, then a Llama-2-7B-shaped random model, ours against the HF + PEFT + bnb loop.
-
-The plan runs in priority order, so a run stopped by the machine's time keeps what matters most: (1) the GPU test
-tier (`pytest -m gpu`), (2) our default bnb FSDP2 run against the peer at batch 8 x 2048, then one option at a time
-against that peer: (3) HQQ, (4) `--compile true`, (5) whole logits, (6) FSDP1, (7) batch 1 x 512. `--only` picks
-some of them for a second run. results.json and results.md are written again after every job.
-
-Orchestrator (`run_gpu_suite`) and workers (`python -m benchmarks.gpu_suite NAME JSON`) live here. The model is
-written once as bf16 safetensors shards to local disk (random weights generated on the GPU, about 13.5 GB, so the
-page cache keeps it). Each side is one fresh process per variant that loads it the way it always does: ours through
-the real CLI code (`qlora_fsdp.cli.main`, in-process so the worker can read the CUDA allocator's peaks), the peer
-through `from_pretrained(..., BitsAndBytesConfig(load_in_4bit=True, ...))`, once for every shape it is compared at.
-Both sides reset the peaks once the model is built: loading and training peaks are separate figures.
-
-`--dry-run` runs exactly this on the CPU with tiny shapes and a few steps; peak memory is then the process's
-peak RSS (reset with /proc/self/clear_refs) and MFU is computed against the same --peak_flops.
+"""The GPU suite: the GPU test tier, then a Llama-2-7B-shaped random model, ours against the HF + PEFT + bnb loop,
+in priority order so a run stopped by the machine's time keeps what matters most (NAMES); `--only` picks some items
+for a second run, and results.json and results.md are written again after every job. Each side is a fresh process
+per variant (`python -m benchmarks.gpu_suite NAME JSON`): ours through `qlora_fsdp.cli.main` in-process, so the
+worker reads the CUDA allocator's peaks, reset on both sides once the model is built. `--dry-run` runs exactly this
+on the CPU with tiny shapes, peak RSS standing in for both memory figures.
 """
 
 from __future__ import annotations
@@ -32,32 +22,35 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import Launch, base_env, launch, machine_info, read_json, worker_cmd, write_long_rows
-from benchmarks.rows import row
+from benchmarks import report
+from benchmarks.cpu_suite import llama
+from benchmarks.harness import (
+    Launch,
+    base_env,
+    launch,
+    machine_info,
+    peak_rss_bytes,
+    read_json,
+    reset_peak_rss,
+    row,
+    worker_cmd,  # fmt: skip
+    worker_main,
+    write_json,
+    write_long_rows,
+)
 
-MODULE = "benchmarks.gpu_suite"
-LLAMA2_7B = dict(
-    hidden_size=4096,
-    num_layers=32,
-    intermediate_size=11008,
-    num_heads=32,
-    num_kv_heads=32,
-    vocab_size=32000,
-    num_shards=7,
-)
-DRY_MODEL = dict(
-    hidden_size=128, num_layers=2, intermediate_size=256, num_heads=4, num_kv_heads=2, vocab_size=512, num_shards=2
-)
+LLAMA2_7B = llama(4096, 32, 11008, 32, 32, 32000, 7)
+DRY_MODEL = llama(128, 2, 256, 4, 2, 512, 2)
 LORA = {"lora_rank": 64, "lora_alpha": 16.0}
 CHECKPOINTING = True
 PEER_LABEL = "HF from_pretrained 4-bit + PEFT + AdamW, 1 process"
 TESTS = "tests"
 TEST_TIER_TIMEOUT_S = 150.0  # the tier is sized for 2 minutes on one GPU
-# GPU: inside the machine's 9 minutes with gpu.sh's install. Dry run: a 2-core CPU, where --compile alone takes
-# minutes (inductor compiles C++).
 DEFAULT_BUDGET_S = {"gpu": 500.0, "dry": 1100.0}
-# A job is not started with less of the budget left: on a GPU every training job loads a 7B model first.
+"""GPU: inside the machine's 9 minutes with gpu.sh's install. Dry run: a 2-core CPU, where --compile alone takes
+minutes (inductor compiles C++)."""
 MIN_START_S = {"gpu": 45.0, "dry": 5.0}
+"""A job is not started with less of the budget left: on a GPU every training job loads a 7B model first."""
 ERROR_LINE = re.compile(r"^(error: |[\w.]*(Error|Exception|Exit|Interrupt)\b)")
 
 
@@ -84,12 +77,12 @@ VARIANTS = (
     Variant("bnb-1x512", "bnb FSDP2 (defaults)", small=True),
 )
 LONG = "long-context"
-# (name, label, flags): the long-context item's two settings, each at every context of the plan, ascending.
 LONG_SETTINGS = (
     ("tiled_offload", "bnb FSDP2, --tiled_mlp auto --activation_offload true", {"tiled_mlp": "auto",
                                                                                "activation_offload": True}),
     ("checkpointing", "bnb FSDP2, gradient checkpointing only (defaults)", {}),
 )  # fmt: skip
+"""(name, label, flags): the long-context item's two settings, each at every context of the plan, ascending."""
 OOM = re.compile(r"OutOfMemoryError|out of memory", re.IGNORECASE)
 NAMES = (TESTS, *(v.name for v in VARIANTS), LONG)
 
@@ -114,161 +107,163 @@ def _plan(dry_run: bool, quick: bool) -> dict[str, Any]:
             "device": "cuda", "long": (16384, 32768, 65536)}  # fmt: skip
 
 
-def run_gpu_suite(
-    out_dir: Path,
-    *,
-    dry_run: bool,
-    peak_flops: float,
-    budget_s: float | None,
-    quick: bool = False,
-    only: tuple[str, ...] = NAMES,
-    save: Callable[[dict[str, Any]], None],
-) -> dict[str, Any]:
-    """Run the selected plan in priority order within the budget; `save(results)` after every job."""
-    suite_start = time.perf_counter()
-    kind = "dry" if dry_run else "gpu"
-    budget = budget_s or DEFAULT_BUDGET_S[kind]
-    p = _plan(dry_run, quick)
-    min_start = MIN_START_S[kind]
-    variants = [v for v in VARIANTS if v.name in only]
-    results: dict[str, Any] = {
-        "suite": "gpu",
-        "dry_run": dry_run,
-        "quick": quick,
-        "plan": list(only),
-        "model": {
-            "parameters": 0,
-            "non_embedding_parameters": 0,
-            "shards": p["model"]["num_shards"],
-            "sizes": p["model"],
-        },
-        "settings": {
-            "device": p["device"],
-            "shapes": f"batch {_shape(p['big'])}; the bnb-1x512 variant batch {_shape(p['small'])}",
-            "long_context": f"{LONG}: batch 1 at contexts {', '.join(map(str, p['long']))} (rows that fill them), "
-            f"{LONG_SETTINGS[0][1]} (ours) against {LONG_SETTINGS[1][1]} (peer column), 1 warmup + 1 measured "
-            "step; a setting stops at its first context that runs out of memory; longest = the largest that trained",
-            "steps": f"{p['warmup']} warmup + {p['measured']} measured (median)",
-            "precision": "bf16 parameters, storage and compute; activation checkpointing on both sides",
-            "quantization": "bnb nf4 + double quant (ours and peer), hqq 4-bit group 64 (ours)",
-            "adapters": f"LoRA r{LORA['lora_rank']} alpha {LORA['lora_alpha']} on every linear but the head, dropout 0",
-            "mfu": f"PaLM's convention: tokens/s x (6 x non-embedding parameters + 12 x layers x hidden x sequence) / "
-            f"peak_flops ({peak_flops:.3g}); the input embedding is a lookup (the head is counted), and neither the "
-            "recomputed forward of activation checkpointing nor the frozen base's skipped weight gradients change it",
-            "memory": "CUDA allocator peaks" if not dry_run else "dry run: peak RSS stands in for both memory figures",
-            "peaks": "reset once the model is built, on both sides: loading and training peaks are separate rows",
-            "peak_flops": peak_flops,
-            "budget_s": budget,
-        },
-        "tests": None,
-        "rows": [],
-        "details": {},
-        "conditions": {"launches": []},
-        "errors": [],
-        "missing": [],
-        "machine": machine_info(),
-        "wall_time_s": 0.0,
-    }
-    records: dict[str, dict[str, Any]] = {}
+def _settings(p: dict[str, Any], dry_run: bool, peak_flops: float, budget: float) -> dict[str, Any]:
+    return {
+        "device": p["device"], "shapes": f"batch {_shape(p['big'])}; the bnb-1x512 variant batch {_shape(p['small'])}",
+        "long_context": f"{LONG}: batch 1 at contexts {', '.join(map(str, p['long']))} (rows that fill them), "
+                        f"{LONG_SETTINGS[0][1]} (ours) against {LONG_SETTINGS[1][1]} (peer column), 1 warmup + 1 "
+                        "measured step; a setting stops at its first context that runs out of memory; longest = the "
+                        "largest that trained",
+        "steps": f"{p['warmup']} warmup + {p['measured']} measured (median)",
+        "precision": "bf16 parameters, storage and compute; activation checkpointing on both sides",
+        "quantization": "bnb nf4 + double quant (ours and peer), hqq 4-bit group 64 (ours)",
+        "adapters": f"LoRA r{LORA['lora_rank']} alpha {LORA['lora_alpha']} on every linear but the head, dropout 0",
+        "mfu": f"PaLM's convention: tokens/s x (6 x non-embedding parameters + 12 x layers x hidden x sequence) / "
+               f"peak_flops ({peak_flops:.3g}); the input embedding is a lookup (the head is counted), and neither "
+               "the recomputed forward of activation checkpointing nor the frozen base's skipped weight gradients "
+               "change it",
+        "memory": "CUDA allocator peaks" if not dry_run else "dry run: peak RSS stands in for both memory figures",
+        "peaks": "reset once the model is built, on both sides: loading and training peaks are separate rows",
+        "peak_flops": peak_flops, "budget_s": budget,
+    }  # fmt: skip
 
-    def left() -> float:
-        return max(budget - (time.perf_counter() - suite_start), 0.0)
 
-    def done(name: str, job: Launch | None, *, missing: list[str] | None = None) -> None:
+def _jobs(p: dict[str, Any], variants: list[Variant], only: tuple[str, ...], work: Path) -> list[tuple[str, str, dict]]:
+    """(key, worker, args) of every job the selection needs, in order: the model, the peer, the variants, then the
+    long-context item's contexts (each setting at each, ascending)."""
+    model = work / "model"
+    common = {"model": str(model), "warmup": p["warmup"], "measured": p["measured"], "device": p["device"]}
+    jobs: list[tuple[str, str, dict[str, Any]]] = []
+    if variants or LONG in only:
+        jobs.append(("write_model", "write_model", {"out": str(model), "sizes": p["model"], **common}))
+    if variants:
+        shapes = sorted({p["small"] if v.small else p["big"] for v in variants}, reverse=True)
+        jobs.append(("peer", "peer", {**common, "shapes": shapes}))
+    # --compile compiles the layers at the second step (after the first has run eagerly): one more warmup step.
+    jobs += [(v.name, "ours", {**common, "shape": p["small"] if v.small else p["big"], "quant": v.quant,
+                               "fsdp_version": v.fsdp_version, "flags": v.flags,
+                               "warmup": p["warmup"] + bool(v.flags.get("compile"))}) for v in variants]  # fmt: skip
+    if LONG in only:
+        rows = write_long_rows(work / "long-rows.jsonl", rows=2, words=max(p["long"]) + 8, seed=0)
+        # Tokenized in memory: the GPU machine has no `datasets`, which the tokenized cache is built with.
+        data = {"dataset": str(rows), "dataset_in_memory": True}
+        jobs += [(long_key(name, c), "ours", {**common, "shape": (1, c), "quant": "bnb", "fsdp_version": 2,
+                                              "flags": {**flags, **data}, "warmup": 1, "measured": 1})
+                 for c in p["long"] for name, _, flags in LONG_SETTINGS]  # fmt: skip
+    return jobs
+
+
+class GpuRun:
+    """One run of the plan: the budget, the records so far, and results.json saved after every job."""
+
+    def __init__(self, dry_run: bool, peak_flops: float, budget_s: float | None, quick: bool,
+                 only: tuple[str, ...], save: Callable[[dict[str, Any]], None]) -> None:  # fmt: skip
+        kind = "dry" if dry_run else "gpu"
+        self.start, self.min_start = time.perf_counter(), MIN_START_S[kind]
+        self.budget = budget_s or DEFAULT_BUDGET_S[kind]
+        self.p, self.only, self.save, self.peak_flops = _plan(dry_run, quick), only, save, peak_flops
+        self.variants = [v for v in VARIANTS if v.name in only]
+        self.records: dict[str, dict[str, Any]] = {}
+        self.results: dict[str, Any] = {
+            "suite": "gpu", "dry_run": dry_run, "quick": quick, "plan": list(only),
+            "model": {"parameters": 0, "non_embedding_parameters": 0, "shards": self.p["model"]["num_shards"],
+                      "sizes": self.p["model"]},
+            "settings": _settings(self.p, dry_run, peak_flops, self.budget), "tests": None, "rows": [], "details": {},
+            "conditions": {"launches": []}, "errors": [], "missing": [], "machine": machine_info(), "wall_time_s": 0.0,
+        }  # fmt: skip
+
+    def left(self) -> float:
+        return max(self.budget - (time.perf_counter() - self.start), 0.0)
+
+    def skipped(self, key: str, item: str) -> None:
+        """A job the budget leaves out."""
+        self.results["errors"].append(f"{key}: skipped, {self.left():.0f} s of the {self.budget:.0f} s budget left")
+        self.done(key, None, missing=[item] if item in NAMES and item not in self.results["missing"] else [])
+
+    def done(self, name: str, job: Launch | None, *, missing: list[str] | None = None) -> None:
+        """Record a job, recompute every row from the records so far, and save."""
+        r = self.results
         if job is not None:
-            results["conditions"]["launches"].append(
-                {"what": name, "wall_s": round(job.wall_s, 1), "returncode": job.returncode}
-            )
+            r["conditions"]["launches"].append({"what": name, "wall_s": round(job.wall_s, 1),
+                                                "returncode": job.returncode})  # fmt: skip
             print(f"  {name}: {job.wall_s:.1f} s, exit {job.returncode}", flush=True)
-        results["missing"] += missing or []
-        results["rows"] = _rows(records, variants, p, peak_flops) + _long_rows(records, p["long"])
-        results["details"] = {k: v for k, v in records.items() if k != "write_model"}
-        if LONG in only:
-            results["details"][LONG] = longest_fits(records, p["long"])
+        r["missing"] += missing or []
+        r["rows"] = _rows(self.records, self.variants, self.p, self.peak_flops) + _long_rows(self.records,
+                                                                                              self.p["long"])
+        r["details"] = {k: v for k, v in self.records.items() if k != "write_model"}
+        if LONG in self.only:
+            r["details"][LONG] = longest_fits(self.records, self.p["long"])
         for key in ("parameters", "non_embedding_parameters"):
-            results["model"][key] = records.get("write_model", {}).get(key, 0)
-        gpu = next((r.get("device_name") for r in records.values() if r.get("device_name")), None)
+            r["model"][key] = self.records.get("write_model", {}).get(key, 0)
+        gpu = next((x.get("device_name") for x in self.records.values() if x.get("device_name")), None)
         if gpu:
-            results["machine"]["gpu"] = gpu
-        results["wall_time_s"] = time.perf_counter() - suite_start
-        save(results)
+            r["machine"]["gpu"] = gpu
+        r["wall_time_s"] = time.perf_counter() - self.start
+        self.save(r)
 
-    work = Path(tempfile.mkdtemp(prefix="bench-gpu-"))
-    try:
-        if TESTS in only:
-            if left() < min_start:
-                results["errors"].append(f"{TESTS}: skipped, {left():.0f} s of the {budget:.0f} s budget left")
-                done(TESTS, None, missing=[TESTS])
-            else:
-                job, tier = _test_tier(work, timeout_s=min(TEST_TIER_TIMEOUT_S, left()))
-                results["tests"] = tier
-                results["errors"] += [f"{TESTS}: {cause}" for cause in tier["causes"]]
-                if tier["causes"]:
-                    results.setdefault("logs", {})[TESTS] = job.log[-4000:]
-                done(TESTS, job, missing=[TESTS] if tier["causes"] else [])
-        model_dir = work / "model"
-        common = {"model": str(model_dir), "warmup": p["warmup"], "measured": p["measured"], "device": p["device"]}
-        peer_shapes = sorted({p["small"] if v.small else p["big"] for v in variants}, reverse=True)
-        jobs: list[tuple[str, str, dict[str, Any]]] = []
-        if variants or LONG in only:
-            jobs.append(("write_model", "write_model", {"out": str(model_dir), "sizes": p["model"], **common}))
-        if variants:
-            jobs.append(("peer", "peer", {**common, "shapes": peer_shapes}))
-        # --compile compiles the layers at the second step (after the first has run eagerly): one more warmup step.
-        jobs += [
-            (v.name, "ours", {**common, "shape": p["small"] if v.small else p["big"], "quant": v.quant,
-                              "fsdp_version": v.fsdp_version, "flags": v.flags,
-                              "warmup": p["warmup"] + bool(v.flags.get("compile"))})
-            for v in variants
-        ]  # fmt: skip
-        if LONG in only:
-            rows = write_long_rows(work / "long-rows.jsonl", rows=2, words=max(p["long"]) + 8, seed=0)
-            # Tokenized in memory: the GPU machine has no `datasets`, which the tokenized cache is built with.
-            data = {"dataset": str(rows), "dataset_in_memory": True}
-            jobs += [
-                (long_key(name, context), "ours", {**common, "shape": (1, context), "quant": "bnb", "fsdp_version": 2,
-                                                   "flags": {**flags, **data}, "warmup": 1, "measured": 1})
-                for context in p["long"] for name, _, flags in LONG_SETTINGS
-            ]  # fmt: skip
-        out_of_memory: set[str] = set()  # long-context settings that ran out of memory at a smaller context
-        unrun: set[str] = set()  # jobs that need a job that failed
+    def tests(self, work: Path) -> None:
+        if self.left() < self.min_start:
+            return self.skipped(TESTS, TESTS)
+        job, tier = _test_tier(work, timeout_s=min(TEST_TIER_TIMEOUT_S, self.left()))
+        self.results["tests"] = tier
+        self.results["errors"] += [f"{TESTS}: {cause}" for cause in tier["causes"]]
+        if tier["causes"]:
+            self.results.setdefault("logs", {})[TESTS] = job.log[-4000:]
+        self.done(TESTS, job, missing=[TESTS] if tier["causes"] else [])
+
+    def jobs(self, jobs: list[tuple[str, str, dict[str, Any]]], work: Path) -> None:
+        """Each job in turn: a long-context setting stops at its first out-of-memory context (a measurement, not an
+        error), and nothing that needs a failed job (the model, or for the variants the peer) runs."""
+        out_of_memory: set[str] = set()
+        unrun: set[str] = set()
         for i, (key, worker, args) in enumerate(jobs):
             item = LONG if key.startswith(f"{LONG}/") else key
             if key in unrun or (item == LONG and key.split("/")[1] in out_of_memory):
                 continue
-            if left() < min_start:
-                results["errors"].append(f"{key}: skipped, {left():.0f} s of the {budget:.0f} s budget left")
-                done(key, None, missing=[item] if item in NAMES and item not in results["missing"] else [])
+            if self.left() < self.min_start:
+                self.skipped(key, item)
                 continue
             result = work / f"{key}.json"
-            job = launch(
-                [worker_cmd(MODULE, worker, {**args, "result": str(result)})],
-                [base_env(os.cpu_count() or 1)],
-                timeout_s=left(),
-            )
+            job = launch([worker_cmd("benchmarks.gpu_suite", worker, {**args, "result": str(result)})],
+                         [base_env(os.cpu_count() or 1)], timeout_s=self.left())  # fmt: skip
             if job.returncode == 0 and result.is_file():
-                records[key] = read_json(result)
-                done(key, job)
+                self.records[key] = read_json(result)
+                self.done(key, job)
                 continue
             cause = failure_cause(job)
-            if item == LONG and OOM.search(cause):  # a measurement: this context does not fit
-                records[key] = {"out_of_memory": cause}
+            if item == LONG and OOM.search(cause):
+                self.records[key] = {"out_of_memory": cause}
                 out_of_memory.add(key.split("/")[1])
-                done(key, job)
+                self.done(key, job)
                 continue
-            results["errors"].append(f"{key}: {cause}")
-            results.setdefault("logs", {})[key] = job.log[-4000:]
+            self.results["errors"].append(f"{key}: {cause}")
+            self.results.setdefault("logs", {})[key] = job.log[-4000:]
             if key in ("write_model", "peer"):  # nothing after it can be compared (after the peer: to the peer)
                 rest = [k for k, _, _ in jobs[i + 1 :] if key == "write_model" or not k.startswith(f"{LONG}/")]
-                results["errors"] += [f"{k}: not run, {key} failed" for k in rest]
+                self.results["errors"] += [f"{k}: not run, {key} failed" for k in rest]
                 unrun.update(rest)
-                done(key, job, missing=[n for n in NAMES if n in {k.split("/")[0] for k in rest}])
-                continue
-            done(key, job, missing=[item] if item not in results["missing"] else [])
+                self.done(key, job, missing=[n for n in NAMES if n in {k.split("/")[0] for k in rest}])
+            else:
+                self.done(key, job, missing=[item] if item not in self.results["missing"] else [])
+
+
+def run(out_dir: Path, *, dry_run: bool, peak_flops: float, budget_s: float | None, quick: bool = False,
+        only: tuple[str, ...] = NAMES, save: Callable[[dict[str, Any]], None]) -> dict[str, Any]:  # fmt: skip
+    """Run the selected plan in priority order within the budget; `save(results)` after every job."""
+    state = GpuRun(dry_run, peak_flops, budget_s, quick, only, save)
+    work = Path(tempfile.mkdtemp(prefix="bench-gpu-"))
+    try:
+        if TESTS in only:
+            state.tests(work)
+        state.jobs(_jobs(state.p, state.variants, only, work), work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    results["wall_time_s"] = time.perf_counter() - suite_start
-    return results
+    state.results["wall_time_s"] = time.perf_counter() - state.start
+    return state.results
+
+
+def render(results: dict[str, Any]) -> str:
+    return report.render(results)
 
 
 def failure_cause(job: Launch) -> str:
@@ -421,8 +416,6 @@ def _peaks(device: Any) -> dict[str, int]:
     """Peak allocated and reserved memory since the last reset; on the CPU the peak RSS, for both."""
     import torch
 
-    from benchmarks.common import peak_rss_bytes
-
     if device.type == "cuda":
         return {
             "peak_allocated_bytes": int(torch.cuda.max_memory_allocated(device)),
@@ -435,8 +428,6 @@ def _peaks(device: Any) -> dict[str, int]:
 def _reset_peaks(device: Any) -> None:
     """Start both peaks afresh from what is in use now (the cache is emptied first, on both sides alike)."""
     import torch
-
-    from benchmarks.common import reset_peak_rss
 
     gc.collect()
     if device.type == "cuda":
@@ -460,7 +451,6 @@ def write_model(args: dict[str, Any]) -> None:
     """A random bf16 Llama with these sizes, generated on the device, as HF safetensors shards + tokenizer."""
     import torch
 
-    from benchmarks.common import write_json
     from qlora_fsdp.model.skeleton import meta_model
     from scripts.make_tiny_model import (
         DEFAULT_DATA,
@@ -522,7 +512,6 @@ def ours(args: dict[str, Any]) -> None:
     import torch
     from torch.nn.modules.module import register_module_forward_pre_hook
 
-    from benchmarks.common import write_json
     from qlora_fsdp.cli import main as cli_main
 
     device = _device(args)
@@ -586,7 +575,6 @@ def ours(args: dict[str, Any]) -> None:
 
 def peer(args: dict[str, Any]) -> None:
     """The HF + PEFT + bitsandbytes loop: load once, then each shape's steps, peaks reset before each."""
-    from benchmarks.common import write_json
     from benchmarks.peer import add_lora, dummy_batches, load_peer, train_steps
 
     device = _device(args)
@@ -613,7 +601,5 @@ def _device_name(device: Any) -> dict[str, str]:
     return {"device_name": torch.cuda.get_device_name(device)} if device.type == "cuda" else {}
 
 
-WORKERS = {"write_model": write_model, "ours": ours, "peer": peer}
-
 if __name__ == "__main__":
-    WORKERS[sys.argv[1]](json.loads(sys.argv[2]))
+    worker_main({"write_model": write_model, "ours": ours, "peer": peer})

@@ -1,10 +1,11 @@
-"""results.json -> results.md: one table per section, ours beside the peer, and where we trail most."""
+"""results.json -> results.md: one table per section, ours beside the peer, a suite's own sections, the launches."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
-from benchmarks.rows import behind
+from benchmarks.harness import behind
 
 
 def fmt(value: float, unit: str) -> str:
@@ -40,8 +41,8 @@ def _table(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def render(results: dict[str, Any]) -> str:
-    """The Markdown report of a suite run (CPU or GPU)."""
+def render(results: dict[str, Any], extra: Sequence[str] = ()) -> str:
+    """The Markdown report of a suite run: the tables, then `extra` (the suite's own lines), then every launch."""
     rows = results["rows"]
     machine = results.get("machine", {})
     where = ", ".join(str(machine[k]) for k in ("cpu", "gpu") if machine.get(k)) or "unknown machine"
@@ -107,4 +108,20 @@ def render(results: dict[str, Any]) -> str:
     missing = results.get("missing") or []
     if missing:
         lines += ["", f"To measure what is missing: `bash benchmarks/gpu.sh OUT_DIR --only {','.join(missing)}`."]
+    launches = [e for e in conditions.get("launches", []) if "foreign_cores" in e]
+    lines += extra
+    if launches:
+        lines += ["", "### Launches", "", "| launch | wall | other processes' cores | waited |",
+                  "|---|---:|---:|---:|"]  # fmt: skip
+        lines += [f"| {e['what']}{' (discarded)' if e['discarded'] else ''} | {e['wall_s']:.1f} s | "
+                  f"{e['foreign_cores']:.2f} | {e['waited_for_idle_s']:.0f} s |" for e in launches]  # fmt: skip
     return "\n".join(lines) + "\n"
+
+
+def acceptance(title: str, items: Sequence[str], *, quick_note: str = "") -> list[str]:
+    """A section of pass/FAIL lines against a suite's bars."""
+    return ["", f"### {title}", "", *([quick_note, ""] if quick_note else []), *items] if items else []
+
+
+def verdict(passed: bool) -> str:
+    return "pass" if passed else "FAIL"

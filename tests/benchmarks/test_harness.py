@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 
 from benchmarks.gpu_suite import NAMES, parse_only
+from benchmarks.harness import behind, row
 from benchmarks.report import fmt, render
-from benchmarks.rows import behind, row
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ROW_FIELDS = ("section", "key", "figure", "unit", "better", "ours", "peer", "ratio", "runs")
@@ -196,8 +196,8 @@ def test_gpu_script_dry_run(tmp_path: Path) -> None:
 )
 def test_gpu_failure_cause_is_the_last_error_line(code: str, cause: str) -> None:
     """What results.md says of a failed variant: its own error line, not 'exit status 1'."""
-    from benchmarks.common import base_env, launch
     from benchmarks.gpu_suite import failure_cause
+    from benchmarks.harness import base_env, launch
 
     noise = "import atexit; atexit.register(print, 'teardown noise after the error')"  # the log's last line
     job = launch([[sys.executable, "-c", f"{noise}\n{code}"]], [base_env(1)], timeout_s=60)

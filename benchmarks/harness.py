@@ -1,0 +1,551 @@
+"""The one harness every suite runs on: launch settings, process launch, contention, RSS, runs of our CLI, rows and
+the results record. A suite is a plan (a Settings dataclass of sizes) and the sections that turn runs into rows.
+
+Nothing here imports torch: the orchestrator stays light (Linux hands its RSS high-water mark to every child), and
+each measurement runs in fresh processes that import only what they measure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import resource
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+FAILED_RANK_GRACE_S = 10.0
+"""Seconds the other ranks get after one failed, before they are killed (else they wait in a collective)."""
+EXIT_ABORT = "terminate called without an active exception"
+"""The FSDP + gloo teardown race (benchmarks/README.md): a run that wrote every step and then aborted is kept."""
+WORDS = REPO_ROOT / "data" / "alpaca_tiny.jsonl"
+SIZE_KEYS = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads", "vocab_size")
+
+
+def median(values: Sequence[float]) -> float:
+    if not values:
+        raise ValueError("median of no values")
+    return float(statistics.median(values))
+
+
+def alternate(rep: int, items: Sequence[Any]) -> list[Any]:
+    """`items` in order on even repetitions, reversed on odd ones, so a machine that drifts favours no side."""
+    return list(items) if rep % 2 == 0 else list(reversed(items))
+
+
+def bundled_words() -> list[str]:
+    """The words of data/alpaca_tiny.jsonl, sorted: every tiny model's tokenizer was trained on them."""
+    words: set[str] = set()
+    for line in filter(str.strip, WORDS.read_text().splitlines()):
+        for value in json.loads(line).values():
+            words.update(re.findall(r"[A-Za-z]+", str(value)))
+    return sorted(words)
+
+
+def write_long_rows(path: Path, *, rows: int, words: int, seed: int) -> Path:
+    """`rows` text rows of `words` random bundled words each (seeded). A word is at least one token, so with `words`
+    above a run's context every row is truncated to exactly the context (unlike `--dataset dummy`'s rows)."""
+    import random
+
+    rng, choices = random.Random(seed), bundled_words()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"text": " ".join(rng.choices(choices, k=words))}) + "\n" for _ in range(rows)))
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Processes: environment, contention, launch
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def base_env(threads: int, *, pin_tokenizers: bool = True) -> dict[str, str]:
+    """Every measured process's environment: repo importable, fixed thread count, nothing online."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), WANDB_MODE="offline", HF_HUB_OFFLINE="1",
+               PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")  # fmt: skip
+    if not pin_tokenizers:
+        env.pop("TOKENIZERS_PARALLELISM")
+    return env
+
+
+def rank_envs(nproc: int, threads: int) -> list[dict[str, str]]:
+    """torchrun's variables for `nproc` local ranks, so workers join one job directly (a fresh port each launch)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    return [{**base_env(threads), "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc),
+             "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+            for r in range(nproc)]  # fmt: skip
+
+
+def worker_cmd(module: str, name: str, args: dict[str, Any]) -> list[str]:
+    return [sys.executable, "-m", module, name, json.dumps(args)]
+
+
+def worker_main(workers: dict[str, Callable[[dict[str, Any]], None]]) -> None:
+    """`python -m MODULE NAME JSON_ARGS`: one measurement in a fresh interpreter."""
+    if len(sys.argv) != 3 or sys.argv[1] not in workers:
+        raise SystemExit(f"usage: python -m MODULE {{{','.join(workers)}}} JSON_ARGS")
+    workers[sys.argv[1]](json.loads(sys.argv[2]))
+
+
+def _busy_seconds() -> float:
+    """CPU seconds every process on the machine has spent busy since boot (/proc/stat)."""
+    with open("/proc/stat") as fh:
+        fields = [int(x) for x in fh.readline().split()[1:]]
+    return (sum(fields[:8]) - fields[3] - (fields[4] if len(fields) > 4 else 0)) / os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_seconds(*who: int) -> float:
+    return sum(resource.getrusage(w).ru_utime + resource.getrusage(w).ru_stime for w in who)
+
+
+class ForeignLoad:
+    """Average cores that processes other than ours (this one and its reaped children) kept busy meanwhile."""
+
+    def __init__(self) -> None:
+        self._t, self._busy = time.perf_counter(), _busy_seconds()
+        self._own = _cpu_seconds(resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+
+    def stop(self) -> float:
+        own = _cpu_seconds(resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN) - self._own
+        return max(_busy_seconds() - self._busy - own, 0.0) / max(time.perf_counter() - self._t, 1e-9)
+
+
+def wait_for_idle(max_wait_s: float, *, threshold_cores: float = 0.3) -> float:
+    """Wait (at most `max_wait_s`) until other processes use under `threshold_cores`; returns seconds waited."""
+    start = time.perf_counter()
+    while time.perf_counter() - start < max_wait_s:
+        probe = ForeignLoad()
+        time.sleep(1.0)
+        if probe.stop() < threshold_cores:
+            break
+    return time.perf_counter() - start
+
+
+@dataclass
+class Launch:
+    """What one launch of one or more processes did."""
+
+    returncode: int
+    wall_s: float
+    cpu_s: float
+    foreign_cores: float
+    """Average cores other processes used meanwhile: contention that slows wall-clock figures."""
+    log: str
+    """The tail of every process's combined stdout/stderr."""
+
+    def check(self, what: str) -> Launch:
+        if self.returncode != 0:
+            raise RuntimeError(f"{what} failed with exit status {self.returncode}:\n{self.log}")
+        return self
+
+
+def launch(cmds: Sequence[Sequence[str]], envs: Sequence[dict[str, str]], *, timeout_s: float,
+           log_chars: int = 6000) -> Launch:  # fmt: skip
+    """Run the commands concurrently (the ranks of one job) and wait for all; kill the lot on timeout.
+
+    Output goes to files, not pipes, so a chatty rank never blocks; each process has a session of its own, so a
+    kill reaches exactly what this call started (torchrun's ranks included).
+    """
+    children_before, load, start = _cpu_seconds(resource.RUSAGE_CHILDREN), ForeignLoad(), time.perf_counter()
+    procs: list[tuple[subprocess.Popen, Any]] = []
+    returncode = 0
+    with tempfile.TemporaryDirectory(prefix="bench-launch-") as tmp:
+        try:
+            for i, (cmd, env) in enumerate(zip(cmds, envs, strict=True)):
+                out = open(Path(tmp) / f"{i}.log", "w+")  # noqa: SIM115 - closed below
+                procs.append((subprocess.Popen(list(cmd), cwd=REPO_ROOT, env=env, stdout=out,
+                                               stderr=subprocess.STDOUT, start_new_session=True), out))  # fmt: skip
+            first_failure: float | None = None
+            while any(p.poll() is None for p, _ in procs):
+                now = time.perf_counter()
+                if first_failure is None and any(p.returncode not in (None, 0) for p, _ in procs):
+                    first_failure = now
+                if now - start > timeout_s:
+                    returncode = 124
+                    break
+                if first_failure is not None and now - first_failure > FAILED_RANK_GRACE_S:
+                    break
+                time.sleep(0.05)
+        finally:
+            for proc, _ in procs:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+        wall, foreign = time.perf_counter() - start, load.stop()
+        returncode = returncode or next((p.returncode for p, _ in procs if p.returncode != 0), 0)
+        logs = []
+        for i, (_, out) in enumerate(procs):
+            out.seek(0)
+            logs.append(f"--- process {i} ---\n{out.read()[-log_chars:]}")
+            out.close()
+    cpu = _cpu_seconds(resource.RUSAGE_CHILDREN) - children_before
+    return Launch(returncode=returncode, wall_s=wall, cpu_s=cpu, foreign_cores=foreign, log="\n".join(logs))
+
+
+def shell(cmd: Sequence[str]) -> str:
+    """A command line as one would type it (the venv's python shown as `python`)."""
+    return " ".join("python" if c == sys.executable else c for c in cmd).replace(str(REPO_ROOT) + "/", "")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Files and memory
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    with open(path) as fh:
+        return json.load(fh)
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> None:
+    """Atomically: a reader never sees half a file."""
+    tmp = Path(path).with_name(Path(path).name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1) + "\n")
+    tmp.replace(path)
+
+
+def run_metrics(output_dir: Path) -> list[dict[str, Any]]:
+    """A training run's metrics.jsonl records so far ([] before the first)."""
+    path = output_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def peak_rss_bytes() -> int:
+    """This process's own RSS high-water mark, VmHWM; not ru_maxrss, which Linux carries over from the parent."""
+    try:
+        with open("/proc/self/status") as fh:
+            return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return maxrss_bytes()
+
+
+def reset_peak_rss() -> None:
+    """Restart VmHWM from the current RSS (clear_refs "5"); where the kernel refuses, it keeps counting."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+    except OSError:
+        pass
+
+
+def maxrss_bytes() -> int:
+    """ru_maxrss (KiB on Linux, bytes on macOS), the launcher's peak included; kept for reference."""
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * (1 if sys.platform == "darwin" else 1024)
+
+
+def current_rss_bytes() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def machine_info() -> dict[str, Any]:
+    """Where the figures come from: CPU model, cores, memory, library versions."""
+    from importlib import metadata
+
+    info: dict[str, Any] = {"cores": os.cpu_count(), "python": sys.version.split()[0]}
+    try:
+        with open("/proc/cpuinfo") as fh:
+            info["cpu"] = next((ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")), "unknown")
+        with open("/proc/meminfo") as fh:
+            info["memory_gib"] = round(int(fh.readline().split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    for dist in ("torch", "transformers", "peft", "bitsandbytes", "hqq"):
+        try:
+            info[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            info[dist] = "not installed"
+    return info
+
+
+def native_bf16() -> bool:
+    """Whether the CPU multiplies bf16 in hardware; without it torch's bf16 matmul is ~100x slower than fp32."""
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = cpuinfo.read_text() if cpuinfo.is_file() else ""
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Rows: our figure beside the peer's from the same run, medians of their runs, ratio ours / peer
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def row(section: str, key: str, figure: str, unit: str, better: str, ours_runs: Sequence[float],
+        peer_runs: Sequence[float], *, ours_label: str = "", peer_label: str = "", note: str = "") -> dict[str, Any]:
+    """One comparison row; every suite reports through these, so results.json has one shape."""
+    if better not in ("higher", "lower"):
+        raise ValueError(f"better must be higher or lower, got {better!r}")
+    ours, peer = median(ours_runs), median(peer_runs)
+    if peer == 0:
+        raise ValueError(f"{key}: the peer's figure is zero, no ratio")
+    out = {"section": section, "key": key, "figure": figure, "unit": unit, "better": better, "ours": ours,
+           "peer": peer, "ratio": ours / peer,
+           "runs": {"ours": [float(v) for v in ours_runs], "peer": [float(v) for v in peer_runs]}}  # fmt: skip
+    out.update({k: v for k, v in (("ours_label", ours_label), ("peer_label", peer_label), ("note", note)) if v})
+    return out
+
+
+def figure_rows(section: str, figures: Iterable[tuple[str, str, str, str]], ours: Sequence[dict[str, Any]],
+                peer: Sequence[dict[str, Any]], *, suffix: str = "", prefix: str = "", **labels: str) -> list[dict]:
+    """A row per (key, figure, unit, better), from each repetition's summary dict of either side."""
+    return [row(section, f"{key}{suffix}", f"{prefix}{figure}", unit, better, [s[key] for s in ours],
+                [s[key] for s in peer], **labels) for key, figure, unit, better in figures]  # fmt: skip
+
+
+def behind(rows: Sequence[dict[str, Any]], n: int = 3) -> list[dict[str, Any]]:
+    """The `n` rows where we trail the peer most."""
+
+    def badness(r: dict[str, Any]) -> float:
+        return r["ratio"] if r["better"] == "lower" else 1.0 / r["ratio"]
+
+    return sorted((r for r in rows if badness(r) > 1.0), key=badness, reverse=True)[:n]
+
+
+def brief(run: dict[str, Any], keep: tuple[str, ...], drop: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A run for results.json: without its raw records, and of each step the fields in `keep`."""
+    out = {k: v for k, v in run.items() if k not in ("metrics", *drop)}
+    out["steps"] = [{k: m[k] for k in keep if k in m} for m in run["metrics"]]
+    return out
+
+
+def parameters(model: Path) -> int:
+    """Parameter count from the safetensors headers, reading no tensor."""
+    total = 0
+    for file in sorted(model.glob("*.safetensors")):
+        with open(file, "rb") as fh:
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        total += sum(_numel(v["shape"]) for k, v in header.items() if k != "__metadata__")
+    return total
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def model_record(model: Path, sizes: dict[str, Any]) -> dict[str, Any]:
+    return {"path": str(model), "parameters": parameters(model), "shards": len(list(model.glob("*.safetensors"))),
+            "sizes": sizes}  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Settings and the Runner
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class Settings:
+    """How a suite launches and waits: what every CPU plan holds besides its sizes."""
+
+    threads: int = 2
+    """Threads of a one-process run; each rank of an N-rank job gets threads // N (at least 1)."""
+    idle_wait_s: float = 30.0
+    """Before each launch, wait up to this long for other processes to go quiet."""
+    idle_wait_budget_s: float = 150.0
+    retry_above_cores: float = 0.5
+    """Measure again (once) when other processes took more than this many cores during a launch."""
+    retries: int = 1
+    launch_timeout_s: float = 600.0
+    quick: bool = False
+    precision: str = "bf16"
+    """Both sides' dtype: bf16, or fp32 on a CPU without native bf16 matmuls."""
+    lora_rank: int = 16
+    lora_alpha: float = 32.0
+
+    def configure(self, *, threads: int, precision: str | None, idle_wait_s: float | None,
+                  reps: int | None) -> None:  # fmt: skip
+        """The command line's launch flags; a quick plan waits for nobody unless told to."""
+        self.threads = threads
+        self.precision = precision or ("bf16" if native_bf16() else "fp32")
+        self.idle_wait_s = idle_wait_s if idle_wait_s is not None else 0.0 if self.quick else self.idle_wait_s
+        for name in ("reps", "build_reps", "train_reps"):
+            if reps is not None and hasattr(self, name):
+                setattr(self, name, reps)
+
+
+def ensure_model(sizes: dict[str, int], cache: Path, plan: Settings) -> Path:
+    """The random Llama of these scripts/make_tiny_model.py sizes, built once under `cache` (deterministic), in a
+    process of its own: the builder holds the fp32 model twice, and this one must stay small."""
+    path = cache / ("llama-" + "-".join(f"{v}" for v in sizes.values()))
+    if not (path / "model.safetensors.index.json").is_file():
+        flags = [f"--{k}={v}" for k, v in sizes.items()]
+        cmd = [sys.executable, str(REPO_ROOT / "scripts" / "make_tiny_model.py"), f"--output={path}", *flags]
+        launch([cmd], [base_env(plan.threads)], timeout_s=plan.launch_timeout_s).check("building the model")
+    return path
+
+
+def launch_conditions(launches: list[dict[str, Any]]) -> dict[str, Any]:
+    """results.json's record of the conditions of a suite's launches."""
+    foreign = [e["foreign_cores"] for e in launches if not e["discarded"]]
+    return {"launches": launches, "foreign_cores_median": median(foreign) if foreign else 0.0,
+            "foreign_cores_max": max(foreign, default=0.0),
+            "waited_for_idle_s": round(sum(e["waited_for_idle_s"] for e in launches), 1),
+            "discarded_launches": sum(e["discarded"] for e in launches),
+            "aborted_at_exit_after_finishing": sum("aborted_at_exit_after_finishing" in e for e in launches),
+            }  # fmt: skip
+
+
+class Runner:
+    """Launches measurements in a scratch directory, waits for a quiet machine first, re-measures a launch that
+    failed or met much contention (once each), and logs every launch's conditions."""
+
+    def __init__(self, plan: Settings, work: Path, log: Callable[[str], None] = print,
+                 env: Callable[[int], dict[str, str]] = base_env) -> None:  # fmt: skip
+        self.plan, self.work, self.say, self.env = plan, work, log, env
+        self.launches: list[dict[str, Any]] = []
+        self.waited = self.build_s = 0.0
+        self.started = time.perf_counter()
+        self._n = 0
+
+    def model(self, sizes: dict[str, int], cache: Path) -> Path:
+        """ensure_model, its time counted as the suite's model building."""
+        start = time.perf_counter()
+        path = ensure_model(sizes, cache, self.plan)
+        self.build_s += time.perf_counter() - start
+        return path
+
+    def go(self, what: str, cmds: list[list[str]], envs: list[dict[str, str]], *,
+           reset: Callable[[], None] | None = None, finished: Callable[[], bool] | None = None) -> Launch:  # fmt: skip
+        """Launch and record; `finished` says whether a launch that exited non-zero wrote its whole measurement
+        anyway (kept when it aborted at exit with EXIT_ABORT, not hidden or re-measured)."""
+        contention_retries, failure_retries = self.plan.retries, 1
+        for attempt in range(1, 10):
+            if reset is not None:
+                reset()
+            budget = min(self.plan.idle_wait_s, self.plan.idle_wait_budget_s - self.waited)
+            waited = wait_for_idle(budget) if budget > 0 else 0.0
+            self.waited += waited
+            result = launch(cmds, envs, timeout_s=self.plan.launch_timeout_s)
+            entry = {"what": what, "attempt": attempt, "wall_s": round(result.wall_s, 2),
+                     "cpu_s": round(result.cpu_s, 2), "foreign_cores": round(result.foreign_cores, 3),
+                     "waited_for_idle_s": round(waited, 1), "discarded": False}  # fmt: skip
+            self.launches.append(entry)
+            if result.returncode != 0:
+                if finished is not None and finished() and EXIT_ABORT in result.log:
+                    entry["aborted_at_exit_after_finishing"] = True
+                elif failure_retries > 0:
+                    failure_retries -= 1
+                    entry.update(discarded=True, failed=f"exit status {result.returncode}")
+                    self.say(f"  {what}: failed with exit status {result.returncode}; trying once more")
+                    continue
+                else:
+                    result.check(what)
+            if result.foreign_cores > self.plan.retry_above_cores and contention_retries > 0:
+                contention_retries -= 1
+                entry["discarded"] = True
+                self.say(f"  {what}: other processes used {result.foreign_cores:.2f} cores; measuring again")
+                continue
+            self.say(f"  {what}: {result.wall_s:.1f} s (other processes used {result.foreign_cores:.2f} cores)")
+            return result
+        raise RuntimeError(f"{what}: no usable measurement in 9 attempts")
+
+    def result_path(self, stem: str) -> Path:
+        self._n += 1
+        return self.work / f"{self._n:03d}-{stem}"
+
+    def worker(self, what: str, name: str, args: dict[str, Any], *, nproc: int = 1) -> list[dict[str, Any]]:
+        """A benchmarks.cpu_workers measurement on `nproc` ranks (load_ours always as a job); each rank's record."""
+        result = str(self.result_path(name))
+        cmd = worker_cmd("benchmarks.cpu_workers", name, {**args, "result": result})
+        if nproc == 1 and name != "load_ours":
+            self.go(what, [cmd], [base_env(self.plan.threads)])
+            return [read_json(result)]
+        self.go(what, [cmd] * nproc, rank_envs(nproc, max(1, self.plan.threads // nproc)))
+        return [read_json(f"{result}.rank{r}.json") for r in range(nproc)]
+
+    def flags(self, stem: str, **flags: Any) -> dict[str, Any]:
+        """train.py's flags every CPU run shares (LoRA on every linear, no saving, stdout), then `flags`."""
+        p = self.plan
+        return {"precision": p.precision, "lora_rank": p.lora_rank, "lora_alpha": p.lora_alpha, "lora_dropout": 0.0,
+                "lora_target_modules": "all", "lr": 1e-5, "log_to": "stdout", "save_model": "false",
+                "device": "cpu", "output_dir": self.result_path(stem), **flags}  # fmt: skip
+
+    def train(self, what: str, flags: dict[str, Any], *, nproc: int, steps: int, probe: str = "peak",
+              torchrun: bool = False, torchrun_args: Sequence[str] = (), wrap: Sequence[str] = (),
+              reset: Callable[[], None] | None = None, done: Callable[[], bool] = lambda: True) -> dict[str, Any]:
+        """Our real CLI, `train.py` (under torchrun for several ranks or with `torchrun`), inside benchmarks/probe.py.
+
+        probe "peak": each rank's VmHWM at exit (`exit_peak_rss_bytes`); "steps": each rank's per-step RSS and,
+        with --profile, the profiled step's tensor peak (`ranks`). `wrap` prefixes the command (a timer); `done`
+        adds to "every step logged" what a finished launch must have left.
+        """
+        out = Path(flags["output_dir"])
+        args = ["-m", "benchmarks.probe", str(REPO_ROOT / "train.py"), *(f"--{k}={v}" for k, v in flags.items())]
+        cmd = [sys.executable, *args]
+        if nproc > 1 or torchrun:
+            cmd[1:1] = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *torchrun_args]
+        env = self.env(max(1, self.plan.threads // nproc))
+        files = f"{out}.{probe}"
+        env["BENCH_STEP_RSS_FILE" if probe == "steps" else "BENCH_PEAK_RSS_FILE"] = files
+
+        def fresh() -> None:
+            shutil.rmtree(out, ignore_errors=True)
+            for r in range(nproc):
+                Path(f"{files}.rank{r}").unlink(missing_ok=True)
+            if reset is not None:
+                reset()
+
+        result = self.go(what, [[*wrap, *cmd]], [env], reset=fresh,
+                         finished=lambda: len(run_metrics(out)) == steps and done())  # fmt: skip
+        records = run_metrics(out)
+        if len(records) != steps:
+            raise RuntimeError(f"{what}: {len(records)} metrics records, expected {steps}:\n{result.log}")
+        run = {"command": shell(cmd), "wall_s": result.wall_s, "foreign_cores": result.foreign_cores,
+               "metrics": records, "log": result.log}  # fmt: skip
+        missing = [r for r in range(nproc) if not Path(f"{files}.rank{r}").is_file()]
+        if missing:
+            raise RuntimeError(f"{what}: no probe record from rank(s) {missing}:\n{result.log}")
+        if probe == "peak":
+            run["exit_peak_rss_bytes"] = [int(Path(f"{files}.rank{r}").read_text()) for r in range(nproc)]
+            return run
+        run["ranks"] = [read_json(f"{files}.rank{r}") for r in range(nproc)]
+        for r in run["ranks"]:
+            if not r["reset"] or r["baseline_rss_bytes"] is None or len(r["steps"]) != steps:
+                raise RuntimeError(f"{what}: rank {r['rank']}'s probe did not measure every step: {r}")
+            if flags.get("profile") == "true":
+                trace = out / "profile" / f"trace-rank{r['rank']}.json"
+                r["tensor_peak_bytes"], r["memory_events"] = tensor_peak(trace)
+                trace.unlink()  # tens of MB a rank, hundreds at long context
+        return run
+
+    def results(self, suite: str, rows: list[dict[str, Any]], details: dict[str, Any], settings: dict[str, Any],
+                **extra: Any) -> dict[str, Any]:  # fmt: skip
+        """results.json's content: the plan and `settings`, rows, details, every launch's conditions."""
+        return {"suite": suite, "quick": self.plan.quick, **extra, "settings": {**asdict(self.plan), **settings},
+                "rows": rows, "details": details,
+                "conditions": {"build_model_s": round(self.build_s, 1), **launch_conditions(self.launches)},
+                "wall_time_s": time.perf_counter() - self.started}  # fmt: skip
+
+
+@contextlib.contextmanager
+def session(plan: Settings, suite: str, log: Callable[[str], None] = print, **kw: Any) -> Iterator[Runner]:
+    """A Runner in a scratch directory that is removed afterwards."""
+    with tempfile.TemporaryDirectory(prefix=f"bench-{suite}-") as tmp:
+        yield Runner(plan, Path(tmp), log, **kw)
+
+
+def tensor_peak(trace: Path) -> tuple[int, int]:
+    """(the largest "Total Allocated" of a Chrome trace's CPU memory events, how many there were): the bytes of
+    tensors allocated since the profiler started and not yet freed."""
+    events = [e["args"] for e in read_json(trace)["traceEvents"] if e.get("name") == "[memory]"]
+    cpu = [a["Total Allocated"] for a in events if a.get("Device Type") == 0]
+    if not cpu:
+        raise RuntimeError(f"{trace}: no CPU memory events (was the profiler run with profile_memory?)")
+    return max(cpu), len(cpu)
