@@ -98,12 +98,8 @@ def load_ours(args: dict[str, Any]) -> None:
     """One rank of our loading path: skeleton on meta, stream the checkpoint, quantize (bnb: each rank half of every
     weight's blocks), shard each decoder layer as it completes (--fsdp_version), then the root. No adapters.
 
-    `split` false (default true) streams without the job's DistEnv, so every rank quantizes every weight alone:
-    loading as it was before the ranks shared quantization out (for HQQ, the comparison of `_hqq_split`).
-
-    Reports load wall time, peak RSS and RSS after imports, this rank's resident bytes (its parameter shards, the
-    quantization state FSDP1 replicates, buffers) and the whole quantized model's bytes (added up layer by layer
-    before sharding, so every rank knows it without holding it).
+    `split` false streams without the job's DistEnv: every rank quantizes every weight (`_hqq_split`'s baseline).
+    The quantized model's bytes are added up layer by layer before sharding, so every rank knows them.
     """
     _quiet()
     import torch.distributed as dist
@@ -125,20 +121,11 @@ def load_ours(args: dict[str, Any]) -> None:
     precision = PRECISIONS[args["precision"]]
     dist.barrier()
     start = time.perf_counter()
-    sharder = make_sharder(
-        FSDPConfig(fsdp_version=args["fsdp_version"], sharding_strategy="full_shard", gradient_checkpointing=False),
-        env=env,
-        precision=precision,
-        ignore=(QuantizedLinear,),
-        adapters_own_units=False,
-    )
+    fsdp = FSDPConfig(fsdp_version=args["fsdp_version"], sharding_strategy="full_shard", gradient_checkpointing=False)
+    sharder = make_sharder(fsdp, env=env, precision=precision, ignore=(QuantizedLinear,), adapters_own_units=False)
     layout = sharder.layout
-    backend = make_backend(
-        QuantConfig(quant=args["quant"]),
-        storage_dtype=layout.storage_dtype,
-        compute_dtype=precision.compute_dtype,
-        shard_state=layout.state_sharded,
-    )
+    backend = make_backend(QuantConfig(quant=args["quant"]), storage_dtype=layout.storage_dtype,
+                           compute_dtype=precision.compute_dtype, shard_state=layout.state_sharded)  # fmt: skip
     skeleton = build_skeleton(ModelConfig(model=args["model"]), backend=backend, param_dtype=precision.param_dtype)
     for param in skeleton.model.parameters():
         param.requires_grad_(False)  # as under LoRA: the base is frozen
@@ -156,20 +143,13 @@ def load_ours(args: dict[str, Any]) -> None:
     total_s = time.perf_counter() - start
     params = sharded.local_parameter_bytes()
     held = model_bytes(sharded.module)
-    record = {
-        "rank": env.rank,
-        "world_size": env.world_size,
-        "total_s": total_s,
-        "peak_rss_bytes": peak_rss_bytes(),
-        "ru_maxrss_bytes": maxrss_bytes(),
-        "rss_after_imports_bytes": baseline,
-        "param_shard_bytes": params,
-        "replicated_state_bytes": held["quant_state"],
-        "buffer_bytes": held["buffers"],
+    write_json(f"{args['result']}.rank{env.rank}.json", {
+        "rank": env.rank, "world_size": env.world_size, "total_s": total_s, "peak_rss_bytes": peak_rss_bytes(),
+        "ru_maxrss_bytes": maxrss_bytes(), "rss_after_imports_bytes": baseline, "param_shard_bytes": params,
+        "replicated_state_bytes": held["quant_state"], "buffer_bytes": held["buffers"],
         "resident_bytes": params + held["quant_state"] + held["buffers"],
         "quantized_model_bytes": layers_bytes[0] + root_bytes,
-    }
-    write_json(f"{args['result']}.rank{env.rank}.json", record)
+    })  # fmt: skip
     dist.barrier()
     dist.destroy_process_group()
 
