@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import traceback
 from collections.abc import Callable
 from typing import Any
 
 from qlora_fsdp.compat import quiet_peft_checkpointing_warning
 from qlora_fsdp.config.help import option_docs
 from qlora_fsdp.config.options import build_config
-from qlora_fsdp.errors import UserError
+from qlora_fsdp.errors import BUG_REPORT, InternalError, TrainingStopped, UserError
 from qlora_fsdp.tools.config import build_tool_config, tool_flags
 
 
@@ -28,9 +29,8 @@ def main(config: str | None = None, **flags: Any) -> None:
         from qlora_fsdp.train.trainer import run
 
         run(cfg)
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        sys.exit(2)
+    except (UserError, TrainingStopped, InternalError) as exc:
+        sys.exit(report_failure(exc))
 
 
 def preprocess(config: str | None = None, **flags: Any) -> None:
@@ -46,8 +46,8 @@ def preprocess(config: str | None = None, **flags: Any) -> None:
             raise UserError("--dataset_streaming true tokenizes --dataset as training reads it: there is no cache to "
                             "build (drop the flag to build one)")  # fmt: skip
         if cfg.objective.rows == "prompts":
-            raise UserError("--objective grpo reads its prompts whole when training starts: there is no cache to "
-                            "build")
+            raise UserError(f"--objective {cfg.objective.objective} reads its prompts whole when training starts: "
+                            "there is no cache to build")
         if cfg.data.dataset_in_memory:
             raise UserError("--dataset_in_memory true tokenizes --dataset on every rank when training starts: there "
                             "is no cache to build (drop the flag to build one)")  # fmt: skip
@@ -65,9 +65,19 @@ def preprocess(config: str | None = None, **flags: Any) -> None:
         caches = prepare_caches(cfg.data, cfg.eval, tokenizer, alone, kind=cfg.objective.rows, images=images)
         for cache, built in caches:
             print(cache.describe(built), flush=True)
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        sys.exit(2)
+    except (UserError, InternalError) as exc:
+        sys.exit(report_failure(exc))
+
+
+def report_failure(exc: UserError | TrainingStopped | InternalError) -> int:
+    """Print a failure the way its kind calls for; returns the exit status: 2 for a user's mistake (one line), 3 for
+    training that could not go on (one line naming the step), 1 for a bug (its traceback and a request to report)."""
+    if isinstance(exc, InternalError):
+        traceback.print_exception(exc)
+        print(f"error: {exc}\nerror: {BUG_REPORT}", file=sys.stderr, flush=True)
+        return 1
+    print(f"error: {exc}", file=sys.stderr, flush=True)
+    return 3 if isinstance(exc, TrainingStopped) else 2
 
 
 def _quiet_known_noise() -> None:
@@ -126,7 +136,6 @@ def run_tool(tool: type, run: Callable[[Any, Any], None], argv: list[str] | None
         args = parser.parse_args(argv)
         cfg, options = build_tool_config(tool, {k: v for k, v in vars(args).items() if v is not None})
         run(cfg, options)
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        return 2
+    except (UserError, InternalError) as exc:
+        return report_failure(exc)
     return 0

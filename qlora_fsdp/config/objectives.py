@@ -7,33 +7,28 @@ objectives themselves are in qlora_fsdp/objectives.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
-# Kept in step with make_objective (qlora_fsdp/objectives) by a unit test.
-OBJECTIVES = ("sft", "dpo", "ipo", "orpo", "simpo", "kto", "grpo")
-REFERENCE_OBJECTIVES = ("dpo", "ipo", "kto")
-"""Objectives whose loss compares the policy with a reference model (the base, adapters off)."""
-# Each objective's own settings and the default of each (TRL's): a flag given to an objective it does not apply
-# to is refused.
-OBJECTIVE_SETTINGS: dict[str, dict[str, object]] = {
-    "sft": {},
-    "dpo": {"beta": 0.1, "label_smoothing": 0.0},
-    "ipo": {"beta": 0.1},
-    "orpo": {"orpo_lambda": 0.1},
-    "simpo": {"beta": 0.1, "simpo_gamma": 0.5, "label_smoothing": 0.0},
-    "kto": {"beta": 0.1, "desirable_weight": 1.0, "undesirable_weight": 1.0},
-    "grpo": {"reward_funcs": "", "reward_weights": "", "num_generations": 8, "max_completion_length": 512,
-             "temperature": 1.0, "top_p": 1.0, "beta": 0.0, "epsilon": 0.2, "epsilon_high": None, "loss_type": "dapo",
-             "scale_rewards": "group", "num_iterations": 1, "generation_mode": "sharded"},
+from qlora_fsdp.errors import UserError
+from qlora_fsdp.objectives.specs import ObjectiveSpec, objective_spec
+
+SETTING_RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "beta": ((lambda v: v > 0), "--beta must be > 0"),
+    "label_smoothing": ((lambda v: 0 <= v < 0.5), "--label_smoothing must be in [0, 0.5)"),
+    "simpo_gamma": ((lambda v: v >= 0), "--simpo_gamma must be >= 0"),
+    "orpo_lambda": ((lambda v: v >= 0), "--orpo_lambda must be >= 0"),
+    "desirable_weight": ((lambda v: v > 0), "--desirable_weight must be > 0"),
+    "undesirable_weight": ((lambda v: v > 0), "--undesirable_weight must be > 0"),
+    "num_generations": ((lambda v: v >= 2), "--num_generations must be >= 2 (advantages compare a group)"),
+    "max_completion_length": ((lambda v: v >= 1), "--max_completion_length must be >= 1"),
+    "temperature": ((lambda v: v > 0), "--temperature must be > 0"),
+    "top_p": ((lambda v: 0 < v <= 1), "--top_p must be in (0, 1]"),
+    "epsilon": ((lambda v: v >= 0), "--epsilon must be >= 0"),
+    "epsilon_high": ((lambda v: v >= 0), "--epsilon_high must be >= 0"),
+    "num_iterations": ((lambda v: v >= 1), "--num_iterations must be >= 1"),
 }
-GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
-SCALE_REWARDS = ("group", "batch", "none")
-GENERATION_MODES = ("sharded", "gathered")
-SETTING_FLAGS = tuple(sorted({flag for settings in OBJECTIVE_SETTINGS.values() for flag in settings}))
-ROW_KINDS = {"sft": "sft", "kto": "unpaired", "grpo": "prompts"}
-"""What rows an objective reads: supervised examples, unpaired completions with a label (KTO) or, for the others,
-preference pairs; GRPO reads prompts and samples its completions."""
+"""The valid values of the settings, where an objective's spec does not say otherwise (its `ranges`)."""
 
 
 @dataclass
@@ -94,52 +89,39 @@ class ObjectiveConfig:
     def setting(self, name: str) -> Any:
         """A setting of the chosen objective: the flag's value, or its default."""
         value = getattr(self, name)
-        return OBJECTIVE_SETTINGS[self.objective][name] if value is None else value
+        return self.spec.settings[name] if value is None else value
+
+    @property
+    def spec(self) -> ObjectiveSpec:
+        return objective_spec(self.objective)
 
     @property
     def pairs(self) -> bool:
-        """Whether the objective's rows are two sequences each (a pair; KTO: a completion and its KL sequence)."""
-        return self.objective != "sft"
+        """Whether the objective's rows are not plain supervised examples (pairs, labelled completions, prompts)."""
+        return self.spec.pairs
 
     @property
     def rows(self) -> str:
-        """The kind of rows it reads: "sft", "preference" or "unpaired"."""
-        return ROW_KINDS.get(self.objective, "preference")
+        """The kind of rows it reads (ObjectiveSpec.rows)."""
+        return self.spec.rows
+
+
+SETTING_FLAGS = tuple(f.name for f in fields(ObjectiveConfig) if f.name not in ("objective", "precompute_reference"))
+"""The flags that are some objective's own settings."""
 
 
 def with_defaults(settings: dict[str, Any]) -> dict[str, Any]:
     """Recorded flags with the chosen objective's defaults in place of its settings not given (None): a setting left
     at its default equals the same value given (what a resume compares)."""
-    own = OBJECTIVE_SETTINGS.get(settings.get("objective") or "sft", {})
+    try:
+        own = objective_spec(settings.get("objective") or ObjectiveConfig.objective).settings
+    except UserError:  # an objective no longer found: its settings compare as recorded
+        own = {}
     return {flag: own[flag] if value is None and flag in own else value for flag, value in settings.items()}
 
 
 def objective_ranges(cfg: ObjectiveConfig) -> list[str]:
-    """The settings outside their ranges, each with its flag."""
-    grpo = cfg.objective == "grpo"
-
-    def bad(name: str, ok: Callable[[Any], bool]) -> bool:
-        return getattr(cfg, name) is not None and not ok(getattr(cfg, name))
-
-    checks = [
-        (bad("beta", lambda v: v >= 0 if grpo else v > 0), f"--beta must be {'>= 0' if grpo else '> 0'}"),
-        (bad("num_generations", lambda v: v >= 2), "--num_generations must be >= 2 (advantages compare a group)"),
-        (bad("max_completion_length", lambda v: v >= 1), "--max_completion_length must be >= 1"),
-        (bad("temperature", lambda v: v > 0), "--temperature must be > 0"),
-        (bad("top_p", lambda v: 0 < v <= 1), "--top_p must be in (0, 1]"),
-        (bad("epsilon", lambda v: v >= 0), "--epsilon must be >= 0"),
-        (bad("epsilon_high", lambda v: v >= 0), "--epsilon_high must be >= 0"),
-        (bad("loss_type", lambda v: v in GRPO_LOSS_TYPES), f"--loss_type must be one of {', '.join(GRPO_LOSS_TYPES)}"),
-        (bad("scale_rewards", lambda v: v in SCALE_REWARDS),
-         f"--scale_rewards must be one of {', '.join(SCALE_REWARDS)}"),
-        (bad("num_iterations", lambda v: v >= 1), "--num_iterations must be >= 1"),
-        (bad("generation_mode", lambda v: v in GENERATION_MODES),
-         f"--generation_mode must be one of {', '.join(GENERATION_MODES)}"),
-        (grpo and not cfg.reward_funcs, "--objective grpo needs --reward_funcs module.path:function[,...]"),
-        (not 0 <= (cfg.label_smoothing or 0) < 0.5, "--label_smoothing must be in [0, 0.5)"),
-        (cfg.simpo_gamma is not None and not cfg.simpo_gamma >= 0, "--simpo_gamma must be >= 0"),
-        (cfg.orpo_lambda is not None and not cfg.orpo_lambda >= 0, "--orpo_lambda must be >= 0"),
-        (cfg.desirable_weight is not None and not cfg.desirable_weight > 0, "--desirable_weight must be > 0"),
-        (cfg.undesirable_weight is not None and not cfg.undesirable_weight > 0, "--undesirable_weight must be > 0"),
-    ]
-    return [message for bad, message in checks if bad]
+    """The settings given outside their ranges (the chosen objective's, else the shared ones), each with its flag."""
+    ranges = {**SETTING_RANGES, **cfg.spec.ranges}
+    return [message for name, (ok, message) in ranges.items()
+            if getattr(cfg, name) is not None and not ok(getattr(cfg, name))]  # fmt: skip

@@ -15,15 +15,9 @@ from typing import Any, get_type_hints
 
 import yaml
 
-from qlora_fsdp.config.objectives import (
-    OBJECTIVE_SETTINGS,
-    OBJECTIVES,
-    REFERENCE_OBJECTIVES,
-    SETTING_FLAGS,
-    ObjectiveConfig,
-    objective_ranges,
-)
+from qlora_fsdp.config.objectives import SETTING_FLAGS, ObjectiveConfig, objective_ranges
 from qlora_fsdp.errors import UserError
+from qlora_fsdp.objectives.specs import OBJECTIVES, ObjectiveSpec, objective_spec
 
 
 class ConfigError(UserError):
@@ -417,8 +411,16 @@ def check_choices(cfg: TrainConfig) -> list[str]:
         *choice("device", cfg.dist.device, DEVICES),
         *choice("prompt_style", cfg.data.prompt_style, PROMPT_STYLES),
         *choice("nan_policy", cfg.optim.nan_policy, ("stop", "skip")),
-        *choice("objective", cfg.objective.objective, OBJECTIVES),
+        *_objective_choice(cfg.objective.objective),
     ]
+
+
+def _objective_choice(name: str) -> list[str]:
+    try:
+        objective_spec(name)
+    except UserError as exc:
+        return [str(exc)]
+    return []
 
 
 def check_ranges(cfg: TrainConfig) -> list[str]:
@@ -457,7 +459,8 @@ def check_ranges(cfg: TrainConfig) -> list[str]:
         (not cfg.output.output_dir, "--output_dir must not be empty"),
         (cfg.data.max_prompt_length < 0, "--max_prompt_length must be >= 0 (0: no limit of its own)"),
     ]
-    return [message for bad, message in checks if bad] + objective_ranges(cfg.objective)
+    known = _objective(cfg) is not None
+    return [message for bad, message in checks if bad] + (objective_ranges(cfg.objective) if known else [])
 
 
 def _is_step_window(spec: str) -> bool:
@@ -513,26 +516,35 @@ def _check_combinations(cfg: TrainConfig) -> list[str]:
     return problems + _objective_problems(cfg)
 
 
+def _objective(cfg: TrainConfig) -> ObjectiveSpec | None:
+    """The spec --objective names; None where it names none (reported by check_choices)."""
+    try:
+        return objective_spec(cfg.objective.objective)
+    except UserError:
+        return None
+
+
 def _objective_problems(cfg: TrainConfig) -> list[str]:
-    """What the chosen objective refuses: another objective's settings, and what preference pairs cannot do."""
-    name = cfg.objective.objective
-    if name not in OBJECTIVE_SETTINGS:
-        return []  # reported by _check_choices
-    own = OBJECTIVE_SETTINGS[name]
+    """What the chosen objective refuses: another objective's settings, what rows other than supervised examples
+    cannot do, and the objective's own checks."""
+    spec = _objective(cfg)
+    if spec is None:
+        return []
+    name, own = spec.name, spec.settings
     problems = [
         f"--{flag} does not apply to --objective {name}" + (f" (its settings: {', '.join('--' + f for f in own)})"
                                                             if own else "")
         for flag in SETTING_FLAGS
         if getattr(cfg.objective, flag) is not None and flag not in own
     ]  # fmt: skip
-    grpo = name == "grpo"
-    reference = name in REFERENCE_OBJECTIVES or (grpo and bool(cfg.objective.setting("beta")))
-    if cfg.objective.precompute_reference and name not in REFERENCE_OBJECTIVES:
-        problems.append(f"--precompute_reference applies to dpo, ipo and kto, whose rows are fixed; {name} has none")
-    if not cfg.objective.pairs:
+    reference = spec.needs_reference(cfg.objective.setting)
+    if cfg.objective.precompute_reference and not spec.reference:
+        fixed = ", ".join(n for n, other in OBJECTIVES.items() if other.reference)
+        problems.append(f"--precompute_reference applies to {fixed}, whose rows are fixed; {name} has none")
+    if not spec.pairs:
         if cfg.data.max_prompt_length:
-            problems.append("--max_prompt_length cuts preference pairs' prompts; --objective sft has none")
-        return problems
+            problems.append(f"--max_prompt_length cuts preference pairs' prompts; --objective {name} has none")
+        return problems + spec.problems(cfg)
     for bad, why in (
         (cfg.data.packing, "--packing (its rows are never packed): drop it"),
         (cfg.data.dataset_streaming, "--dataset_streaming (its rows are read whole before training): drop it"),
@@ -546,24 +558,10 @@ def _objective_problems(cfg: TrainConfig) -> list[str]:
             f"--train_type {cfg.lora.train_type}: the reference is the model with its adapters off, so it needs "
             "--train_type lora or dora (orpo, simpo and grpo with --beta 0 need no reference)",
         ),
-        (grpo and cfg.fsdp.sequence_parallel_size > 1, "--sequence_parallel_size above 1 (not yet): drop it"),
-        (grpo and cfg.data.group_by_length, "--group_by_length (prompts are sampled from, not grouped): drop it"),
-        (grpo and cfg.objective.setting("generation_mode") == "gathered" and cfg.fsdp.fsdp_version == 1,
-         "--generation_mode gathered with --fsdp_version 1 (FSDP1 cannot run a forward on gathered weights): use "
-         "--fsdp_version 2 or --generation_mode sharded"),
-        (grpo and cfg.fsdp.compile, "--compile (sampling decodes one token at a time; not yet): drop it"),
-        (grpo and cfg.objective.setting("scale_rewards") == "batch" and cfg.optim.gradient_accumulation_steps > 1,
-         "--scale_rewards batch with --gradient_accumulation_steps above 1 (each micro-batch is its own "
-         "generation here, TRL's spans the step): use group or none, or one micro-batch a step"),
-        (grpo and cfg.data.context_length <= cfg.objective.setting("max_completion_length"),
-         f"--context_length {cfg.data.context_length}: a prompt and its completion share it, so it must exceed "
-         "--max_completion_length"),
-        (grpo and bool(cfg.eval.eval_dataset or cfg.eval.eval_split),
-         "--eval_dataset or --eval_split (evaluating by sampling is not built yet): drop it"),
-    ):  # fmt: skip
+    ):
         if bad:
             problems.append(f"--objective {name} cannot take {why}")
-    return problems
+    return problems + spec.problems(cfg)
 
 
 def replace(cfg: TrainConfig, **flags: Any) -> TrainConfig:

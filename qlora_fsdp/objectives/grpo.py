@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,14 +41,18 @@ import torch.distributed as dist
 from torch import nn
 
 from qlora_fsdp.data import IGNORE_INDEX, target_mask
-from qlora_fsdp.data.prompts import PROMPT_INDEX, Prompt
+from qlora_fsdp.data.formats import pad_token_id
+from qlora_fsdp.data.prompts import PROMPT_INDEX, Prompt, prompt_loader
 from qlora_fsdp.data.rows import collate
+from qlora_fsdp.errors import UserError
 from qlora_fsdp.objectives.base import Forward, Objective
 from qlora_fsdp.objectives.reference import reference_logps
-from qlora_fsdp.objectives.rewards import Reward, score
+from qlora_fsdp.objectives.rewards import Reward, load_rewards, score
 from qlora_fsdp.objectives.sampling import sample
+from qlora_fsdp.objectives.setup import ObjectiveRun, Setting, Setup, Trainee
+from qlora_fsdp.objectives.specs import GRPO_LOSS_TYPES, ObjectiveSpec
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
+COMPLETIONS_FILE = "completions.jsonl"
 ADVANTAGES, OLD_LOGPS, REF_LOGPS = "advantages", "old_logps", "ref_logps"
 """A batch's keys: [rows] advantages; [rows, width - 1] per-token log-probs aligned with labels[:, 1:]."""
 REWARDS, TRUNCATED, ZERO_STD, SAMPLING_S, ENTROPY = "rewards", "truncated", "zero_std", "sampling_s", "entropy"
@@ -104,7 +110,7 @@ class GrpoObjective(Objective):
     def __init__(self, forward: Forward, *, loss_type: str, beta: float, epsilon: float, epsilon_high: float,
                  max_completion_length: int, temperature: float = 1.0,
                  rollout: Rollout | None = None) -> None:  # fmt: skip
-        if loss_type not in LOSS_TYPES:
+        if loss_type not in GRPO_LOSS_TYPES:
             raise ValueError(f"unknown GRPO loss type {loss_type!r}")
         self.forward, self.loss_type, self.beta = forward, loss_type, beta
         self.epsilon, self.epsilon_high, self.max_completion_length = epsilon, epsilon_high, max_completion_length
@@ -353,3 +359,75 @@ def _seed(seed: int, step: int, prompt: int, k: int) -> int:
     """The generator seed of the k-th completion of a prompt (its dataset index) at a step."""
     digest = hashlib.blake2b(f"{seed}:{step}:{prompt}:{k}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
+
+
+class GrpoRun(ObjectiveRun):
+    """Prompts instead of rows, reward functions found before the model loads, and a rollout that samples through
+    the sharded model."""
+
+    def __init__(self, spec: ObjectiveSpec, setup: Setup) -> None:
+        super().__init__(spec, setup)
+        setting = setup.objective.setting
+        self.rewards = load_rewards(setting("reward_funcs"), setting("reward_weights"))
+        if setup.images is not None:
+            raise UserError(f"--objective {spec.name} does not train vision-language models yet")
+
+    @classmethod
+    def build(cls, setting: Setting, forward: Forward, *, rollout: Rollout | None = None, **_: object) -> Objective:
+        epsilon, high = setting("epsilon"), setting("epsilon_high")
+        return GrpoObjective(forward, loss_type=setting("loss_type"), beta=setting("beta"), epsilon=epsilon,
+                             epsilon_high=epsilon if high is None else high,
+                             max_completion_length=setting("max_completion_length"),
+                             temperature=setting("temperature"), rollout=rollout)  # fmt: skip
+
+    def loaders(self) -> tuple[Any, None]:
+        s, setting = self.setup, self.setup.objective.setting
+        loader = prompt_loader(s.data, s.tokenizer, s.env, seed=s.seed, accumulation=s.accumulation,
+                               num_generations=setting("num_generations"),
+                               max_completion_length=setting("max_completion_length"),
+                               num_iterations=setting("num_iterations"))  # fmt: skip
+        return loader, None
+
+    def objective(self, trainee: Trainee, *, training: bool) -> Objective:
+        rollout = self._rollout(trainee) if training else None
+        return self.build(self.setup.objective.setting, trainee.forward, rollout=rollout)
+
+    def _rollout(self, trainee: Trainee) -> Rollout:
+        """The sampling settings; a completion ends at the tokenizer's eos or any the model's generation config
+        names (a chat model's end of turn)."""
+        from transformers import GenerationConfig
+
+        s, setting = self.setup, self.setup.objective.setting
+        ends = {s.tokenizer.eos_token_id}
+        try:
+            configured = GenerationConfig.from_pretrained(s.model_path).eos_token_id
+        except OSError:  # no generation_config.json
+            configured = None
+        ends |= set(configured if isinstance(configured, list) else [] if configured is None else [configured])
+        log = CompletionLog(s.output_dir, resume_step=trainee.resume_step) if s.env.is_main else None
+        gathered = trainee.model.gathered if setting("generation_mode") == "gathered" else None
+        return Rollout(prompts=trainee.loader.dataset.prompts, rewards=self.rewards, tokenizer=s.tokenizer,
+                       end_ids=ends - {None}, pad_id=pad_token_id(s.tokenizer),
+                       num_generations=setting("num_generations"),
+                       max_completion_length=setting("max_completion_length"), context_length=s.data.context_length,
+                       seed=s.seed, temperature=setting("temperature"), top_p=setting("top_p"),
+                       scale_rewards=setting("scale_rewards"), num_iterations=setting("num_iterations"),
+                       on_samples=log, gathered=gathered)  # fmt: skip
+
+
+class CompletionLog:
+    """OUTPUT_DIR/completions.jsonl: a group of completions sampled in each micro-batch, with its prompt and
+    rewards, a line each; as with metrics.jsonl, a resumed run keeps the lines up to its checkpoint's step."""
+
+    def __init__(self, output_dir: Path, *, resume_step: int | None) -> None:
+        self.path = output_dir / COMPLETIONS_FILE
+        kept = []
+        if resume_step is not None and self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line)["step"] <= resume_step]  # fmt: skip
+        output_dir.mkdir(parents=True, exist_ok=True)
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+    def __call__(self, step: int, records: list[dict[str, Any]]) -> None:
+        with open(self.path, "a") as fh:
+            fh.writelines(json.dumps({"step": step, **record}) + "\n" for record in records)

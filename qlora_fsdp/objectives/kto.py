@@ -24,6 +24,7 @@ from qlora_fsdp.data.rows import DESIRABLE
 from qlora_fsdp.objectives.base import Forward, Objective
 from qlora_fsdp.objectives.preference import reply_tokens
 from qlora_fsdp.objectives.reference import ReferenceLookup, reference_logps
+from qlora_fsdp.objectives.setup import ReferenceRun, Setting
 
 _SUMS = ("rewards/chosen", "logps/chosen", "rows/chosen", "rewards/rejected", "logps/rejected", "rows/rejected", "kl")
 
@@ -84,3 +85,11 @@ class KtoObjective(Objective):
 def _rows_present(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Which rows have a completion to learn: an evaluation shard's padding row has none."""
     return reply_tokens(batch).chunk(2)[0] > 0
+
+
+class KtoRun(ReferenceRun):
+    @classmethod
+    def build(cls, setting: Setting, forward: Forward, *, reference: ReferenceLookup | None = None,
+              **_: object) -> Objective:  # fmt: skip
+        return KtoObjective(forward, beta=setting("beta"), desirable_weight=setting("desirable_weight"),
+                            undesirable_weight=setting("undesirable_weight"), reference=reference)  # fmt: skip

@@ -25,6 +25,7 @@ from torch import nn
 from qlora_fsdp.data import target_mask
 from qlora_fsdp.objectives.base import Forward, Objective
 from qlora_fsdp.objectives.reference import ReferenceLookup, reference_logps
+from qlora_fsdp.objectives.setup import ObjectiveRun, ReferenceRun, Setting
 from qlora_fsdp.parallel.sequence_parallel import ROW_LABEL_TOKENS
 
 PairLosses = tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, list[torch.Tensor]]
@@ -184,3 +185,31 @@ def reply_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
 def _pairs_present(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Which pairs have labels: an evaluation shard's padding pair has none."""
     return reply_tokens(batch).chunk(2)[0] > 0
+
+
+class DpoRun(ReferenceRun):
+    @classmethod
+    def build(cls, setting: Setting, forward: Forward, *, reference: ReferenceLookup | None = None,
+              **_: object) -> Objective:  # fmt: skip
+        return DpoObjective(forward, beta=setting("beta"), label_smoothing=setting("label_smoothing"),
+                            reference=reference)  # fmt: skip
+
+
+class IpoRun(ReferenceRun):
+    @classmethod
+    def build(cls, setting: Setting, forward: Forward, *, reference: ReferenceLookup | None = None,
+              **_: object) -> Objective:  # fmt: skip
+        return IpoObjective(forward, beta=setting("beta"), reference=reference)
+
+
+class OrpoRun(ObjectiveRun):
+    @classmethod
+    def build(cls, setting: Setting, forward: Forward, **_: object) -> Objective:
+        return OrpoObjective(forward, lam=setting("orpo_lambda"))
+
+
+class SimpoRun(ObjectiveRun):
+    @classmethod
+    def build(cls, setting: Setting, forward: Forward, **_: object) -> Objective:
+        return SimpoObjective(forward, beta=setting("beta"), gamma=setting("simpo_gamma"),
+                              label_smoothing=setting("label_smoothing"))  # fmt: skip

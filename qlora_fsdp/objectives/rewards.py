@@ -13,21 +13,17 @@ rank that stopped alone would leave the others waiting in the next collective.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import inspect
 import math
-import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from qlora_fsdp.errors import UserError
+from qlora_fsdp.objectives.user_code import load_object
 
 RewardFunc = Callable[..., list[float | None]]
 
@@ -61,44 +57,14 @@ def load_rewards(spec: str, weights: str = "") -> list[Reward]:
 
 
 def _load(entry: str) -> RewardFunc:
+    func = load_object(entry, flag="--reward_funcs", kind="function")
     where, _, name = entry.rpartition(":")
-    if not where or not name:
-        raise UserError(f"--reward_funcs {entry}: expected module.path:function or path/to/file.py:function")
-    try:
-        module = _module(where)
-    except UserError:
-        raise
-    except Exception as exc:  # whatever the module's own code raises while it is imported
-        raise UserError(f"--reward_funcs {entry}: {where} does not import ({type(exc).__name__}: {exc})") from None
-    func = getattr(module, name, None)
-    if func is None:
-        raise UserError(f"--reward_funcs {entry}: {where} has no function {name!r}")
     if not callable(func):
         raise UserError(f"--reward_funcs {entry}: {where}.{name} is a {type(func).__name__}, not a function")
     if inspect.iscoroutinefunction(func):
         raise UserError(f"--reward_funcs {entry}: an async function; rewards are computed synchronously here, so "
                         "make it a plain function")  # fmt: skip
     return func
-
-
-def _module(where: str) -> Any:
-    if where.endswith(".py"):
-        path = Path(where).expanduser()
-        if not path.is_file():
-            raise UserError(f"--reward_funcs {where}: no such file")
-        spec = importlib.util.spec_from_file_location(f"qlora_fsdp_rewards_{path.stem}", path)
-        module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-        spec.loader.exec_module(module)  # type: ignore[union-attr]
-        return module
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        return importlib.import_module(where)
-    except ModuleNotFoundError as exc:
-        if exc.name and where.startswith(exc.name):
-            raise UserError(f"--reward_funcs: no module {where!r} (run from the directory that holds it, or give "
-                            "its file: path/to/file.py:function)") from None  # fmt: skip
-        raise
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ from torch import nn
 
 from qlora_fsdp.data import target_mask
 from qlora_fsdp.objectives.base import Forward, Objective
+from qlora_fsdp.objectives.setup import ObjectiveRun, Setting
 
 
 class SftObjective(Objective):
@@ -21,3 +22,9 @@ class SftObjective(Objective):
     def loss_sum(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         loss = self.forward(model, batch)
         return loss.reshape(1), torch.zeros(0, dtype=torch.float64, device=loss.device)
+
+
+class SftRun(ObjectiveRun):
+    @classmethod
+    def build(cls, setting: Setting, forward: Forward, **_: object) -> Objective:
+        return SftObjective(forward)

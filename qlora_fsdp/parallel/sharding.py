@@ -22,7 +22,7 @@ from torch import nn
 
 from qlora_fsdp.compat import checkpoint_unwrapped, checkpoint_wrapped
 from qlora_fsdp.config.options import FSDPConfig
-from qlora_fsdp.errors import UserError
+from qlora_fsdp.errors import InternalError
 from qlora_fsdp.parallel.distributed import DistEnv
 from qlora_fsdp.parallel.precision import Precision
 from qlora_fsdp.quant.base import QuantizedLinear
@@ -217,7 +217,7 @@ def _check_same_on_every_rank(reference: dict[int, tuple[str, tuple]], env: Dist
     dist.all_gather_object(everyone, mine)
     differ = [rank for rank, value in enumerate(everyone) if value != everyone[0]]
     if differ:
-        raise UserError(
+        raise InternalError(
             f"rank {differ[0]} quantized the model into other bytes than rank 0: the quantization kernel is not "
             "deterministic on this device; report it with your flags and versions"
         )
@@ -250,7 +250,7 @@ def _check_packed(module: QuantizedLinear, args: tuple, *, name: str, expected: 
         )
 
 
-class PackedWeightsChanged(UserError):
+class PackedWeightsChanged(InternalError):
     """A quantized layer's bytes differ from what loading produced (see verify_packed)."""
 
 

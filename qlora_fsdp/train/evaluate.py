@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-from qlora_fsdp.objectives import Objective, combined_loss
+from qlora_fsdp.objectives.base import Objective, combined_loss
 
 
 @dataclass(frozen=True)

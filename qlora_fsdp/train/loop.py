@@ -20,18 +20,14 @@ from qlora_fsdp.checkpoint.dcp import TrainState
 from qlora_fsdp.compat import dump_cuda_memory_snapshot, start_cuda_memory_history
 from qlora_fsdp.config.options import OptimConfig, OutputConfig, profile_window
 from qlora_fsdp.data import target_mask
-from qlora_fsdp.errors import UserError
-from qlora_fsdp.objectives import Objective, combined_loss
+from qlora_fsdp.errors import TrainingStopped
+from qlora_fsdp.objectives.base import Objective, combined_loss
 from qlora_fsdp.objectives.loss import RouterLoss
 from qlora_fsdp.parallel.distributed import DistEnv, gather_ints
 from qlora_fsdp.parallel.sharding import ShardedModel
 from qlora_fsdp.train.metrics import MetricsLogger, peak_memory_bytes
 
 log = logging.getLogger(__name__)
-
-
-class TrainingStopped(UserError):
-    """Training cannot go on (a non-finite loss, say); the message names the step and what to change."""
 
 
 @dataclass

@@ -19,7 +19,6 @@ import torch
 from qlora_fsdp.config.options import OutputConfig
 
 METRICS_FILE = "metrics.jsonl"
-COMPLETIONS_FILE = "completions.jsonl"
 WANDB_ID_FILE = "wandb_run_id.txt"
 
 
@@ -61,6 +60,7 @@ class MetricsLogger:
         self.is_main = is_main
         self.log_to = cfg.log_to
         self._bar = None
+        self._progress: tuple[int, int] | None = None  # (total, initial) of the bar start_progress() opens
         self._wandb = None
         self._file = None
         if not is_main:
@@ -72,9 +72,7 @@ class MetricsLogger:
         for record in kept:
             self._file.write(json.dumps(record) + "\n")
         if cfg.log_to in ("tqdm", "wandb"):
-            from tqdm.auto import tqdm
-
-            self._bar = tqdm(total=total_steps, initial=resume_step or 0, desc="train", dynamic_ncols=True)
+            self._progress = (total_steps, resume_step or 0)
         if cfg.log_to == "wandb":
             import wandb
 
@@ -96,9 +94,21 @@ class MetricsLogger:
                 resume="allow",
             )
 
+    def start_progress(self) -> None:
+        """Open the progress bar (tqdm, wandb): once the start-up lines are out, so that none is written through it.
+        The first step's record opens it if nothing did before."""
+        if self._progress is None:
+            return
+        from tqdm.auto import tqdm
+
+        total, initial = self._progress
+        self._progress = None
+        self._bar = tqdm(total=total, initial=initial, desc="train", dynamic_ncols=True)
+
     def log(self, record: dict[str, Any]) -> None:
         if not self.is_main:
             return
+        self.start_progress()
         self._file.write(json.dumps(record) + "\n")
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
@@ -107,6 +117,9 @@ class MetricsLogger:
                 loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}", tok_s=f"{record['tokens_per_s']:.0f}"
             )
             self._bar.update(1)
+            if self._bar.n >= self._bar.total:  # finished: the lines after training follow the bar, not go through it
+                self._bar.close()
+                self._bar = None
         elif self.log_to == "stdout":
             accuracy = record.get("rewards/accuracies")
             accuracy = "" if accuracy is None else f" rewards/accuracies {accuracy:.3f}"
@@ -144,24 +157,6 @@ class MetricsLogger:
         if self._file is not None:
             self._file.close()
         self._bar = self._wandb = self._file = None
-
-
-class CompletionLog:
-    """OUTPUT_DIR/completions.jsonl (GRPO): a group of completions sampled in each micro-batch, with its prompt and
-    rewards, a line each; as with metrics.jsonl, a resumed run keeps the lines up to its checkpoint's step."""
-
-    def __init__(self, output_dir: Path, *, resume_step: int | None) -> None:
-        self.path = output_dir / COMPLETIONS_FILE
-        kept = []
-        if resume_step is not None and self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] <= resume_step]  # fmt: skip
-        output_dir.mkdir(parents=True, exist_ok=True)
-        self.path.write_text("".join(line + "\n" for line in kept))
-
-    def __call__(self, step: int, records: list[dict[str, Any]]) -> None:
-        with open(self.path, "a") as fh:
-            fh.writelines(json.dumps({"step": step, **record}) + "\n" for record in records)
 
 
 def read_metrics(output_dir: str | os.PathLike) -> list[dict[str, Any]]:

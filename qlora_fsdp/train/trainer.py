@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -37,11 +36,8 @@ from qlora_fsdp.checkpoint.resume_rules import (
     unrecorded_message,
 )
 from qlora_fsdp.config.options import OptimConfig, OutputConfig, TrainConfig
-from qlora_fsdp.data.formats import pad_token_id
 from qlora_fsdp.data.images import load_image_inputs
-from qlora_fsdp.data.loader import build_loaders
-from qlora_fsdp.data.prompts import Prompt, prompt_loader
-from qlora_fsdp.errors import UserError
+from qlora_fsdp.errors import TrainingStopped, UserError
 from qlora_fsdp.model.attention import FLASH_ATTENTION, attention_implementation
 from qlora_fsdp.model.hub import load_tokenizer, model_identity, resolve_model_path
 from qlora_fsdp.model.lora import (
@@ -54,11 +50,9 @@ from qlora_fsdp.model.lora import (
 )
 from qlora_fsdp.model.skeleton import build_skeleton, expanded_layer_prefixes
 from qlora_fsdp.model.streaming import stream_weights
-from qlora_fsdp.objectives import Forward, make_objective
-from qlora_fsdp.objectives.grpo import Rollout
+from qlora_fsdp.objectives.base import Forward
 from qlora_fsdp.objectives.loss import CausalLMLoss, RouterLoss, router_loss
-from qlora_fsdp.objectives.reference import REFERENCE_FILE, reference_table
-from qlora_fsdp.objectives.rewards import Reward, load_rewards
+from qlora_fsdp.objectives.setup import Setup, Trainee, start
 from qlora_fsdp.parallel.distributed import DistEnv, broadcast_object, gather_ints, init_distributed, teardown
 from qlora_fsdp.parallel.precision import PRECISIONS, Precision, quant_compute_dtype
 from qlora_fsdp.parallel.sequence_parallel import check_heads, enable, sequence_groups, split_rows
@@ -67,8 +61,8 @@ from qlora_fsdp.parallel.tiled_mlp import tile_mlps
 from qlora_fsdp.quant import make_backend
 from qlora_fsdp.quant.base import QuantizedLinear
 from qlora_fsdp.train.evaluate import evaluate
-from qlora_fsdp.train.loop import Events, Step, TrainingStopped, TrainResult, make_profiler, preemption_flag, train_loop
-from qlora_fsdp.train.metrics import METRICS_FILE, CompletionLog, MetricsLogger
+from qlora_fsdp.train.loop import Events, Step, TrainResult, make_profiler, preemption_flag, train_loop
+from qlora_fsdp.train.metrics import METRICS_FILE, MetricsLogger
 from qlora_fsdp.train.optim import build_optimizer, build_scheduler
 
 log = logging.getLogger(__name__)
@@ -230,30 +224,13 @@ def _run(
     tokenizer = load_tokenizer(model_path)
     images = load_image_inputs(model_path, trust_remote_code=cfg.model.trust_remote_code)
     sequence = sequence_groups(env)
-    grpo = cfg.objective.rows == "prompts"
-    if grpo:
-        rewards = load_rewards(cfg.objective.setting("reward_funcs"), cfg.objective.setting("reward_weights"))
-        if images is not None:
-            raise UserError("--objective grpo does not train vision-language models yet")
-        loader = prompt_loader(cfg.data, tokenizer, env, seed=cfg.optim.seed,
-                               accumulation=cfg.optim.gradient_accumulation_steps,
-                               num_generations=cfg.objective.setting("num_generations"),
-                               max_completion_length=cfg.objective.setting("max_completion_length"),
-                               num_iterations=cfg.objective.setting("num_iterations"))  # fmt: skip
-        eval_loader = None
-    else:
-        loader, eval_loader = build_loaders(
-            cfg.data,
-            cfg.eval,
-            tokenizer,
-            env,
-            seed=cfg.optim.seed,
-            fixed_shapes=cfg.fsdp.compile,
-            kind=cfg.objective.rows,
-            accumulation=cfg.optim.gradient_accumulation_steps,
-            split=None if sequence is None else functools.partial(split_rows, size=sequence.size, index=sequence.index),
-            images=images,
-        )
+    run_objective = start(Setup(
+        objective=cfg.objective, data=cfg.data, eval=cfg.eval, tokenizer=tokenizer, env=env, seed=cfg.optim.seed,
+        accumulation=cfg.optim.gradient_accumulation_steps, model_path=model_path,
+        output_dir=Path(cfg.output.output_dir), images=images, fixed_shapes=cfg.fsdp.compile,
+        split=None if sequence is None else functools.partial(split_rows, size=sequence.size, index=sequence.index),
+    ))  # fmt: skip
+    loader, eval_loader = run_objective.loaders()
     attention = attention_implementation(packing=cfg.data.packing, device=env.device, dtype=precision.compute_dtype)
     varlen = attention == FLASH_ATTENTION and sequence is None
     built = _build_model(cfg, env, model_path, precision, attention=attention)
@@ -301,31 +278,13 @@ def _run(
     logger.message(f"resident parameter bytes per rank after sharding: {param_bytes}")
 
     forward = Forward(env.device, precision, varlen=varlen, sequence=sequence)
-    unit = "rows" if cfg.objective.rows == "unpaired" else "pairs"  # what the preference objectives count
-    reference = None
-    if cfg.objective.precompute_reference:
-        started = time.perf_counter()
-        table, reused = reference_table(
-            built.model.module, loader.dataset, forward=forward, env=env, path=output_dir / REFERENCE_FILE,
-            reuse=resume is not None, make_loader=lambda rows: DataLoader(
-                # Its own generator: drawing the iterator's seed from the global one would shift dropout masks.
-                rows, batch_size=cfg.data.batch_size, collate_fn=loader.collate_fn, generator=torch.Generator(),
-            ),
-        )  # fmt: skip
-        how = "read back from" if reused else f"computed in {time.perf_counter() - started:.1f}s and saved to"
-        logger.message(f"reference log-probs of {len(loader.dataset)} {unit} {how} {output_dir / REFERENCE_FILE}")
-        reference = table.__getitem__
-    rollout = None
-    if grpo:
-        log_samples = CompletionLog(output_dir, resume_step=state.step if resume else None) if env.is_main else None
-        gathered = built.model.gathered if cfg.objective.setting("generation_mode") == "gathered" else None
-        rollout = _rollout(cfg, loader.dataset.prompts, rewards, tokenizer, model_path, on_samples=log_samples,
-                           gathered=gathered)  # fmt: skip
-    objective = make_objective(cfg.objective, forward, reference=reference, rollout=rollout)
+    trainee = Trainee(model=built.model, forward=forward, loader=loader,
+                      resume_step=state.step if resume is not None else None, report=logger.message)  # fmt: skip
+    objective = run_objective.objective(trainee, training=True)
     if resume is not None:
         objective.load_state_dict(read_objective_state(resume, env), step=state.step)
-    # The table holds the training pairs only: evaluation runs its reference forward itself.
-    eval_objective = make_objective(cfg.objective, forward)
+    eval_objective = run_objective.objective(trainee, training=False)
+    unit = run_objective.spec.unit
 
     checkpointer = Checkpointer(
         model=built.model, optimizer=optimizer, scaler=scaler,
@@ -365,6 +324,7 @@ def _run(
         activation_offload=cfg.fsdp.activation_offload,
         router=built.router,
     )
+    logger.start_progress()  # the bar starts below the start-up lines
     try:
         with preemption_flag() as preempted:
             events = Events(
@@ -396,28 +356,6 @@ def _run(
             profiler.close()
         logger.close()
     return result
-
-
-def _rollout(cfg: TrainConfig, prompts: list[Prompt], rewards: list[Reward], tokenizer: Any, model_path: Path, *,
-             on_samples: Callable[[int, list[dict[str, Any]]], None] | None,
-             gathered: Callable[[], contextlib.AbstractContextManager] | None) -> Rollout:  # fmt: skip
-    """GRPO's sampling settings; a completion ends at the tokenizer's eos or any the model's generation config
-    names (a chat model's end of turn)."""
-    from transformers import GenerationConfig
-
-    ends = {tokenizer.eos_token_id}
-    try:
-        configured = GenerationConfig.from_pretrained(model_path).eos_token_id
-    except OSError:  # no generation_config.json
-        configured = None
-    ends |= set(configured if isinstance(configured, list) else [] if configured is None else [configured])
-    setting = cfg.objective.setting
-    return Rollout(prompts=prompts, rewards=rewards, tokenizer=tokenizer, end_ids=ends - {None},
-                   pad_id=pad_token_id(tokenizer), num_generations=setting("num_generations"),
-                   max_completion_length=setting("max_completion_length"), context_length=cfg.data.context_length,
-                   seed=cfg.optim.seed, temperature=setting("temperature"), top_p=setting("top_p"),
-                   scale_rewards=setting("scale_rewards"), num_iterations=setting("num_iterations"),
-                   on_samples=on_samples, gathered=gathered)  # fmt: skip
 
 
 def _build_model(cfg: TrainConfig, env: DistEnv, model_path: Path, precision: Precision, *, attention: str) -> _Built:

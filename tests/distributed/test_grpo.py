@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from qlora_fsdp.train.metrics import COMPLETIONS_FILE, read_metrics
+from qlora_fsdp.objectives.grpo import COMPLETIONS_FILE
+from qlora_fsdp.train.metrics import read_metrics
 from tests.conftest import DATASET, REPO_ROOT, launch, stopped_at, train
 
 pytestmark = pytest.mark.distributed

@@ -18,7 +18,7 @@ from torch import nn
 from qlora_fsdp.data import IGNORE_INDEX
 from qlora_fsdp.data.loader import EvalShard
 from qlora_fsdp.data.rows import collate
-from qlora_fsdp.objectives import Objective
+from qlora_fsdp.objectives.base import Objective
 from qlora_fsdp.parallel.distributed import DistEnv
 from qlora_fsdp.train.evaluate import evaluate
 

@@ -24,8 +24,9 @@ from trl import GRPOConfig, GRPOTrainer
 
 from qlora_fsdp.data import IGNORE_INDEX
 from qlora_fsdp.data.rows import collate
-from qlora_fsdp.objectives.grpo import ADVANTAGES, LOSS_TYPES, OLD_LOGPS, GrpoObjective
+from qlora_fsdp.objectives.grpo import ADVANTAGES, OLD_LOGPS, GrpoObjective
 from qlora_fsdp.objectives.loss import CausalLMLoss
+from qlora_fsdp.objectives.specs import GRPO_LOSS_TYPES as LOSS_TYPES
 from tests.unit.test_preference_trl import FP32, PAD, TOL, _grad, _lora_params, _ours, _perturb, _rel
 
 # (prompt, completion) lengths: the widths differ on both sides.

@@ -23,9 +23,9 @@ from trl.trainer.kto_trainer import DataCollatorForUnpairedPreference
 from qlora_fsdp.config.options import ObjectiveConfig
 from qlora_fsdp.data import IGNORE_INDEX
 from qlora_fsdp.data.rows import UnpairedRows, collate
-from qlora_fsdp.objectives import make_objective
 from qlora_fsdp.objectives.kto import KtoObjective
 from qlora_fsdp.objectives.loss import CausalLMLoss
+from qlora_fsdp.objectives.setup import make_objective
 from tests.unit.test_preference_trl import FP32, PAD, TOL, _assert_metrics, _grad, _last, _lora_params, _ours, _rel
 from tests.unit.test_preference_trl import _trainer as trl_trainer
 

@@ -15,8 +15,9 @@ from transformers import AutoModelForCausalLM
 from qlora_fsdp.config.options import ObjectiveConfig
 from qlora_fsdp.data import IGNORE_INDEX
 from qlora_fsdp.data.rows import collate
-from qlora_fsdp.objectives import Forward, combined_loss, make_objective
+from qlora_fsdp.objectives.base import Forward, combined_loss
 from qlora_fsdp.objectives.loss import CausalLMLoss
+from qlora_fsdp.objectives.setup import make_objective
 from qlora_fsdp.parallel.precision import PRECISIONS
 
 
@@ -135,9 +136,9 @@ def test_log1mexp_has_finite_gradients_up_to_certainty() -> None:
 
 
 def test_every_objective_the_config_accepts_is_built() -> None:
-    """OBJECTIVES (what --objective accepts) and make_objective stay in step: each name builds its objective."""
-    from qlora_fsdp.config.objectives import OBJECTIVES
-    from qlora_fsdp.objectives import Objective
+    """Each built-in spec's run class builds an objective of its own."""
+    from qlora_fsdp.objectives.base import Objective
+    from qlora_fsdp.objectives.specs import OBJECTIVES
 
     forward = Forward(torch.device("cpu"), PRECISIONS["fp32"])
     built = {name: make_objective(ObjectiveConfig(objective=name), forward) for name in OBJECTIVES}

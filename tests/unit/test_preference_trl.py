@@ -33,9 +33,10 @@ from trl.trainer.dpo_trainer import DataCollatorForPreference
 from qlora_fsdp.config.options import ObjectiveConfig
 from qlora_fsdp.data import IGNORE_INDEX
 from qlora_fsdp.data.rows import collate
-from qlora_fsdp.objectives import Forward, PreferenceObjective, combined_loss, make_objective
+from qlora_fsdp.objectives.base import Forward, combined_loss
 from qlora_fsdp.objectives.loss import CausalLMLoss
-from qlora_fsdp.objectives.preference import DpoObjective
+from qlora_fsdp.objectives.preference import DpoObjective, PreferenceObjective
+from qlora_fsdp.objectives.setup import make_objective
 from qlora_fsdp.parallel.precision import PRECISIONS
 
 CPU = torch.device("cpu")
