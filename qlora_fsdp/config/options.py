@@ -10,13 +10,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import types
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
-from typing import Any, get_type_hints
+from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 import yaml
 
 from qlora_fsdp.config.objectives import SETTING_FLAGS, ObjectiveConfig, objective_ranges
-from qlora_fsdp.errors import UserError
+from qlora_fsdp.errors import InternalError, UserError
 from qlora_fsdp.objectives.specs import OBJECTIVES, ObjectiveSpec, objective_spec
 
 
@@ -24,19 +25,18 @@ class ConfigError(UserError):
     """One or more invalid options; the message lists each with the flag that fixes it."""
 
 
-QUANT_BACKENDS = ("bnb", "hqq", "none")  # kept in step with qlora_fsdp/quant/ by a unit test
-TRAIN_TYPES = ("lora", "dora", "full", "llama_pro")
-PRECISIONS = ("bf16", "fp32", "fp16_autocast", "bf16_autocast", "bf16_buffers_autocast", "mp_bf16")
-FSDP_VERSIONS = (1, 2)
-PACKED_LAYOUTS = ("auto", "uint8", "float")
-SHARDING_STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2")
-SCHEDULERS = ("constant", "linear", "cosine")
-OPTIMIZERS = ("adamw", "adam", "sgd", "adadelta")
-HQQ_BITS = (1, 2, 3, 4, 8)
-LOG_TARGETS = ("tqdm", "stdout", "wandb")
-DEVICES = ("auto", "cpu", "cuda")
-PROMPT_STYLES = ("alpaca", "guanaco", "qna", "chat")  # kept in step with qlora_fsdp.data by a unit test
-COMPUTE_DTYPES = ("auto", "bf16", "fp16", "fp32")
+# The values of the choices that a registry elsewhere implements, each listed here once; the registry checks at
+# import that it implements exactly these (check_registry). The other choices are Literal types on their field.
+QuantName = Literal["bnb", "hqq", "none"]
+"""qlora_fsdp.quant.BACKENDS, and none."""
+PrecisionName = Literal["bf16", "fp32", "fp16_autocast", "bf16_autocast", "bf16_buffers_autocast", "mp_bf16"]
+"""qlora_fsdp.parallel.precision.PRECISIONS."""
+OptimizerName = Literal["adamw", "adam", "sgd", "adadelta"]
+"""qlora_fsdp.train.optim.OPTIMIZERS."""
+SchedulerName = Literal["constant", "linear", "cosine"]
+"""qlora_fsdp.train.optim.DECAYS."""
+PromptStyle = Literal["alpaca", "guanaco", "qna", "chat"]
+"""qlora_fsdp.data.formats.PROMPT_STYLES."""
 
 
 @dataclass
@@ -59,23 +59,23 @@ class ModelConfig:
 
 @dataclass
 class QuantConfig:
-    quant: str = "bnb"
+    quant: QuantName = "bnb"
     """Quantization backend for the base linear layers: bnb (bitsandbytes 4-bit), hqq, or none."""
-    bnb_quant_type: str = "nf4"
+    bnb_quant_type: Literal["nf4", "fp4"] = "nf4"
     """bitsandbytes 4-bit data type: nf4 or fp4."""
     bnb_double_quant: bool = True
     """bitsandbytes: quantize the per-block scales too (saves about 0.4 bits per parameter)."""
-    hqq_bits: int = 4
+    hqq_bits: Literal[1, 2, 3, 4, 8] = 4
     """HQQ bits per weight: 1, 2, 3, 4 or 8."""
     hqq_group_size: int = 64
     """HQQ weights per scale/zero group (a multiple of 8)."""
-    compute_dtype: str = "auto"
+    compute_dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     """Dtype the weights are dequantized to for the matmul: auto (follows --precision), bf16, fp16, fp32."""
 
 
 @dataclass
 class LoraConfig:
-    train_type: str = "lora"
+    train_type: Literal["lora", "dora", "full", "llama_pro"] = "lora"
     """lora: adapters on the frozen (quantized) base; dora: weight-decomposed LoRA (every rank loads the weights);
     full: every weight (needs --quant none); llama_pro: only blocks added by scripts/block_expansion.py."""
     lora_rank: int = 64
@@ -91,16 +91,18 @@ class LoraConfig:
 
 @dataclass
 class FSDPConfig:
-    fsdp_version: int = 2
+    fsdp_version: Literal[1, 2] = 2
     """2: torch's fully_shard, one unit per decoder layer, packed weights and their state sharded with it;
     1: FullyShardedDataParallel with the packed weights viewed as the parameter dtype."""
-    packed_layout: str = "auto"
+    packed_layout: Literal["auto", "uint8", "float"] = "auto"
     """FSDP2: packed weights and their state as uint8 parameters (torch 2.12+) or float (viewed as the dtype FSDP2
     gathers in, never cast); auto picks uint8 where this torch can shard it, else float."""
-    precision: str = "bf16"
+    precision: PrecisionName = "bf16"
     """bf16 / fp32: parameters in that dtype; *_autocast: fp32 (or bf16) parameters under autocast;
     mp_bf16: fp32 parameters that FSDP casts to bf16 for compute, gradients reduced in fp32."""
-    sharding_strategy: str = "full_shard"
+    sharding_strategy: Literal["full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "hybrid_shard_zero2"] = (
+        "full_shard"
+    )
     """FSDP sharding: full_shard, shard_grad_op, no_shard, hybrid_shard or hybrid_shard_zero2."""
     shard_group_size: int = 0
     """hybrid_*: ranks per shard group, replicated across groups (0: the ranks of one node)."""
@@ -157,7 +159,7 @@ class DataConfig:
     """Samples per rank per micro-step."""
     train_on_inputs: bool = False
     """Also compute the loss on the prompt tokens (default: only on the response, or on assistant turns in chat)."""
-    prompt_style: str = "alpaca"
+    prompt_style: PromptStyle = "alpaca"
     """Prompt template for alpaca-format data (local files, alpaca*): alpaca, guanaco, qna, or chat (a user and an
     assistant turn in the tokenizer's chat template). Chat rows always use the chat template."""
     chat_template: str = ""
@@ -186,7 +188,7 @@ class EvalConfig:
 
 @dataclass
 class OptimConfig:
-    optimizer: str = "adamw"
+    optimizer: OptimizerName = "adamw"
     """Optimizer: adamw, adam, sgd or adadelta (fused kernels on CUDA where torch has them)."""
     lr: float = 1e-5
     """Peak learning rate."""
@@ -196,7 +198,7 @@ class OptimConfig:
     """Clip the global gradient norm to this value (0: no clipping)."""
     gradient_accumulation_steps: int = 1
     """Micro-steps per optimizer step."""
-    lr_scheduler: str = "constant"
+    lr_scheduler: SchedulerName = "constant"
     """Learning-rate schedule after warmup: constant, linear or cosine."""
     warmup_ratio: float = 0.0
     """Fraction of the optimizer steps spent warming up linearly from 0."""
@@ -208,7 +210,7 @@ class OptimConfig:
     """Stop after this many optimizer steps (0: run --num_epochs)."""
     seed: int = 42
     """Seed for weights init of LoRA, data order and dropout: same seed, same losses."""
-    nan_policy: str = "stop"
+    nan_policy: Literal["stop", "skip"] = "stop"
     """On a non-finite loss or gradient norm: stop (exit naming the step) or skip (leave the weights untouched)."""
 
 
@@ -228,7 +230,7 @@ class OutputConfig:
     """Resume from a checkpoint directory, or 'auto' for the newest complete one in --output_dir."""
     overwrite: bool = False
     """Allow --output_dir to hold a previous run, whose results are replaced."""
-    log_to: str = "tqdm"
+    log_to: Literal["tqdm", "stdout", "wandb"] = "tqdm"
     """Progress output: tqdm (bar on rank 0), stdout (a line per step) or wandb (tqdm + Weights & Biases)."""
     project_name: str = "qlora-fsdp"
     """Weights & Biases project."""
@@ -246,7 +248,7 @@ class OutputConfig:
 
 @dataclass
 class DistConfig:
-    device: str = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto: CUDA + NCCL when a GPU is visible, else CPU + gloo; or force cpu / cuda."""
     dist_timeout_s: int = 600
     """Seconds a collective may wait before the job fails instead of hanging."""
@@ -320,6 +322,8 @@ def coerce(flag: str, value: Any, typ: type) -> Any:
     """Turn a YAML or command-line value into the field's type, or explain which flag is wrong."""
     if isinstance(typ, types.UnionType):  # `float | None`: unset unless given
         (typ,) = (t for t in typ.__args__ if t is not type(None))
+    if get_origin(typ) is Literal:  # a choice: its values' type; check_choices says whether it is one of them
+        typ = type(get_args(typ)[0])
     if typ is bool:
         if isinstance(value, bool):
             return value
@@ -394,25 +398,28 @@ def choice(flag: str, value: Any, allowed: tuple) -> list[str]:
     return [f"--{flag} {value!r} is not one of {', '.join(str(a) for a in allowed)}"]
 
 
+def choices(flag: str) -> tuple:
+    """The values a choice flag may take (its field's Literal type), in the order --help and errors list them."""
+    typ = FLAGS[flag][1]
+    return get_args(typ) if get_origin(typ) is Literal else ()
+
+
+def check_registry(registry: Iterable[str], flag: str, *, besides: tuple[str, ...] = ()) -> None:
+    """Called by a registry at import: it must implement exactly the values --flag allows (`besides`: those that
+    need no entry, such as --quant none), so the flag and the code cannot drift apart."""
+    implemented, allowed = {*registry, *besides}, set(choices(flag))
+    if implemented != allowed:
+        raise InternalError(f"--{flag} allows {sorted(allowed)} but its registry implements {sorted(implemented)}")
+
+
 def check_choices(cfg: TrainConfig) -> list[str]:
-    return [
-        *choice("quant", cfg.quant.quant, QUANT_BACKENDS),
-        *choice("bnb_quant_type", cfg.quant.bnb_quant_type, ("nf4", "fp4")),
-        *choice("hqq_bits", cfg.quant.hqq_bits, HQQ_BITS),
-        *choice("compute_dtype", cfg.quant.compute_dtype, COMPUTE_DTYPES),
-        *choice("train_type", cfg.lora.train_type, TRAIN_TYPES),
-        *choice("precision", cfg.fsdp.precision, PRECISIONS),
-        *choice("fsdp_version", cfg.fsdp.fsdp_version, FSDP_VERSIONS),
-        *choice("packed_layout", cfg.fsdp.packed_layout, PACKED_LAYOUTS),
-        *choice("sharding_strategy", cfg.fsdp.sharding_strategy, SHARDING_STRATEGIES),
-        *choice("optimizer", cfg.optim.optimizer, OPTIMIZERS),
-        *choice("lr_scheduler", cfg.optim.lr_scheduler, SCHEDULERS),
-        *choice("log_to", cfg.output.log_to, LOG_TARGETS),
-        *choice("device", cfg.dist.device, DEVICES),
-        *choice("prompt_style", cfg.data.prompt_style, PROMPT_STYLES),
-        *choice("nan_policy", cfg.optim.nan_policy, ("stop", "skip")),
-        *_objective_choice(cfg.objective.objective),
+    problems = [
+        problem
+        for flag, (section, _) in FLAGS.items()
+        if choices(flag)
+        for problem in choice(flag, getattr(getattr(cfg, section), flag), choices(flag))
     ]
+    return problems + _objective_choice(cfg.objective.objective)
 
 
 def _objective_choice(name: str) -> list[str]:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from qlora_fsdp.config.options import check_registry
 from qlora_fsdp.data.chat import (
     Content,
     Conversation,
@@ -145,6 +146,7 @@ _PROMPT_FORMATTERS: dict[str, Callable[[str, str], str]] = {
 CHAT_STYLE = "chat"
 """Instruction rows become a user and an assistant turn, rendered with the tokenizer's chat template."""
 PROMPT_STYLES = (*_PROMPT_FORMATTERS, CHAT_STYLE)
+check_registry(PROMPT_STYLES, "prompt_style")
 
 
 def _check_prompt_style(prompt_style: str) -> None:

@@ -1,6 +1,7 @@
 """What each `--precision` mode means for parameters, FSDP mixed precision and autocast.
 
-Below both the sharding code (`fsdp*.py`) and the objectives, which read a mode's dtypes; it imports nothing of ours.
+Below both the sharding code (`fsdp*.py`) and the objectives, which read a mode's dtypes; of ours it imports only the
+config, which lists the modes' names.
 """
 
 from __future__ import annotations
@@ -8,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from qlora_fsdp.config.options import check_registry
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -42,6 +45,7 @@ PRECISIONS = {
     # fsdp_qlora's "true mixed precision": fp32 master weights, bf16 compute, fp32 gradient reduction.
     "mp_bf16": Precision(_FP32, None, (_BF16, _FP32, _FP32)),
 }
+check_registry(PRECISIONS, "precision")
 
 
 def quant_compute_dtype(precision: Precision, requested: str) -> torch.dtype:

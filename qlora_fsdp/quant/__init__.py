@@ -1,7 +1,8 @@
 """Quantization backends, listed in `BACKENDS`: `--quant NAME` is the `BACKEND` of the module listed for NAME.
 
-A new backend is one new file here, one entry below and its own flags in config.py; each library is imported only
-when its backend is used. `experts.py` is not a backend: it quantizes mixture-of-experts tensors with any of them.
+A new backend is one new file here, one entry below, its name in config/options.py's QuantName and its own flags;
+each library is imported only when its backend is used. `experts.py` is not a backend: it quantizes
+mixture-of-experts tensors with any of them.
 """
 
 from __future__ import annotations
@@ -10,11 +11,12 @@ import importlib
 
 import torch
 
-from qlora_fsdp.config.options import QuantConfig
+from qlora_fsdp.config.options import QuantConfig, check_registry
 from qlora_fsdp.quant.base import QuantBackend
 
 BACKENDS = {"bnb": f"{__name__}.bnb", "hqq": f"{__name__}.hqq"}
 """--quant name -> the module whose `BACKEND` it is (imported only when chosen)."""
+check_registry(BACKENDS, "quant", besides=("none",))
 
 
 def backend_names() -> tuple[str, ...]:

@@ -12,13 +12,13 @@ from typing import Any, get_type_hints
 from qlora_fsdp.config.help import field_docs, option_docs
 from qlora_fsdp.config.options import (
     FLAGS,
-    PROMPT_STYLES,
     ConfigError,
     TrainConfig,
     build_config,
     check_choices,
     check_ranges,
     choice,
+    choices,
     coerce,
 )
 
@@ -30,7 +30,7 @@ BUILD_FLAGS = (
 them with the same names, defaults and checks, so given the training run's values they rebuild what it trained."""
 OUTPUT_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 BASE_WEIGHTS = ("original", "dequantized")
-GENERATE_PROMPT_STYLES = (*PROMPT_STYLES, "chat_template", "raw")
+GENERATE_PROMPT_STYLES = (*choices("prompt_style"), "chat_template", "raw")
 
 
 @dataclass

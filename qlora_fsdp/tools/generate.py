@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from qlora_fsdp.checkpoint.manifest import intra_op_threads, read_manifest
-from qlora_fsdp.config.options import PROMPT_STYLES, TrainConfig
+from qlora_fsdp.config.options import TrainConfig, choices
 from qlora_fsdp.data.formats import format_prompt, missing_prefix, special_prefix
 from qlora_fsdp.data.images import ImageInputs, load_image_inputs, resolve_image
 from qlora_fsdp.errors import UserError
@@ -115,7 +115,7 @@ def prompt_text(tokenizer: Any, history: list[dict[str, Any]], style: str) -> st
             raise UserError("--prompt_style chat_template: this tokenizer has no chat template; pick another style")
         return tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
     last = history[-1]["content"]
-    return format_prompt(last, prompt_style=style) if style in PROMPT_STYLES else last
+    return format_prompt(last, prompt_style=style) if style in choices("prompt_style") else last
 
 
 @torch.no_grad()

@@ -9,7 +9,7 @@ from fractions import Fraction
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from qlora_fsdp.config.options import OptimConfig
+from qlora_fsdp.config.options import OptimConfig, check_registry
 
 # name -> (class, whether torch has a fused CUDA kernel for it)
 OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], bool]] = {
@@ -18,6 +18,7 @@ OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], bool]] = {
     "sgd": (torch.optim.SGD, True),
     "adadelta": (torch.optim.Adadelta, False),
 }
+check_registry(OPTIMIZERS, "optimizer")
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
@@ -37,6 +38,7 @@ DECAYS: dict[str, Callable[[float, float], float]] = {
     "linear": lambda progress, floor: 1.0 - progress,
     "cosine": lambda progress, floor: floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress)),
 }
+check_registry(DECAYS, "lr_scheduler")
 
 
 def lr_factor(cfg: OptimConfig, total_steps: int) -> Callable[[int], float]:

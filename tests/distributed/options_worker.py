@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from qlora_fsdp.config.options import PRECISIONS, TrainConfig, build_config
+from qlora_fsdp.config.options import TrainConfig, build_config, choices
 from qlora_fsdp.data.loader import build_loaders
 from qlora_fsdp.model.hub import load_tokenizer
 from qlora_fsdp.model.lora import init_adapters, inject_lora, lora_layers, prepare_full_finetune
@@ -50,7 +50,7 @@ def two_rank_scenarios(model: str, pro_model: str, tied_model: str, odd_model: s
         # suite times bnb too); one compilation costs the suite a minute on 2 cores.
         s["compile-hqq"] = {"compile": True, "quant": "hqq"}
     for quant in ("bnb", "hqq"):
-        for precision in PRECISIONS:
+        for precision in choices("precision"):
             s[f"precision-{precision}-{quant}"] = {"quant": quant, "precision": precision}
     for strategy in ("full_shard", "shard_grad_op", "no_shard"):
         s[f"sharding-{strategy}"] = {"sharding_strategy": strategy}

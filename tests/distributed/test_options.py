@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from qlora_fsdp.config.options import PRECISIONS
+from qlora_fsdp.config.options import choices
 from tests.conftest import REPO_ROOT, launch, run_worker
 
 pytestmark = pytest.mark.distributed
@@ -148,7 +148,7 @@ def test_lora_on_the_head_trains_the_head(two: dict) -> None:
 
 
 @pytest.mark.parametrize("quant", ["bnb", "hqq"])
-@pytest.mark.parametrize("precision", [p for p in PRECISIONS if p != "fp32"])
+@pytest.mark.parametrize("precision", [p for p in choices("precision") if p != "fp32"])
 def test_precision_mode_computes_close_to_fp32_in_its_own_dtype(two: dict, precision: str, quant: str) -> None:
     r, fp32 = two[f"precision-{precision}-{quant}"], two[f"precision-fp32-{quant}"]
     # Same model, same batch: half-precision compute moves the loss by well under 1%...

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from qlora_fsdp.config.options import PRECISIONS
+from qlora_fsdp.config.options import choices
 from tests.distributed.test_options import (  # noqa: F401 - collected here again, under FSDP1
     four,
     models,
@@ -46,7 +46,7 @@ from tests.distributed.test_options import (  # noqa: F401 - collected here agai
 pytestmark = pytest.mark.distributed
 
 SCENARIOS = (
-    *(f"precision-{p}-{q}" for q in ("bnb", "hqq") for p in PRECISIONS),
+    *(f"precision-{p}-{q}" for q in ("bnb", "hqq") for p in choices("precision")),
     "sharding-full_shard", "sharding-shard_grad_op", "sharding-no_shard",
     "ckpt-off", "ckpt-nonreentrant", "ckpt-reentrant", "activation-offload", "tiled-mlp", "accum-2x1", "accum-1x2",
     "optimizer-sgd", "optimizer-sgd-clipped", "dora-bnb", "dora-hqq", "odd-shapes-bnb", "odd-shapes-hqq",

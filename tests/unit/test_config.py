@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-import qlora_fsdp.data.formats
 import qlora_fsdp.quant
 from qlora_fsdp.config import options as config_module
 from qlora_fsdp.config.help import option_docs
@@ -20,8 +19,10 @@ from qlora_fsdp.config.options import (
     ConfigError,
     TrainConfig,
     build_config,
+    check_registry,
+    choices,
 )
-from qlora_fsdp.errors import UserError
+from qlora_fsdp.errors import InternalError, UserError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -396,19 +397,31 @@ def test_flag_names_are_unique_across_sections() -> None:
     assert len(names) == len(set(names)) == len(FLAGS)
 
 
-def test_quant_choices_match_backend_modules() -> None:
+def test_every_quant_backend_module_holds_a_backend() -> None:
     import importlib
 
     from qlora_fsdp.quant.base import QuantBackend
 
-    assert set(config_module.QUANT_BACKENDS) - {"none"} == set(qlora_fsdp.quant.backend_names())
-    assert "none" in config_module.QUANT_BACKENDS
     for module in qlora_fsdp.quant.BACKENDS.values():
         assert issubclass(importlib.import_module(module).BACKEND, QuantBackend), module
 
 
-def test_prompt_styles_match_data_module() -> None:
-    assert tuple(config_module.PROMPT_STYLES) == tuple(qlora_fsdp.data.formats.PROMPT_STYLES)
+def test_a_registry_that_drifts_from_its_flag_fails_at_import() -> None:
+    """The registries (quant backends, precision modes, optimizers, schedules, prompt styles) call check_registry
+    when imported; a value the flag allows with no entry, or an entry the flag does not allow, is a bug of ours."""
+    check_registry(["adamw", "adam", "sgd", "adadelta"], "optimizer")
+    check_registry(["bnb", "hqq"], "quant", besides=("none",))
+    with pytest.raises(InternalError, match=r"--optimizer allows .* but its registry implements"):
+        check_registry(["adamw", "adam", "sgd"], "optimizer")
+    with pytest.raises(InternalError, match="--quant allows"):
+        check_registry(["bnb", "hqq", "gptq"], "quant", besides=("none",))
+
+
+def test_choice_flags_take_their_values_type_and_name_them_when_wrong() -> None:
+    assert choices("hqq_bits") == (1, 2, 3, 4, 8) and choices("lora_rank") == ()
+    assert build_config({"model": "m", "hqq_bits": "8", "fsdp_version": 1}).validate().quant.hqq_bits == 8
+    with pytest.raises(ConfigError, match="--hqq_bits 5 is not one of 1, 2, 3, 4, 8"):
+        build_config({"model": "m", "hqq_bits": 5}).validate()
 
 
 @pytest.mark.distributed

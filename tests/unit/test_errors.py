@@ -12,7 +12,7 @@ from qlora_fsdp.parallel.sharding import PackedWeightsChanged
 def _raised(exc: Exception) -> Exception:
     try:
         raise exc
-    except Exception as caught:  # noqa: BLE001 - a real traceback to print
+    except Exception as caught:  # a real traceback to print
         return caught
 
 

@@ -6,15 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from qlora_fsdp.config.options import PRECISIONS as PRECISION_NAMES
 from qlora_fsdp.config.options import QuantConfig
 from qlora_fsdp.parallel.precision import PRECISIONS
 from qlora_fsdp.parallel.sharding import PackedWeightsChanged, packed_digest, verify_packed
 from qlora_fsdp.quant import make_backend
-
-
-def test_every_precision_flag_has_a_mode() -> None:
-    assert set(PRECISIONS) == set(PRECISION_NAMES)
 
 
 def test_mp_bf16_is_fp32_storage_cast_to_bf16_with_fp32_reduction() -> None:
