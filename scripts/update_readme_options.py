@@ -14,6 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from qlora_fsdp.config.help import option_docs
+from qlora_fsdp.config.options import DEPRECATED
 
 OPTIONS = Path(__file__).resolve().parents[1] / "docs" / "options.md"
 START, END = "<!-- options:start -->", "<!-- options:end -->"
@@ -27,6 +28,8 @@ def options_markdown() -> str:
             lines += ["", f"**{sec}**", "", "| flag | default | meaning |", "|---|---|---|"]
             section = sec
         lines.append(f"| `--{flag}` | `{default!r}` | {doc} |")
+    lines += ["", "**deprecated** (accepted, with a notice, and ignored)", "", "| flag | why |", "|---|---|"]
+    lines += [f"| `--{flag}` | {why[0].upper()}{why[1:]}. |" for flag, why in DEPRECATED.items()]
     return "\n".join(lines).strip() + "\n"
 
 

@@ -65,7 +65,6 @@ NOT_IDENTITY: tuple[str, ...] = (
     "log_to", "project_name", "run_name", "wandb_entity", "group", "profile", "profile_steps",
     "dataset_cache_dir", "dataset_num_proc",  # the cache's key fingerprints the rows, wherever and however built
     "dataset_in_memory",  # the same rows, tokenized in memory instead of through the cache
-    "low_memory",  # ignored: loading always streams
     "trust_remote_code", "allow_pickle",  # permissions to load; the --model fingerprint pins what was loaded
     "device",  # the environment, like the number of ranks ('auto' would record nothing of it anyway)
     "dist_timeout_s",
@@ -73,7 +72,7 @@ NOT_IDENTITY: tuple[str, ...] = (
 )  # fmt: skip
 
 RECORDED: tuple[str, ...] = MUST_MATCH + RESHARDED + MAY_CHANGE
-"""The flags a checkpoint records (trainer._settings), compared by check_resume_compatible on resume."""
+"""The flags a checkpoint records (trainer.run_settings), compared by check_resume_compatible on resume."""
 
 
 def recorded_settings(cfg: TrainConfig) -> dict[str, Any]:

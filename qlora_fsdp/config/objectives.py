@@ -1,6 +1,7 @@
-"""The --objective flags: which objective, each one's own settings with TRL's defaults, and their ranges.
+"""The --objective flags: which objective, each one's own settings with TRL's defaults, their ranges, and what the
+chosen objective refuses of the rest of the config.
 
-A section of the run's config (qlora_fsdp.config.options holds the others and checks how sections combine); the
+A section of the run's config (qlora_fsdp.config.options holds the others and checks how they combine); the
 objectives themselves are in qlora_fsdp/objectives.
 """
 
@@ -11,7 +12,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from qlora_fsdp.errors import UserError
-from qlora_fsdp.objectives.specs import ObjectiveSpec, objective_spec
+from qlora_fsdp.objectives.specs import OBJECTIVES, ObjectiveSpec, objective_spec
 
 SETTING_RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "beta": ((lambda v: v > 0), "--beta must be > 0"),
@@ -125,3 +126,60 @@ def objective_ranges(cfg: ObjectiveConfig) -> list[str]:
     ranges = {**SETTING_RANGES, **cfg.spec.ranges}
     return [message for name, (ok, message) in ranges.items()
             if getattr(cfg, name) is not None and not ok(getattr(cfg, name))]  # fmt: skip
+
+
+def chosen_spec(cfg: ObjectiveConfig) -> ObjectiveSpec | None:
+    """The spec --objective names; None where it names none (choice_problems reports it)."""
+    try:
+        return objective_spec(cfg.objective)
+    except UserError:
+        return None
+
+
+def choice_problems(cfg: ObjectiveConfig) -> list[str]:
+    """--objective naming no objective, as a line."""
+    try:
+        objective_spec(cfg.objective)
+    except UserError as exc:
+        return [str(exc)]
+    return []
+
+
+def objective_problems(cfg: Any) -> list[str]:
+    """What the chosen objective refuses of the whole config (a TrainConfig, whose module imports this one): another
+    objective's settings, what rows other than supervised examples cannot do, and the objective's own checks."""
+    spec = chosen_spec(cfg.objective)
+    if spec is None:
+        return []
+    name, own = spec.name, spec.settings
+    problems = [
+        f"--{flag} does not apply to --objective {name}" + (f" (its settings: {', '.join('--' + f for f in own)})"
+                                                            if own else "")
+        for flag in SETTING_FLAGS
+        if getattr(cfg.objective, flag) is not None and flag not in own
+    ]  # fmt: skip
+    reference = spec.needs_reference(cfg.objective.setting)
+    if cfg.objective.precompute_reference and not spec.reference:
+        fixed = ", ".join(n for n, other in OBJECTIVES.items() if other.reference)
+        problems.append(f"--precompute_reference applies to {fixed}, whose rows are fixed; {name} has none")
+    if not spec.pairs:
+        if cfg.data.max_prompt_length:
+            problems.append(f"--max_prompt_length cuts preference pairs' prompts; --objective {name} has none")
+        return problems + spec.problems(cfg)
+    for bad, why in (
+        (cfg.data.packing, "--packing (its rows are never packed): drop it"),
+        (cfg.data.dataset_streaming, "--dataset_streaming (its rows are read whole before training): drop it"),
+        (cfg.data.train_on_inputs, "--train_on_inputs (the losses compare replies only): drop it"),
+        (
+            bool(cfg.model.router_aux_loss_coef),
+            "--router_aux_loss_coef (the load-balancing loss joins supervised losses only): drop it",
+        ),
+        (
+            reference and cfg.lora.train_type not in ("lora", "dora"),
+            f"--train_type {cfg.lora.train_type}: the reference is the model with its adapters off, so it needs "
+            "--train_type lora or dora (orpo, simpo and grpo with --beta 0 need no reference)",
+        ),
+    ):
+        if bad:
+            problems.append(f"--objective {name} cannot take {why}")
+    return problems + spec.problems(cfg)

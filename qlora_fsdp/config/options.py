@@ -16,9 +16,14 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 import yaml
 
-from qlora_fsdp.config.objectives import SETTING_FLAGS, ObjectiveConfig, objective_ranges
+from qlora_fsdp.config.objectives import (
+    ObjectiveConfig,
+    choice_problems,
+    chosen_spec,
+    objective_problems,
+    objective_ranges,
+)
 from qlora_fsdp.errors import InternalError, UserError
-from qlora_fsdp.objectives.specs import OBJECTIVES, ObjectiveSpec, objective_spec
 
 
 class ConfigError(UserError):
@@ -43,9 +48,6 @@ PromptStyle = Literal["alpaca", "guanaco", "qna", "chat"]
 class ModelConfig:
     model: str = ""
     """Local model directory (config.json + safetensors shards) or a Hugging Face hub id."""
-    low_memory: bool = True
-    """Accepted for old scripts: loading now always streams each decoder layer into its shards on every rank (no
-    rank holds the whole model), whatever this says."""
     trust_remote_code: bool = False
     """Allow model code from the hub repository (off: only architectures transformers ships)."""
     allow_pickle: bool = False
@@ -114,18 +116,29 @@ class FSDPConfig:
     """Use the reentrant checkpoint implementation (some older stacks need it)."""
     activation_offload: bool = False
     """Keep activations saved for backward in host memory (GPU memory for PCIe traffic)."""
-    sequence_parallel_size: int = 1
-    """Ulysses sequence parallelism: groups of S consecutive ranks split each row along the sequence (all-to-all
-    around attention), so a row S times longer fits; the data goes to world / S groups (1: off)."""
-    tiled_mlp: str = "0"
-    """Run each decoder layer's MLP (an MoE block's experts) over N tiles of tokens, recomputed tile by tile in
-    backward: the layer's peak holds one tile's activations (0: off; auto: a tile per hidden-size tokens)."""
+
+
+@dataclass
+class ComputeConfig:
+    """How each step computes: speed or memory traded, the function trained the same."""
+
     compile: bool = False
     """torch.compile each decoder layer (with --fsdp_version 2) after the first step: fused kernels for the
     dequantization, LoRA and attention glue. The second step pays the compilation."""
+    tiled_mlp: str = "0"
+    """Run each decoder layer's MLP (an MoE block's experts) over N tiles of tokens, recomputed tile by tile in
+    backward: the layer's peak holds one tile's activations (0: off; auto: a tile per hidden-size tokens)."""
     loss_chunk_tokens: int = 512
     """Label tokens per chunk of the output head and cross-entropy: peak memory grows with the chunk, not with
     batch x sequence x vocabulary (0: whole logits at once)."""
+
+
+@dataclass
+class RunConfig:
+    """What every stage of a run derives from."""
+
+    seed: int = 42
+    """Seed for LoRA's initial weights, the data order, dropout and GRPO's sampling: same seed, same losses."""
 
 
 @dataclass
@@ -208,8 +221,6 @@ class OptimConfig:
     """Passes over the dataset (ignored when --max_steps is set)."""
     max_steps: int = 0
     """Stop after this many optimizer steps (0: run --num_epochs)."""
-    seed: int = 42
-    """Seed for weights init of LoRA, data order and dropout: same seed, same losses."""
     nan_policy: Literal["stop", "skip"] = "stop"
     """On a non-finite loss or gradient norm: stop (exit naming the step) or skip (leave the weights untouched)."""
 
@@ -254,6 +265,9 @@ class DistConfig:
     """Seconds a collective may wait before the job fails instead of hanging."""
     world_size: int = 0
     """Expected number of processes; the run refuses to start if torchrun launched another number (0: any)."""
+    sequence_parallel_size: int = 1
+    """Ulysses sequence parallelism: groups of S consecutive ranks split each row along the sequence (all-to-all
+    around attention), so a row S times longer fits; the data goes to world / S groups (1: off)."""
 
 
 SECTIONS: dict[str, type] = {
@@ -261,12 +275,14 @@ SECTIONS: dict[str, type] = {
     "quant": QuantConfig,
     "lora": LoraConfig,
     "fsdp": FSDPConfig,
+    "compute": ComputeConfig,
     "data": DataConfig,
     "objective": ObjectiveConfig,
     "eval": EvalConfig,
     "optim": OptimConfig,
     "output": OutputConfig,
     "dist": DistConfig,
+    "run": RunConfig,
 }
 
 
@@ -276,12 +292,16 @@ class TrainConfig:
     quant: QuantConfig = field(default_factory=QuantConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    compute: ComputeConfig = field(default_factory=ComputeConfig)
     data: DataConfig = field(default_factory=DataConfig)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    notices: list[str] = field(default_factory=list)
+    """One line for each deprecated flag given (DEPRECATED), for the run to print."""
 
     @property
     def resumable(self) -> bool:
@@ -303,6 +323,14 @@ class TrainConfig:
 
     def _sections(self) -> list[Any]:
         return [getattr(self, name) for name in SECTIONS]
+
+
+DEPRECATED = {
+    "low_memory": "loading always streams each decoder layer into its shards on every rank (no rank holds the whole "
+    "model)",
+}
+"""Flags that no longer do anything, and why: still accepted, so old scripts and YAML files run, each given one
+printing a notice."""
 
 
 def _flag_types() -> dict[str, tuple[str, type]]:
@@ -361,13 +389,16 @@ def build_config(overrides: dict[str, Any], config_file: str | None = None) -> T
     values.update(overrides)
     # An empty YAML value (`run_name:`) means "not set", not the string "None".
     values = {k: v for k, v in values.items() if v is not None}
-    unknown = sorted(k for k in values if k not in FLAGS)
+    retired = sorted(k for k in values if k in DEPRECATED)
+    unknown = sorted(k for k in values if k not in FLAGS and k not in DEPRECATED)
     if unknown:
         raise ConfigError(
             "unknown option(s): " + ", ".join(f"--{k}" for k in unknown) + " (python train.py --help lists them)"
         )
-    cfg = TrainConfig()
+    cfg = TrainConfig(notices=[f"--{flag} is deprecated and does nothing: {DEPRECATED[flag]}" for flag in retired])
     for flag, value in values.items():
+        if flag in DEPRECATED:
+            continue
         section_name, typ = FLAGS[flag]
         setattr(getattr(cfg, section_name), flag, coerce(flag, value, typ))
     return cfg
@@ -419,18 +450,11 @@ def check_choices(cfg: TrainConfig) -> list[str]:
         if choices(flag)
         for problem in choice(flag, getattr(getattr(cfg, section), flag), choices(flag))
     ]
-    return problems + _objective_choice(cfg.objective.objective)
-
-
-def _objective_choice(name: str) -> list[str]:
-    try:
-        objective_spec(name)
-    except UserError as exc:
-        return [str(exc)]
-    return []
+    return problems + choice_problems(cfg.objective)
 
 
 def check_ranges(cfg: TrainConfig) -> list[str]:
+    tiles = cfg.compute.tiled_mlp
     checks = [
         (not cfg.model.model, "--model is required (a local model directory or a hub id)"),
         (cfg.quant.hqq_group_size < 8 or cfg.quant.hqq_group_size % 8, "--hqq_group_size must be a multiple of 8"),
@@ -458,15 +482,15 @@ def check_ranges(cfg: TrainConfig) -> list[str]:
         (cfg.dist.world_size < 0, "--world_size must be >= 0 (0: whatever torchrun launched)"),
         (cfg.output.save_steps < 0, "--save_steps must be >= 0 (0: no checkpoints)"),
         (cfg.output.save_total_limit < 0, "--save_total_limit must be >= 0 (0: keep all)"),
-        (cfg.fsdp.loss_chunk_tokens < 0, "--loss_chunk_tokens must be >= 0 (0: whole logits)"),
+        (cfg.compute.loss_chunk_tokens < 0, "--loss_chunk_tokens must be >= 0 (0: whole logits)"),
         (cfg.fsdp.shard_group_size < 0, "--shard_group_size must be >= 0 (0: ranks per node)"),
-        (cfg.fsdp.sequence_parallel_size < 1, "--sequence_parallel_size must be >= 1 (1: off)"),
+        (cfg.dist.sequence_parallel_size < 1, "--sequence_parallel_size must be >= 1 (1: off)"),
         (not _is_step_window(cfg.output.profile_steps), "--profile_steps must be FIRST,LAST with 1 <= FIRST <= LAST"),
-        (not (cfg.fsdp.tiled_mlp == "auto" or cfg.fsdp.tiled_mlp.isdigit()), "--tiled_mlp must be N tiles or auto"),
+        (not (tiles == "auto" or tiles.isdigit()), "--tiled_mlp must be N tiles or auto"),
         (not cfg.output.output_dir, "--output_dir must not be empty"),
         (cfg.data.max_prompt_length < 0, "--max_prompt_length must be >= 0 (0: no limit of its own)"),
     ]
-    known = _objective(cfg) is not None
+    known = chosen_spec(cfg.objective) is not None
     return [message for bad, message in checks if bad] + (objective_ranges(cfg.objective) if known else [])
 
 
@@ -493,7 +517,7 @@ def _check_combinations(cfg: TrainConfig) -> list[str]:
         )
     if cfg.fsdp.packed_layout != "auto" and cfg.fsdp.fsdp_version == 1:
         problems.append("--packed_layout chooses FSDP2's layout; FSDP1 always views packed weights as float")
-    if cfg.fsdp.compile and cfg.fsdp.fsdp_version == 1:
+    if cfg.compute.compile and cfg.fsdp.fsdp_version == 1:
         # FSDP1's flat parameters swap module attributes in hooks that compiled code does not see.
         problems.append("--compile true needs --fsdp_version 2")
     if cfg.fsdp.fsdp_version == 1 and cfg.lora.train_type == "dora" and cfg.fsdp.precision == "mp_bf16":
@@ -508,8 +532,8 @@ def _check_combinations(cfg: TrainConfig) -> list[str]:
         ):
             if bad:
                 problems.append(f"--dataset_streaming true needs {flag}")
-    sp = cfg.fsdp.sequence_parallel_size
-    for bad, flag in ((cfg.fsdp.compile, "compile"), (cfg.data.dataset_streaming, "dataset_streaming"),
+    sp = cfg.dist.sequence_parallel_size
+    for bad, flag in ((cfg.compute.compile, "compile"), (cfg.data.dataset_streaming, "dataset_streaming"),
                       (cfg.objective.precompute_reference, "precompute_reference")):  # fmt: skip
         if sp > 1 and bad:
             problems.append(f"--sequence_parallel_size {sp} does not combine with --{flag} (not yet); drop one")
@@ -520,55 +544,7 @@ def _check_combinations(cfg: TrainConfig) -> list[str]:
     evaluates = cfg.eval.eval_dataset or cfg.eval.eval_split
     if not evaluates and (cfg.eval.eval_steps or cfg.eval.eval_samples):
         problems.append("--eval_steps/--eval_samples need an evaluation set: --eval_dataset FILE or --eval_split 0.1")
-    return problems + _objective_problems(cfg)
-
-
-def _objective(cfg: TrainConfig) -> ObjectiveSpec | None:
-    """The spec --objective names; None where it names none (reported by check_choices)."""
-    try:
-        return objective_spec(cfg.objective.objective)
-    except UserError:
-        return None
-
-
-def _objective_problems(cfg: TrainConfig) -> list[str]:
-    """What the chosen objective refuses: another objective's settings, what rows other than supervised examples
-    cannot do, and the objective's own checks."""
-    spec = _objective(cfg)
-    if spec is None:
-        return []
-    name, own = spec.name, spec.settings
-    problems = [
-        f"--{flag} does not apply to --objective {name}" + (f" (its settings: {', '.join('--' + f for f in own)})"
-                                                            if own else "")
-        for flag in SETTING_FLAGS
-        if getattr(cfg.objective, flag) is not None and flag not in own
-    ]  # fmt: skip
-    reference = spec.needs_reference(cfg.objective.setting)
-    if cfg.objective.precompute_reference and not spec.reference:
-        fixed = ", ".join(n for n, other in OBJECTIVES.items() if other.reference)
-        problems.append(f"--precompute_reference applies to {fixed}, whose rows are fixed; {name} has none")
-    if not spec.pairs:
-        if cfg.data.max_prompt_length:
-            problems.append(f"--max_prompt_length cuts preference pairs' prompts; --objective {name} has none")
-        return problems + spec.problems(cfg)
-    for bad, why in (
-        (cfg.data.packing, "--packing (its rows are never packed): drop it"),
-        (cfg.data.dataset_streaming, "--dataset_streaming (its rows are read whole before training): drop it"),
-        (cfg.data.train_on_inputs, "--train_on_inputs (the losses compare replies only): drop it"),
-        (
-            bool(cfg.model.router_aux_loss_coef),
-            "--router_aux_loss_coef (the load-balancing loss joins supervised losses only): drop it",
-        ),
-        (
-            reference and cfg.lora.train_type not in ("lora", "dora"),
-            f"--train_type {cfg.lora.train_type}: the reference is the model with its adapters off, so it needs "
-            "--train_type lora or dora (orpo, simpo and grpo with --beta 0 need no reference)",
-        ),
-    ):
-        if bad:
-            problems.append(f"--objective {name} cannot take {why}")
-    return problems + spec.problems(cfg)
+    return problems + objective_problems(cfg)
 
 
 def replace(cfg: TrainConfig, **flags: Any) -> TrainConfig:

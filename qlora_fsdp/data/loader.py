@@ -12,6 +12,7 @@ import functools
 import logging
 import random
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -254,25 +255,40 @@ Split = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 parallelism (qlora_fsdp.parallel.sequence_parallel.split_rows)."""
 
 
-def _loader_kwargs(
-    data: DataConfig,
-    tokenizer: Any,
-    seed: int,
-    fixed_shapes: bool,
-    split: Split | None = None,
-    images: ImageInputs | None = None,
-) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Batching:
+    """How rows become this rank's batches beyond the data flags: what the run decides (the seed, accumulation,
+    --compile's fixed shapes), the objective (the kind of rows) and the model (sequence parallelism's split, a
+    vision-language model's images)."""
+
+    seed: int
+    kind: str = "sft"
+    """"sft", or rows of two sequences each (preference pairs, KTO's labelled completions), a batch of B being 2B
+    sequences (rows.collate)."""
+    accumulation: int = 1
+    """--gradient_accumulation_steps: each epoch is whole optimizer steps (GlobalOrderSampler)."""
+    fixed_shapes: bool = False
+    """--compile: every batch padded to the context, as --pad_to_context does."""
+    split: Split | None = None
+    """What this rank trains on of each collated batch (Split)."""
+    images: ImageInputs | None = None
+    """A vision-language model's processor, which makes rows with images into tokens and pixels."""
+
+
+def _loader_kwargs(data: DataConfig, tokenizer: Any, batching: Batching) -> dict[str, Any]:
     pad = functools.partial(
         collate,
         pad_id=pad_token_id(tokenizer),
         context_length=data.context_length,
-        pad_to_context=data.pad_to_context or fixed_shapes,
-        images=images,
+        pad_to_context=data.pad_to_context or batching.fixed_shapes,
+        images=batching.images,
     )
+    split = batching.split
     collate_fn = pad if split is None else functools.partial(_split_after, pad=pad, split=split)
     # Its own generator: every new iterator draws a seed, and drawing from the global RNG would shift dropout
     # masks between a resumed run and an uninterrupted one (and evaluating would change training).
-    return {"batch_size": data.batch_size, "collate_fn": collate_fn, "generator": torch.Generator().manual_seed(seed)}
+    generator = torch.Generator().manual_seed(batching.seed)
+    return {"batch_size": data.batch_size, "collate_fn": collate_fn, "generator": generator}
 
 
 def _split_after(items: list[dict[str, Any]], *, pad: Callable, split: Split) -> dict[str, torch.Tensor]:
@@ -280,32 +296,16 @@ def _split_after(items: list[dict[str, Any]], *, pad: Callable, split: Split) ->
 
 
 def build_loaders(
-    data: DataConfig,
-    ev: EvalConfig,
-    tokenizer: Any,
-    env: DistEnv,
-    *,
-    seed: int,
-    fixed_shapes: bool = False,
-    kind: str = "sft",
-    accumulation: int = 1,
-    split: Split | None = None,
-    images: ImageInputs | None = None,
+    data: DataConfig, ev: EvalConfig, tokenizer: Any, env: DistEnv, batching: Batching
 ) -> tuple[DataLoader, DataLoader | None]:
     """This rank's training loader (without the rows --eval_split holds out) and evaluation loader (None without
-    --eval_dataset or --eval_split). The caller calls loader.sampler.set_epoch(epoch) so each epoch reshuffles.
-
-    `fixed_shapes` (--compile) pads every batch to the context, as --pad_to_context does. `kind`: "sft", or rows of
-    two sequences each (preference pairs, KTO's labelled completions), a batch of B being 2B sequences
-    (rows.collate). `accumulation` (--gradient_accumulation_steps) makes each epoch whole optimizer steps
-    (GlobalOrderSampler). `split` turns each collated batch into what this rank trains on (Split). `images`: a
-    vision-language model's processor, which makes rows with images into tokens and pixels.
-    """
+    --eval_dataset or --eval_split). The caller calls loader.sampler.set_epoch(epoch) so each epoch reshuffles."""
     if data.chat_template:
         load_chat_template(tokenizer, data.chat_template)
+    kind, images, seed = batching.kind, batching.images, batching.seed
     if images is not None:
-        _refuse_for_images(data, split)
-    kwargs = _loader_kwargs(data, tokenizer, seed, fixed_shapes, split, images)
+        _refuse_for_images(data, batching.split)
+    kwargs = _loader_kwargs(data, tokenizer, batching)
     cache, held = None, None
     if data.dataset_streaming:
         train = DataLoader(_stream(data, tokenizer, env), **kwargs)
@@ -313,13 +313,14 @@ def build_loaders(
         cache, _ = dataset_cache(data.dataset, data.dataset_samples, data, tokenizer, env, kind=kind, images=images)
         held = held_out(cache.examples, ev.eval_split, seed=seed)
         rows = _rows(cache, ~held, data, "training rows", env)
-        train = DataLoader(rows, sampler=_sampler(rows, data, env, seed, accumulation), drop_last=True, **kwargs)
+        sampler = _sampler(rows, data, env, seed, batching.accumulation)
+        train = DataLoader(rows, sampler=sampler, drop_last=True, **kwargs)
     evaluation = _eval_rows(data, ev, tokenizer, env, cache, held, kind=kind, images=images)
     if evaluation is None:
         return train, None
     # No sampler and no shuffling: every rank evaluates its share in order.
     shard = EvalShard(evaluation, env, data.batch_size)
-    return train, DataLoader(shard, shuffle=False, **_loader_kwargs(data, tokenizer, seed, fixed_shapes, split, images))
+    return train, DataLoader(shard, shuffle=False, **_loader_kwargs(data, tokenizer, batching))
 
 
 def _refuse_for_images(data: DataConfig, split: Split | None) -> None:

@@ -369,7 +369,7 @@ class GrpoRun(ObjectiveRun):
         super().__init__(spec, setup)
         setting = setup.objective.setting
         self.rewards = load_rewards(setting("reward_funcs"), setting("reward_weights"))
-        if setup.images is not None:
+        if setup.batching.images is not None:
             raise UserError(f"--objective {spec.name} does not train vision-language models yet")
 
     @classmethod
@@ -382,7 +382,7 @@ class GrpoRun(ObjectiveRun):
 
     def loaders(self) -> tuple[Any, None]:
         s, setting = self.setup, self.setup.objective.setting
-        loader = prompt_loader(s.data, s.tokenizer, s.env, seed=s.seed, accumulation=s.accumulation,
+        loader = prompt_loader(s.data, s.tokenizer, s.env, seed=s.batching.seed, accumulation=s.batching.accumulation,
                                num_generations=setting("num_generations"),
                                max_completion_length=setting("max_completion_length"),
                                num_iterations=setting("num_iterations"))  # fmt: skip
@@ -410,7 +410,7 @@ class GrpoRun(ObjectiveRun):
                        end_ids=ends - {None}, pad_id=pad_token_id(s.tokenizer),
                        num_generations=setting("num_generations"),
                        max_completion_length=setting("max_completion_length"), context_length=s.data.context_length,
-                       seed=s.seed, temperature=setting("temperature"), top_p=setting("top_p"),
+                       seed=s.batching.seed, temperature=setting("temperature"), top_p=setting("top_p"),
                        scale_rewards=setting("scale_rewards"), num_iterations=setting("num_iterations"),
                        on_samples=log, gathered=gathered)  # fmt: skip
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +18,7 @@ from torch.utils.data import DataLoader
 
 from qlora_fsdp.config.objectives import ObjectiveConfig
 from qlora_fsdp.config.options import DataConfig, EvalConfig
-from qlora_fsdp.data.images import ImageInputs
-from qlora_fsdp.data.loader import Split, build_loaders
+from qlora_fsdp.data.loader import Batching, build_loaders
 from qlora_fsdp.objectives.base import Forward, Objective
 from qlora_fsdp.objectives.reference import REFERENCE_FILE, ReferenceLookup, reference_table
 from qlora_fsdp.objectives.specs import ObjectiveSpec, objective_spec
@@ -38,17 +37,10 @@ class Setup:
     eval: EvalConfig
     tokenizer: Any
     env: DistEnv
-    seed: int
-    accumulation: int
-    """--gradient_accumulation_steps: epochs are whole optimizer steps."""
+    batching: Batching
+    """How rows become batches (the kind of rows is the objective's: its spec says)."""
     model_path: Path
     output_dir: Path
-    images: ImageInputs | None = None
-    """A vision-language model's processor."""
-    fixed_shapes: bool = False
-    """--compile: every batch padded to the context."""
-    split: Split | None = None
-    """Sequence parallelism: what of each collated batch this rank trains on."""
 
 
 @dataclass(frozen=True)
@@ -79,9 +71,7 @@ class ObjectiveRun:
     def loaders(self) -> tuple[DataLoader, DataLoader | None]:
         """This rank's training loader and evaluation loader (None without an evaluation set)."""
         s = self.setup
-        return build_loaders(s.data, s.eval, s.tokenizer, s.env, seed=s.seed, fixed_shapes=s.fixed_shapes,
-                             kind=self.spec.rows, accumulation=s.accumulation, split=s.split,
-                             images=s.images)  # fmt: skip
+        return build_loaders(s.data, s.eval, s.tokenizer, s.env, replace(s.batching, kind=self.spec.rows))
 
     def objective(self, trainee: Trainee, *, training: bool) -> Objective:
         """The objective that trains (`training`) or that evaluates."""

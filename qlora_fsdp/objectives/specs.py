@@ -65,12 +65,12 @@ GENERATION_MODES = ("sharded", "gathered")
 def _grpo_problems(cfg: Any) -> list[str]:
     setting = cfg.objective.setting
     cannot = [
-        (cfg.fsdp.sequence_parallel_size > 1, "--sequence_parallel_size above 1 (not yet): drop it"),
+        (cfg.dist.sequence_parallel_size > 1, "--sequence_parallel_size above 1 (not yet): drop it"),
         (cfg.data.group_by_length, "--group_by_length (prompts are sampled from, not grouped): drop it"),
         (setting("generation_mode") == "gathered" and cfg.fsdp.fsdp_version == 1,
          "--generation_mode gathered with --fsdp_version 1 (FSDP1 cannot run a forward on gathered weights): use "
          "--fsdp_version 2 or --generation_mode sharded"),
-        (cfg.fsdp.compile, "--compile (sampling decodes one token at a time; not yet): drop it"),
+        (cfg.compute.compile, "--compile (sampling decodes one token at a time; not yet): drop it"),
         (setting("scale_rewards") == "batch" and cfg.optim.gradient_accumulation_steps > 1,
          "--scale_rewards batch with --gradient_accumulation_steps above 1 (each micro-batch is its own "
          "generation here, TRL's spans the step): use group or none, or one micro-batch a step"),

@@ -143,10 +143,7 @@ class Sharder(ABC):
         quantized the same bytes."""
         self._remember(model, prefix="")
         _check_same_on_every_rank(self.reference, self.env)
-        sharded = self._shard_root(model)
-        if self.cfg.compile:
-            sharded.uncompiled = list(self.units)
-        return sharded
+        return self._shard_root(model)
 
     def _remember(self, module: nn.Module, *, prefix: str) -> None:
         for name, sub in module.named_modules():

@@ -37,6 +37,7 @@ from qlora_fsdp.checkpoint.resume_rules import (
 )
 from qlora_fsdp.config.options import OptimConfig, OutputConfig, TrainConfig
 from qlora_fsdp.data.images import load_image_inputs
+from qlora_fsdp.data.loader import Batching
 from qlora_fsdp.errors import TrainingStopped, UserError
 from qlora_fsdp.model.attention import FLASH_ATTENTION, attention_implementation
 from qlora_fsdp.model.hub import load_tokenizer, model_identity, resolve_model_path
@@ -102,7 +103,7 @@ def _preflight(cfg: TrainConfig, env: DistEnv) -> None:
             f"--sharding_strategy {cfg.fsdp.sharding_strategy}: {env.world_size} ranks do not split into shard groups "
             f"of {group}; set --shard_group_size to a divisor of the world size"
         )
-    size = cfg.fsdp.sequence_parallel_size
+    size = cfg.dist.sequence_parallel_size
     if env.world_size % size:
         raise UserError(
             f"--sequence_parallel_size {size} does not divide the {env.world_size} ranks torchrun started; use a "
@@ -120,15 +121,16 @@ def run(cfg: TrainConfig) -> TrainResult:
     owns_group = not dist.is_initialized()
     env = init_distributed(device=cfg.dist.device, timeout_s=cfg.dist.dist_timeout_s)
     try:
-        if cfg.fsdp.sequence_parallel_size > 1:
+        if cfg.dist.sequence_parallel_size > 1:
             from transformers import AutoConfig
 
             config = AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
-            check_heads(config, cfg.fsdp.sequence_parallel_size)
+            check_heads(config, cfg.dist.sequence_parallel_size)
         _preflight(cfg, env)
-        env = replace(env, sequence_parallel=cfg.fsdp.sequence_parallel_size)
-        if not cfg.model.low_memory and env.is_main:
-            log.warning("--low_memory false is ignored: every rank streams each layer into its shards")
+        env = replace(env, sequence_parallel=cfg.dist.sequence_parallel_size)
+        if env.is_main:
+            for notice in cfg.notices:
+                log.warning(notice)
         output_dir = Path(cfg.output.output_dir)
         shared = output_dir_shared(output_dir, env)
         if not shared and (cfg.output.save_steps or cfg.output.resume_from):
@@ -137,7 +139,7 @@ def run(cfg: TrainConfig) -> TrainResult:
                 "rank cannot see it), so no checkpoint could be completed or resumed: point --output_dir at a "
                 "filesystem all nodes share, or drop --save_steps/--resume_from"
             )
-        settings = _settings(cfg, model_path, env)
+        settings = run_settings(cfg, model_path, env)
 
         def choose_resume() -> tuple[Path | None, list[str]]:
             """The checkpoint to resume from and the lines the log owes the user about it."""
@@ -164,7 +166,7 @@ def run(cfg: TrainConfig) -> TrainResult:
             teardown()
 
 
-def _settings(cfg: TrainConfig, model_path: Path, env: DistEnv) -> dict[str, object]:
+def run_settings(cfg: TrainConfig, model_path: Path, env: DistEnv) -> dict[str, object]:
     """What a checkpoint records of its run, for check_resume_compatible."""
     settings = recorded_settings(cfg)
     settings["model"] = model_identity(model_path)  # the base itself, whatever its directory is called now
@@ -220,16 +222,17 @@ def _run(
     settings: dict[str, object],
 ) -> TrainResult:
     precision = PRECISIONS[cfg.fsdp.precision]
-    torch.manual_seed(cfg.optim.seed)
+    torch.manual_seed(cfg.run.seed)
     tokenizer = load_tokenizer(model_path)
     images = load_image_inputs(model_path, trust_remote_code=cfg.model.trust_remote_code)
     sequence = sequence_groups(env)
-    run_objective = start(Setup(
-        objective=cfg.objective, data=cfg.data, eval=cfg.eval, tokenizer=tokenizer, env=env, seed=cfg.optim.seed,
-        accumulation=cfg.optim.gradient_accumulation_steps, model_path=model_path,
-        output_dir=Path(cfg.output.output_dir), images=images, fixed_shapes=cfg.fsdp.compile,
+    batching = Batching(
+        seed=cfg.run.seed, accumulation=cfg.optim.gradient_accumulation_steps, fixed_shapes=cfg.compute.compile,
         split=None if sequence is None else functools.partial(split_rows, size=sequence.size, index=sequence.index),
-    ))  # fmt: skip
+        images=images,
+    )  # fmt: skip
+    run_objective = start(Setup(objective=cfg.objective, data=cfg.data, eval=cfg.eval, tokenizer=tokenizer, env=env,
+                                batching=batching, model_path=model_path, output_dir=Path(cfg.output.output_dir)))
     loader, eval_loader = run_objective.loaders()
     attention = attention_implementation(packing=cfg.data.packing, device=env.device, dtype=precision.compute_dtype)
     varlen = attention == FLASH_ATTENTION and sequence is None
@@ -248,11 +251,11 @@ def _run(
     optimizer = build_optimizer(built.model.module.parameters(), cfg.optim)
     scaler = ShardedGradScaler(device=env.device.type) if precision.grad_scaler else None
     output_dir = Path(cfg.output.output_dir)
-    state = TrainState(world_size=env.world_size, seed=cfg.optim.seed, settings=settings)
+    state = TrainState(world_size=env.world_size, seed=cfg.run.seed, settings=settings)
     if resume is not None:
         state = load_checkpoint(resume, model=built.model, keys=built.keys, optimizer=optimizer, scaler=scaler, env=env)
         state.settings = settings
-    total_steps = _total_steps(cfg.optim, loader, state)
+    total_steps = planned_steps(cfg.optim, loader, state)
     # The schedule is a function of the flags and the step: rebuilt, not restored, so changed flags take effect.
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps, start_step=state.step)
     if env.is_main:
@@ -402,15 +405,15 @@ def _build_model(cfg: TrainConfig, env: DistEnv, model_path: Path, precision: Pr
     if cfg.fsdp.gradient_checkpointing and cfg.fsdp.reentrant_checkpointing:
         # Reentrant checkpoints only backpropagate into a segment whose inputs require grad.
         unwrapped.enable_input_require_grads()
-    if cfg.fsdp.tiled_mlp != "0":
-        tiled = tile_mlps(skeleton.units, cfg.fsdp.tiled_mlp)
+    if cfg.compute.tiled_mlp != "0":
+        tiled = tile_mlps(skeleton.units, cfg.compute.tiled_mlp)
         if env.is_main:
-            log.info("--tiled_mlp %s: %d modules run over tiles of tokens", cfg.fsdp.tiled_mlp, len(tiled))
+            log.info("--tiled_mlp %s: %d modules run over tiles of tokens", cfg.compute.tiled_mlp, len(tiled))
     in_layers = {id(m) for layer in skeleton.units.values() for m in lora_layers(layer)}
     trainable = sum(p.numel() for p in unwrapped.parameters() if p.requires_grad)
 
     def shard_layer(name: str, layer: nn.Module) -> None:
-        init_adapters(lora_layers(layer), seed=cfg.optim.seed, name=name)
+        init_adapters(lora_layers(layer), seed=cfg.run.seed, name=name)
         if digests is not None:
             digests.add(layer)
         sharder.shard_unit(name, layer, root=skeleton.model)
@@ -428,8 +431,10 @@ def _build_model(cfg: TrainConfig, env: DistEnv, model_path: Path, precision: Pr
         digests.add(skeleton.model)  # quantized layers outside the decoder layers, if any
         manifest = training_manifest(cfg, model_path=model_path, device=env.device, backend=backend, digests=digests)
     outside = [m for m in lora_layers(unwrapped) if id(m) not in in_layers]
-    init_adapters(outside, seed=cfg.optim.seed, name="")
-    sharded = sharder.finish(CausalLMLoss(unwrapped, chunk_tokens=cfg.fsdp.loss_chunk_tokens, router=router))
+    init_adapters(outside, seed=cfg.run.seed, name="")
+    sharded = sharder.finish(CausalLMLoss(unwrapped, chunk_tokens=cfg.compute.loss_chunk_tokens, router=router))
+    if cfg.compute.compile:
+        sharded.uncompiled = list(sharder.units)
     verify_packed(sharded.module, sharder.reference)
     return _Built(
         model=sharded,
@@ -455,7 +460,7 @@ def _save_final(built: _Built, output_dir: Path, *, env: DistEnv) -> str:
     return f"model saved to {output_dir.resolve()}"
 
 
-def _total_steps(cfg: OptimConfig, loader: DataLoader, state: TrainState) -> int:
+def planned_steps(cfg: OptimConfig, loader: DataLoader, state: TrainState) -> int:
     """--max_steps, else --num_epochs of whole steps. A resumed run adds to the steps done those left at its own
     global batch, which may not be the checkpoint's: the rest of the current epoch, then whole epochs."""
     if cfg.max_steps:

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from qlora_fsdp.config.options import TrainConfig, build_config, choices
-from qlora_fsdp.data.loader import build_loaders
+from qlora_fsdp.data.loader import Batching, build_loaders
 from qlora_fsdp.model.hub import load_tokenizer
 from qlora_fsdp.model.lora import init_adapters, inject_lora, lora_layers, prepare_full_finetune
 from qlora_fsdp.model.skeleton import build_skeleton, expanded_layer_prefixes
@@ -125,7 +125,7 @@ def first_global_batch(cfg: TrainConfig, world_size: int) -> dict[str, torch.Ten
     data = dict(vars(cfg.data), batch_size=cfg.data.batch_size * world_size * cfg.optim.gradient_accumulation_steps)
     tokenizer = load_tokenizer(Path(cfg.model.model))
     loader, _ = build_loaders(
-        type(cfg.data)(**data), cfg.eval, tokenizer, env, seed=cfg.optim.seed, fixed_shapes=cfg.fsdp.compile
+        type(cfg.data)(**data), cfg.eval, tokenizer, env, Batching(seed=cfg.run.seed, fixed_shapes=cfg.compute.compile)
     )
     return next(iter(loader))
 
@@ -149,9 +149,9 @@ def unsharded_model(cfg: TrainConfig) -> torch.nn.Module:
         skeleton,
         backend=backend,
         device=torch.device("cpu"),
-        on_unit_ready=lambda name, layer: init_adapters(lora_layers(layer), seed=cfg.optim.seed, name=name),
+        on_unit_ready=lambda name, layer: init_adapters(lora_layers(layer), seed=cfg.run.seed, name=name),
     )
-    init_adapters([m for m in lora_layers(model) if id(m) not in in_layers], seed=cfg.optim.seed, name="")
+    init_adapters([m for m in lora_layers(model) if id(m) not in in_layers], seed=cfg.run.seed, name="")
     return model
 
 

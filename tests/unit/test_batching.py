@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 
 from qlora_fsdp.config.options import DataConfig, EvalConfig, build_config
 from qlora_fsdp.data.formats import IGNORE_INDEX, load_examples
-from qlora_fsdp.data.loader import GROUP_WINDOW, LengthGroupedSampler, build_loaders
+from qlora_fsdp.data.loader import GROUP_WINDOW, Batching, LengthGroupedSampler, build_loaders
 from qlora_fsdp.data.rows import collate, fit_examples
 from qlora_fsdp.data.stream import PACK_BUFFER, StreamRows
 from qlora_fsdp.errors import UserError
@@ -54,7 +54,7 @@ def test_unpacked_batches_are_at_least_half_real_tokens_at_1024(tokenizer) -> No
     efficiency = {}
     for group in (False, True):
         data = DataConfig(dataset=str(DATASET), context_length=1024, batch_size=4, group_by_length=group)
-        loader, _ = build_loaders(data, EvalConfig(), tokenizer, _env(), seed=0)
+        loader, _ = build_loaders(data, EvalConfig(), tokenizer, _env(), Batching(seed=0))
         batches = list(loader)
         efficiency[group] = sum(int(b["attention_mask"].sum()) for b in batches) / sum(
             b["input_ids"].numel() for b in batches

@@ -21,7 +21,7 @@ from qlora_fsdp.config.options import DataConfig, EvalConfig
 from qlora_fsdp.data import IGNORE_INDEX
 from qlora_fsdp.data.chat import Conversation
 from qlora_fsdp.data.formats import Example, load_examples, pad_token_id, special_prefix
-from qlora_fsdp.data.loader import build_loaders
+from qlora_fsdp.data.loader import Batching, build_loaders
 from qlora_fsdp.data.rows import PAD_MULTIPLE, collate, fit_examples
 from qlora_fsdp.data.sources import read_rows, source_names
 from qlora_fsdp.errors import UserError
@@ -75,7 +75,7 @@ def chatml(smollm2: Path):
 
 def _train_loader(cfg: DataConfig, tokenizer):
     """The training loader of one CPU rank, without evaluation."""
-    loader, _ = build_loaders(cfg, EvalConfig(), tokenizer, _cpu_env(), seed=0)
+    loader, _ = build_loaders(cfg, EvalConfig(), tokenizer, _cpu_env(), Batching(seed=0))
     return loader
 
 

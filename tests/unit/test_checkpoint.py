@@ -93,16 +93,16 @@ def test_changes_that_may_happen_on_resume_are_returned_not_refused(tmp_path: Pa
         check_resume_compatible(ckpt, {"lr": 0.005, "lora_rank": 4}, world_size=2, may_change=("lr",))
 
 
-def _settings(model: Path, **flags: object) -> dict[str, object]:
+def recorded(model: Path, **flags: object) -> dict[str, object]:
     """What the trainer records in a checkpoint for these flags."""
     import torch
 
     from qlora_fsdp.config.options import build_config
     from qlora_fsdp.parallel.distributed import DistEnv
-    from qlora_fsdp.train.trainer import _settings
+    from qlora_fsdp.train.trainer import run_settings
 
     env = DistEnv(0, 0, 8, 4, torch.device("cpu"), "gloo")  # 2 nodes x 4
-    return _settings(build_config({"model": str(model), **flags}).validate(), model, env)
+    return run_settings(build_config({"model": str(model), **flags}).validate(), model, env)
 
 
 @pytest.mark.parametrize(
@@ -117,10 +117,10 @@ def test_a_resume_that_changes_the_base_adapters_or_shards_is_refused_naming_the
 ) -> None:
     from qlora_fsdp.checkpoint.resume_rules import MAY_CHANGE, RESHARDED
 
-    ckpt = make_checkpoint(tmp_path, 3, **_settings(tiny_model))
+    ckpt = make_checkpoint(tmp_path, 3, **recorded(tiny_model))
     with pytest.raises(UserError, match=rf"--{flag} \S+ -> "):
         check_resume_compatible(
-            ckpt, _settings(tiny_model, **{flag: value}), world_size=2, may_change=MAY_CHANGE, resharded=RESHARDED
+            ckpt, recorded(tiny_model, **{flag: value}), world_size=2, may_change=MAY_CHANGE, resharded=RESHARDED
         )
 
 
@@ -135,11 +135,11 @@ def test_layout_flags_reshard_a_format_2_checkpoint_but_not_a_format_1_one(
     from qlora_fsdp.checkpoint.resume_rules import MAY_CHANGE, RESHARDED
 
     rules = {"world_size": 2, "may_change": MAY_CHANGE, "resharded": RESHARDED}
-    new = _settings(tiny_model, **{flag: value})
-    changes = check_resume_compatible(make_checkpoint(tmp_path / "2", 3, **_settings(tiny_model)), new, **rules)
+    new = recorded(tiny_model, **{flag: value})
+    changes = check_resume_compatible(make_checkpoint(tmp_path / "2", 3, **recorded(tiny_model)), new, **rules)
     assert changes and changes[0].startswith(f"--{flag} ")
     with pytest.raises(UserError, match=rf"--{flag} \S+ -> "):
-        check_resume_compatible(make_checkpoint(tmp_path / "1", 3, legacy=True, **_settings(tiny_model)), new, **rules)
+        check_resume_compatible(make_checkpoint(tmp_path / "1", 3, legacy=True, **recorded(tiny_model)), new, **rules)
 
 
 def test_a_resume_on_another_base_model_is_refused(tiny_model: Path, tmp_path: Path) -> None:
@@ -171,8 +171,8 @@ def test_a_resume_on_another_base_model_is_refused(tiny_model: Path, tmp_path: P
 def test_schedule_and_speed_flags_may_change(tiny_model: Path, tmp_path: Path, flag: str, value: object) -> None:
     from qlora_fsdp.checkpoint.resume_rules import MAY_CHANGE
 
-    ckpt = make_checkpoint(tmp_path, 3, **_settings(tiny_model))
-    changes = check_resume_compatible(ckpt, _settings(tiny_model, **{flag: value}), world_size=2, may_change=MAY_CHANGE)
+    ckpt = make_checkpoint(tmp_path, 3, **recorded(tiny_model))
+    changes = check_resume_compatible(ckpt, recorded(tiny_model, **{flag: value}), world_size=2, may_change=MAY_CHANGE)
     assert len(changes) == 1 and changes[0].startswith(f"--{flag} ")
 
 
@@ -195,11 +195,11 @@ def test_hybrid_sharding_records_the_shard_group_it_really_used(tiny_model: Path
     from qlora_fsdp.checkpoint.resume_rules import MAY_CHANGE
     from qlora_fsdp.config.options import build_config
     from qlora_fsdp.parallel.distributed import DistEnv
-    from qlora_fsdp.train.trainer import _settings
+    from qlora_fsdp.train.trainer import run_settings
 
     cfg = build_config({"model": str(tiny_model), "sharding_strategy": "hybrid_shard"}).validate()
-    two_nodes = _settings(cfg, tiny_model, DistEnv(0, 0, 8, 4, torch.device("cpu"), "gloo"))
-    one_node = _settings(cfg, tiny_model, DistEnv(0, 0, 8, 8, torch.device("cpu"), "gloo"))
+    two_nodes = run_settings(cfg, tiny_model, DistEnv(0, 0, 8, 4, torch.device("cpu"), "gloo"))
+    one_node = run_settings(cfg, tiny_model, DistEnv(0, 0, 8, 8, torch.device("cpu"), "gloo"))
     assert (two_nodes["shard_group_size"], one_node["shard_group_size"]) == (4, 8)
     ckpt = make_checkpoint(tmp_path, 3, legacy=True, **two_nodes)
     with pytest.raises(UserError, match="--shard_group_size 4 -> 8"):

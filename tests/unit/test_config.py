@@ -234,7 +234,7 @@ def test_precedence_flat_yaml(tmp_path: Path) -> None:
 def test_precedence_sectioned_yaml(tmp_path: Path) -> None:
     # "model" and "quant" are both section names and flag names: a mapping is a section, a scalar is the flag.
     text = (
-        "model:\n  model: sectioned/model\n  low_memory: false\n"
+        "model:\n  model: sectioned/model\n  trust_remote_code: true\n"
         "quant:\n  quant: hqq\n  hqq_bits: 2\n"
         "lora:\n  lora_rank: 4\n  lora_alpha: 8\n"
         "optim:\n  lr: 0.001\n  lr_scheduler: cosine\n"
@@ -242,7 +242,7 @@ def test_precedence_sectioned_yaml(tmp_path: Path) -> None:
     path = write(tmp_path / "run.yaml", text)
     cfg = build_config({"hqq_bits": "8"}, path)
     assert cfg.model.model == "sectioned/model"
-    assert cfg.model.low_memory is False
+    assert cfg.model.trust_remote_code is True
     assert cfg.quant.quant == "hqq"
     assert cfg.quant.hqq_bits == 8  # flag wins, coerced from a string
     assert cfg.lora.lora_rank == 4
@@ -261,7 +261,7 @@ def test_mixed_flat_and_sectioned_yaml(tmp_path: Path) -> None:
 def test_flags_alone_override_defaults() -> None:
     cfg = build_config({"model": "m", "num_epochs": 3})
     assert cfg.optim.num_epochs == 3
-    assert cfg.optim.seed == 42
+    assert cfg.run.seed == 42
 
 
 def test_unknown_flag_keys_are_named() -> None:
@@ -283,10 +283,10 @@ def test_unknown_yaml_keys_are_named(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("flag", "raw", "expected"),
     [
-        ("low_memory", "false", False),
-        ("low_memory", "False", False),
-        ("low_memory", "no", False),
-        ("low_memory", "0", False),
+        ("save_model", "false", False),
+        ("save_model", "False", False),
+        ("save_model", "no", False),
+        ("save_model", "0", False),
         ("save_model", "true", True),
         ("save_model", "YES", True),
         ("lora_rank", "8", 8),
@@ -308,7 +308,7 @@ def test_type_coercion(flag: str, raw: object, expected: object) -> None:
 
 @pytest.mark.parametrize(
     ("flag", "raw"),
-    [("low_memory", "maybe"), ("save_model", 2), ("lora_rank", "eight"), ("lora_rank", 2.5), ("lr", "fast")],
+    [("save_model", "maybe"), ("save_model", 2), ("lora_rank", "eight"), ("lora_rank", 2.5), ("lr", "fast")],
 )
 def test_uncoercible_values_name_the_flag(flag: str, raw: object) -> None:
     with pytest.raises(ConfigError) as info:
@@ -326,9 +326,9 @@ def test_a_bare_flag_is_not_a_number(flag: str) -> None:
 
 
 def test_yaml_strings_are_coerced(tmp_path: Path) -> None:
-    path = write(tmp_path / "run.yaml", "low_memory: 'false'\nlora_rank: '16'\nlr: '1e-4'\n")
+    path = write(tmp_path / "run.yaml", "save_model: 'false'\nlora_rank: '16'\nlr: '1e-4'\n")
     cfg = build_config({}, path)
-    assert cfg.model.low_memory is False
+    assert cfg.output.save_model is False
     assert cfg.lora.lora_rank == 16
     assert cfg.optim.lr == 1e-4
 
@@ -361,11 +361,22 @@ def test_empty_yaml_gives_defaults(tmp_path: Path) -> None:
     assert build_config({"model": "m"}, path) == build_config({"model": "m"})
 
 
+def test_a_deprecated_flag_is_accepted_with_a_notice(tmp_path: Path) -> None:
+    """--low_memory no longer does anything (loading always streams): old command lines and YAML files still run,
+    each with one line saying so, and the flag is in no section (nor in --help)."""
+    path = write(tmp_path / "old.yaml", "model:\n  model: m\n  low_memory: true\n")
+    for cfg in (build_config({"model": "m", "low_memory": "false"}), build_config({}, path)):
+        assert cfg.validate() and cfg.to_dict() == build_config({"model": "m"}).to_dict()
+        (notice,) = cfg.notices
+        assert notice.startswith("--low_memory is deprecated and does nothing: loading always streams")
+    assert "low_memory" not in FLAGS and not build_config({"model": "m"}).notices
+
+
 def test_replace_copies_and_coerces() -> None:
     base = build_config({"model": "m"})
-    changed = config_module.replace(base, lora_rank="4", low_memory="false")
-    assert changed.lora.lora_rank == 4 and changed.model.low_memory is False
-    assert base.lora.lora_rank == 64 and base.model.low_memory is True  # the original is untouched
+    changed = config_module.replace(base, lora_rank="4", save_model="false")
+    assert changed.lora.lora_rank == 4 and changed.output.save_model is False
+    assert base.lora.lora_rank == 64 and base.output.save_model is True  # the original is untouched
     assert changed.lora is not base.lora
 
 

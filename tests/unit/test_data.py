@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerFast
 from qlora_fsdp.config.options import ConfigError, DataConfig, EvalConfig, build_config
 from qlora_fsdp.data import IGNORE_INDEX, sources
 from qlora_fsdp.data.formats import PROMPT_STYLES, Example, load_examples, pad_token_id
-from qlora_fsdp.data.loader import build_loaders
+from qlora_fsdp.data.loader import Batching, build_loaders
 from qlora_fsdp.data.rows import PAD_MULTIPLE, FitStats, collate, fit_examples
 from qlora_fsdp.data.sources import DATASET_NAMES
 from qlora_fsdp.errors import UserError
@@ -104,7 +104,7 @@ def _round_up(n: int) -> int:
 
 def _loaders(cfg: DataConfig, tokenizer, env: DistEnv, *, seed: int = 0, **kwargs):
     """The training loader alone (no evaluation set configured)."""
-    train, evaluation = build_loaders(cfg, EvalConfig(), tokenizer, env, seed=seed, **kwargs)
+    train, evaluation = build_loaders(cfg, EvalConfig(), tokenizer, env, Batching(seed=seed, **kwargs))
     assert evaluation is None
     return train
 

@@ -95,18 +95,18 @@ def test_a_resumed_epoch_run_counts_the_steps_left_at_its_own_global_batch(world
 
     from qlora_fsdp.checkpoint.dcp import TrainState
     from qlora_fsdp.config.options import OptimConfig
-    from qlora_fsdp.train.trainer import _total_steps
+    from qlora_fsdp.train.trainer import planned_steps
 
     def loader(ranks: int) -> SimpleNamespace:
         return SimpleNamespace(sampler=GlobalOrderSampler(1000, world_size=ranks, rank=0, batch_size=1,
                                                           accumulation=1, seed=5))  # fmt: skip
 
     cfg = OptimConfig(num_epochs=1)
-    assert _total_steps(cfg, loader(2), TrainState()) == 500
+    assert planned_steps(cfg, loader(2), TrainState()) == 500
     halfway = TrainState(step=250, epoch=0, samples_in_epoch=500, world_size=2)
-    assert _total_steps(cfg, loader(world_size), halfway) == 250 + left
+    assert planned_steps(cfg, loader(world_size), halfway) == 250 + left
     two_epochs = OptimConfig(num_epochs=2)
-    assert _total_steps(two_epochs, loader(world_size), halfway) == 250 + left + 1000 // world_size
+    assert planned_steps(two_epochs, loader(world_size), halfway) == 250 + left + 1000 // world_size
 
 
 def test_repeated_steps_read_each_step_n_times_and_resume_between_repeats() -> None:

@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 
 from qlora_fsdp.config.options import DataConfig, EvalConfig
 from qlora_fsdp.data import IGNORE_INDEX
-from qlora_fsdp.data.loader import EvalShard, build_loaders, held_out
+from qlora_fsdp.data.loader import Batching, EvalShard, build_loaders, held_out
 from qlora_fsdp.data.rows import PAD_MULTIPLE
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.parallel.distributed import DistEnv
@@ -41,7 +41,7 @@ def rows_file(tmp_path: Path) -> str:
 
 
 def loaders(data: DataConfig, tokenizer, ev: EvalConfig | None = None, *, rank: int = 0, world: int = 1, seed: int):
-    return build_loaders(data, ev or EvalConfig(), tokenizer, cpu_env(rank, world), seed=seed)
+    return build_loaders(data, ev or EvalConfig(), tokenizer, cpu_env(rank, world), Batching(seed=seed))
 
 
 def rows_of(loader: torch.utils.data.DataLoader, epoch: int = 0) -> list[tuple[int, ...]]:

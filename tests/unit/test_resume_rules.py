@@ -55,10 +55,10 @@ def test_a_checkpoint_records_exactly_the_compared_flags(tiny_model: Path) -> No
     import torch
 
     from qlora_fsdp.parallel.distributed import DistEnv
-    from qlora_fsdp.train.trainer import _settings
+    from qlora_fsdp.train.trainer import run_settings
 
     cfg = build_config({"model": str(tiny_model)}).validate()
-    settings = _settings(cfg, tiny_model, DistEnv(0, 0, 2, 2, torch.device("cpu"), "gloo"))
+    settings = run_settings(cfg, tiny_model, DistEnv(0, 0, 2, 2, torch.device("cpu"), "gloo"))
     assert sorted(settings) == sorted(RECORDED)
     assert str(settings["model"]).startswith("config and weights ")  # the fingerprint, not the path
     json.dumps(settings)  # trainer_state.json holds them
