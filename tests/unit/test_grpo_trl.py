@@ -27,7 +27,7 @@ from qlora_fsdp.data.rows import collate
 from qlora_fsdp.objectives.grpo import ADVANTAGES, OLD_LOGPS, GrpoObjective
 from qlora_fsdp.objectives.loss import CausalLMLoss
 from qlora_fsdp.objectives.specs import GRPO_LOSS_TYPES as LOSS_TYPES
-from tests.unit.test_preference_trl import FP32, PAD, TOL, _grad, _lora_params, _ours, _perturb, _rel
+from tests.trl_parity import FP32, PAD, TOL, grad, lora_params, ours, perturb, rel
 
 # (prompt, completion) lengths: the widths differ on both sides.
 LENGTHS = ((5, 4), (1, 7), (9, 2), (3, 5))
@@ -88,7 +88,7 @@ def grpo_trainers(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) ->
                                   reward_funcs=lambda completions, **_: [0.0] * len(completions), args=args,
                                   train_dataset=Dataset.from_dict({"prompt": ["Hello"] * 4}),
                                   processing_class=tokenizer, peft_config=lora)  # fmt: skip
-        _perturb(trainer.model)
+        perturb(trainer.model)
         trainer.model.train()
         trainer.current_gradient_accumulation_steps = 1  # what Trainer's training loop sets for each step
         trainers[temperature] = trainer
@@ -134,7 +134,7 @@ def test_grpo_loss_equals_trl(grpo_trainers: dict[float, Trainer], loss_type: st
     trl_metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
     objective = GrpoObjective(FP32, loss_type=loss_type, beta=beta, epsilon=EPSILON, epsilon_high=EPSILON_HIGH,
                               max_completion_length=MAX_COMPLETION, temperature=temperature)  # fmt: skip
-    loss, _, metrics = _ours(objective, CausalLMLoss(trainer.model, chunk_tokens=5), batch)
+    loss, _, metrics = ours(objective, CausalLMLoss(trainer.model, chunk_tokens=5), batch)
 
     assert loss.item() == pytest.approx(trl_loss.item(), rel=TOL, abs=TOL)
     for name, value in metrics.items():
@@ -146,5 +146,5 @@ def test_grpo_loss_equals_trl(grpo_trainers: dict[float, Trainer], loss_type: st
         assert metrics["clip_ratio/high_max"] > metrics["clip_ratio/high_mean"]
     if beta:
         assert metrics["kl"] > 1e-3  # the adapter moved the policy off the reference
-    params = _lora_params(trainer.model)
-    assert _rel(_grad(loss, params), _grad(trl_loss, params)) < TOL
+    params = lora_params(trainer.model)
+    assert rel(grad(loss, params), grad(trl_loss, params)) < TOL

@@ -26,8 +26,18 @@ from qlora_fsdp.data.rows import UnpairedRows, collate
 from qlora_fsdp.objectives.kto import KtoObjective
 from qlora_fsdp.objectives.loss import CausalLMLoss
 from qlora_fsdp.objectives.setup import make_objective
-from tests.unit.test_preference_trl import FP32, PAD, TOL, _assert_metrics, _grad, _last, _lora_params, _ours, _rel
-from tests.unit.test_preference_trl import _trainer as trl_trainer
+from tests.trl_parity import (
+    FP32,
+    PAD,
+    TOL,
+    assert_metrics,
+    grad,
+    last_metrics,
+    lora_params,
+    ours,
+    rel,
+    trl_trainer,
+)
 
 # (prompt, completion) lengths and labels: desirable and undesirable rows of different widths.
 ROWS = ((5, 4, True), (1, 7, False), (9, 2, True), (3, 5, False), (6, 3, False))
@@ -84,18 +94,18 @@ def test_kto_equals_trl(kto_trainers: dict[str, Trainer], case: str, chunk: int,
     adapters-off model or a swapped label would each break it."""
     trainer = kto_trainers[case]
     model = trainer.model
-    params = _lora_params(model)
+    params = lora_params(model)
     rows = _rows(seed)
     trl_loss = trainer._compute_loss(model, _trl_inputs(rows), return_outputs=False)
-    trl_metrics = _last(trainer)
+    trl_metrics = last_metrics(trainer)
     objective = make_objective(ObjectiveConfig(objective="kto", **CASES[case][0]), FP32)
-    loss, _, metrics = _ours(objective, CausalLMLoss(model, chunk_tokens=chunk), _our_batch(rows))
+    loss, _, metrics = ours(objective, CausalLMLoss(model, chunk_tokens=chunk), _our_batch(rows))
 
     assert loss.item() == pytest.approx(trl_loss.item(), rel=TOL, abs=TOL)
-    _assert_metrics(metrics, trl_metrics, METRICS)
+    assert_metrics(metrics, trl_metrics, METRICS)
     assert metrics["kl"] > 0.1 if seed == 9 else metrics["kl"] == 0.0
     assert abs(metrics["rewards/margins"]) > 1e-2  # the adapter moved the policy off the reference
-    assert _rel(_grad(loss, params), _grad(trl_loss, params)) < TOL
+    assert rel(grad(loss, params), grad(trl_loss, params)) < TOL
 
 
 def test_control_kl_from_matched_completions_is_not_trl(kto_trainers: dict[str, Trainer]) -> None:
@@ -108,5 +118,5 @@ def test_control_kl_from_matched_completions_is_not_trl(kto_trainers: dict[str, 
     half = batch["input_ids"].shape[0] // 2
     for key in ("input_ids", "labels", "attention_mask"):
         batch[key] = torch.cat([batch[key][:half], batch[key][:half]])
-    wrong, _, _ = _ours(KtoObjective(FP32, beta=0.1), CausalLMLoss(model, chunk_tokens=7), batch)
+    wrong, _, _ = ours(KtoObjective(FP32, beta=0.1), CausalLMLoss(model, chunk_tokens=7), batch)
     assert abs(wrong.item() - trl_loss) > 100 * TOL

@@ -17,32 +17,33 @@ TRL's whole ORPO loss where the two coincide (one-token prompts). Measured on th
 from __future__ import annotations
 
 import math
-import warnings
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
-from datasets import Dataset
-from peft import LoraConfig
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer
-from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
+from transformers import Trainer
 from trl.trainer.dpo_trainer import DataCollatorForPreference
 
 from qlora_fsdp.config.options import ObjectiveConfig
 from qlora_fsdp.data import IGNORE_INDEX
 from qlora_fsdp.data.rows import collate
-from qlora_fsdp.objectives.base import Forward, combined_loss
 from qlora_fsdp.objectives.loss import CausalLMLoss
-from qlora_fsdp.objectives.preference import DpoObjective, PreferenceObjective
+from qlora_fsdp.objectives.preference import DpoObjective
 from qlora_fsdp.objectives.setup import make_objective
-from qlora_fsdp.parallel.precision import PRECISIONS
+from tests.trl_parity import (
+    FP32,
+    PAD,
+    TOL,
+    assert_metrics,
+    grad,
+    last_metrics,
+    lora_params,
+    ours,
+    rel,
+    trl_trainer,
+)
 
-CPU = torch.device("cpu")
-FP32 = Forward(CPU, PRECISIONS["fp32"])
-PAD = 1  # the tiny tokenizer's <|pad|>
-TOL = 1e-5
 # (prompt, chosen, rejected) lengths: rows of different widths, chosen longer or shorter than rejected.
 LENGTHS = ((5, 4, 6), (1, 7, 3), (9, 2, 5))
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
@@ -93,78 +94,6 @@ def _cpo_inputs(pairs: list[Pair]) -> dict[str, torch.Tensor]:
     return DPODataCollatorWithPadding(pad_token_id=PAD)(features)
 
 
-def _trl_classes(kind: str) -> tuple[type, type[Trainer]]:
-    if kind == "dpo":
-        return DPOConfig, DPOTrainer
-    if kind == "kto":
-        return KTOConfig, KTOTrainer
-    with warnings.catch_warnings():  # "APIs here are unstable"
-        warnings.simplefilter("ignore")
-        from trl.experimental.cpo import CPOConfig, CPOTrainer
-        from trl.experimental.orpo import ORPOConfig, ORPOTrainer
-    return {"orpo": (ORPOConfig, ORPOTrainer), "cpo": (CPOConfig, CPOTrainer)}[kind]
-
-
-def _perturb(model: nn.Module, *, seed: int = 1, scale: float = 0.05) -> None:
-    """Non-zero B matrices, as after some training: the adapter changes the model."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
-            if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=g) * scale)
-
-
-def _trainer(kind: str, model_dir: Path, out: Path, **settings: Any) -> Trainer:
-    """TRL's trainer (dpo, orpo, cpo or kto, which unpairs the pair) on the tiny base model, wrapped by TRL with a
-    LoRA adapter, then perturbed."""
-    config_class, trainer_class = _trl_classes(kind)
-    args = config_class(output_dir=str(out), report_to="none", use_cpu=True, bf16=False, gradient_checkpointing=False,
-                        max_length=64, seed=0, **settings)  # fmt: skip
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    assert tokenizer.pad_token_id == PAD
-    dataset = Dataset.from_dict({"prompt": ["Hello"], "chosen": [" yes"], "rejected": [" no"]})  # never trained on
-    lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
-    trainer = trainer_class(base, args=args, train_dataset=dataset, processing_class=tokenizer, peft_config=lora)
-    _perturb(trainer.model)
-    trainer.model.train()
-    return trainer
-
-
-def _ours(
-    objective: PreferenceObjective, model: nn.Module, batch: dict[str, torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
-    """(loss, its parts divided by their weights, logged metrics) as the training loop makes them."""
-    parts, sums = objective.loss_sum(model, batch)
-    weights = torch.tensor(objective.weights(batch), dtype=torch.float32)
-    metrics = objective.logged(sums.tolist(), weights.tolist())
-    return combined_loss(parts, weights), parts / weights, metrics
-
-
-def _lora_params(model: nn.Module) -> list[nn.Parameter]:
-    params = [p for n, p in model.named_parameters() if p.requires_grad]
-    assert params and all("lora_" in n for n, p in model.named_parameters() if p.requires_grad)
-    return params
-
-
-def _grad(loss: torch.Tensor, params: list[nn.Parameter]) -> torch.Tensor:
-    return torch.cat([g.flatten() for g in torch.autograd.grad(loss, params)])
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b))
-
-
-def _assert_metrics(ours: dict[str, float], trl: dict[str, float], names: tuple[str, ...]) -> None:
-    for name in names:
-        assert ours[name] == pytest.approx(trl[name], rel=TOL, abs=TOL), name
-
-
-def _last(trainer: Trainer) -> dict[str, float]:
-    """DPOTrainer's metrics of its last _compute_loss."""
-    return {k: v[-1] for k, v in trainer._metrics["train"].items()}
-
-
 # --- DPO and IPO: DPOTrainer._compute_loss ------------------------------------------------------------------------
 
 
@@ -181,7 +110,7 @@ def dpo_trainers(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> 
                  "loss_weights": [2 * (1 - e), -(1 - 2 * e)]},
         "ipo": {"beta": 0.1, "loss_type": "ipo"},
     }  # fmt: skip
-    return {case: _trainer("dpo", tiny_model, out / case, **kw) for case, kw in settings.items()}
+    return {case: trl_trainer("dpo", tiny_model, out / case, **kw) for case, kw in settings.items()}
 
 
 DPO_CASES = {
@@ -198,17 +127,17 @@ def test_dpo_and_ipo_equal_trl(dpo_trainers: dict[str, Trainer], case: str, chun
     per-token normalisation (IPO) or label-smoothing form, or misaligned rows would each break it."""
     trainer = dpo_trainers[case]
     model = trainer.model
-    params = _lora_params(model)
+    params = lora_params(model)
     pairs = _pairs()
     trl_loss = trainer._compute_loss(model, _dpo_inputs(pairs), return_outputs=False)
-    trl_metrics = _last(trainer)
+    trl_metrics = last_metrics(trainer)
     objective = make_objective(DPO_CASES[case], FP32)
-    loss, _, metrics = _ours(objective, CausalLMLoss(model, chunk_tokens=chunk), _our_batch(pairs))
+    loss, _, metrics = ours(objective, CausalLMLoss(model, chunk_tokens=chunk), _our_batch(pairs))
 
     assert loss.item() == pytest.approx(trl_loss.item(), rel=TOL, abs=TOL)
-    _assert_metrics(metrics, trl_metrics, METRICS)
+    assert_metrics(metrics, trl_metrics, METRICS)
     assert abs(metrics["rewards/margins"]) > 1e-2  # the adapter moved the policy off the reference
-    assert _rel(_grad(loss, params), _grad(trl_loss, params)) < TOL
+    assert rel(grad(loss, params), grad(trl_loss, params)) < TOL
 
 
 def test_label_smoothing_matches_cpo_sigmoid_formula(
@@ -218,7 +147,7 @@ def test_label_smoothing_matches_cpo_sigmoid_formula(
     log-ratios against TRL's DPO reference: pair by pair, not only on average."""
     trainer = dpo_trainers["cdpo"]
     model, pairs = trainer.model, _pairs()
-    cpo = _trainer("cpo", tiny_model, tmp_path, loss_type="sigmoid", beta=0.5, label_smoothing=0.1, cpo_alpha=0.0)
+    cpo = trl_trainer("cpo", tiny_model, tmp_path, loss_type="sigmoid", beta=0.5, label_smoothing=0.1, cpo_alpha=0.0)
     with torch.no_grad():
         logps = -CausalLMLoss(model, chunk_tokens=7)(**_model_inputs(_our_batch(pairs)), per_row=True)
         ref_chosen, ref_rejected = trainer.compute_ref_log_probs(model, _dpo_inputs(pairs))
@@ -238,16 +167,16 @@ def test_precomputed_reference_equals_trl(dpo_trainers: dict[str, Trainer]) -> N
     trainer = dpo_trainers["dpo"]
     model, pairs = trainer.model, _pairs()
     trl_loss = trainer._compute_loss(model, _dpo_inputs(pairs), return_outputs=False).item()
-    trl_metrics = _last(trainer)
+    trl_metrics = last_metrics(trainer)
     index = [5, 0, 3]
     with torch.no_grad():
         ref_chosen, ref_rejected = trainer.compute_ref_log_probs(model, _dpo_inputs(pairs))
     table = torch.full((6, 2), float("nan"))
     table[index] = torch.stack([ref_chosen, ref_rejected], dim=1)
     objective = make_objective(DPO_CASES["dpo"], FP32, reference=lambda pair_index: table[pair_index])
-    loss, _, metrics = _ours(objective, CausalLMLoss(model, chunk_tokens=7), _our_batch(pairs, index))
+    loss, _, metrics = ours(objective, CausalLMLoss(model, chunk_tokens=7), _our_batch(pairs, index))
     assert loss.item() == pytest.approx(trl_loss, rel=TOL, abs=TOL)
-    _assert_metrics(metrics, trl_metrics, METRICS)
+    assert_metrics(metrics, trl_metrics, METRICS)
 
 
 def test_control_reference_with_adapters_on_is_not_trl(dpo_trainers: dict[str, Trainer]) -> None:
@@ -264,11 +193,11 @@ def test_control_reference_with_adapters_on_is_not_trl(dpo_trainers: dict[str, T
             with torch.no_grad():
                 return -self.forward(model, batch, per_row=True)
 
-    wrong, _, metrics = _ours(AdaptersOn(FP32, beta=0.5), lm, batch)
+    wrong, _, metrics = ours(AdaptersOn(FP32, beta=0.5), lm, batch)
     assert wrong.item() == pytest.approx(math.log(2), abs=1e-6)
     assert metrics["rewards/margins"] == pytest.approx(0.0, abs=1e-6)
     assert abs(wrong.item() - trl_loss) > 1e3 * TOL
-    right, _, _ = _ours(make_objective(DPO_CASES["dpo"], FP32), lm, batch)
+    right, _, _ = ours(make_objective(DPO_CASES["dpo"], FP32), lm, batch)
     assert right.item() == pytest.approx(trl_loss, rel=TOL, abs=TOL)
 
 
@@ -277,7 +206,7 @@ def test_control_reference_with_adapters_on_is_not_trl(dpo_trainers: dict[str, T
 
 @pytest.fixture(scope="module")
 def orpo_trainer(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Trainer:
-    return _trainer("orpo", tiny_model, tmp_path_factory.mktemp("trl-orpo"), beta=0.2)
+    return trl_trainer("orpo", tiny_model, tmp_path_factory.mktemp("trl-orpo"), beta=0.2)
 
 
 ORPO = ObjectiveConfig(objective="orpo", orpo_lambda=0.2)
@@ -292,14 +221,14 @@ def test_orpo_odds_ratio_and_metrics_equal_trl(orpo_trainer: Trainer, chunk: int
     model, pairs = orpo_trainer.model, _pairs()
     inputs = _cpo_inputs(pairs)
     trl_loss, trl_metrics = orpo_trainer.get_batch_loss_metrics(model, inputs)
-    _, parts, metrics = _ours(make_objective(ORPO, FP32), CausalLMLoss(model, chunk_tokens=chunk), _our_batch(pairs))
+    _, parts, metrics = ours(make_objective(ORPO, FP32), CausalLMLoss(model, chunk_tokens=chunk), _our_batch(pairs))
 
     # TRL: loss = nll - mean(lambda x log sigmoid(log odds)); its odds-ratio term is loss - nll. Its nll is over
     # prompt and reply tokens (concatenated_forward: "orpo chosen nll loss is computed over the full prompt and
     # response"), ours over the chosen reply's tokens alone, as the paper's: that part is compared with a
     # cross-entropy over the reply tokens of TRL's model's own logits instead.
     assert parts[0].item() == pytest.approx(trl_loss.item() - trl_metrics["nll_loss"], rel=TOL, abs=TOL)
-    _assert_metrics(metrics, trl_metrics, ORPO_METRICS)
+    assert_metrics(metrics, trl_metrics, ORPO_METRICS)
     with torch.no_grad():
         logits = model(inputs["chosen_input_ids"], attention_mask=inputs["chosen_attention_mask"]).logits
     reply_nll = nn.CrossEntropyLoss()(logits[:, :-1].flatten(0, 1), inputs["chosen_labels"][:, 1:].flatten())
@@ -310,7 +239,7 @@ def test_orpo_odds_ratio_and_metrics_equal_trl(orpo_trainer: Trainer, chunk: int
 @pytest.fixture(scope="module")
 def confident_orpo_trainer(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Trainer:
     """ORPO's trainer on a model made confident: its (frozen) head's weight x 20."""
-    trainer = _trainer("orpo", tiny_model, tmp_path_factory.mktemp("trl-orpo-confident"), beta=0.2)
+    trainer = trl_trainer("orpo", tiny_model, tmp_path_factory.mktemp("trl-orpo-confident"), beta=0.2)
     with torch.no_grad():
         trainer.model.get_output_embeddings().weight.mul_(20.0)
     return trainer
@@ -344,13 +273,13 @@ def test_orpo_equals_trl_loss_when_the_prompt_is_one_token(
     model, pairs = trainer.model, _pairs(((1, 4, 6), (1, 7, 3), (1, 2, 5)))
     if confident:
         pairs = _greedy_pairs(model, pairs)
-    params = _lora_params(model)
+    params = lora_params(model)
     batch, lm = _our_batch(pairs), CausalLMLoss(model, chunk_tokens=7)
     trl_loss, trl_metrics = trainer.get_batch_loss_metrics(model, _cpo_inputs(pairs))
-    loss, _, metrics = _ours(make_objective(ORPO, FP32), lm, batch)
+    loss, _, metrics = ours(make_objective(ORPO, FP32), lm, batch)
     assert loss.item() == pytest.approx(trl_loss.item(), rel=TOL, abs=TOL)
-    _assert_metrics(metrics, trl_metrics, ORPO_METRICS)
-    assert _rel(_grad(loss, params), _grad(trl_loss, params)) < TOL
+    assert_metrics(metrics, trl_metrics, ORPO_METRICS)
+    assert rel(grad(loss, params), grad(trl_loss, params)) < TOL
     if confident:  # the regime it is there for
         with torch.no_grad():
             average = -lm(**_model_inputs(batch), per_row=True) / (batch["labels"][:, 1:] != IGNORE_INDEX).sum(1)
@@ -365,7 +294,7 @@ def test_orpo_equals_trl_loss_when_the_prompt_is_one_token(
 def simpo_trainers(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[float, Trainer]:
     out = tmp_path_factory.mktemp("trl-simpo")
     simpo = {"loss_type": "simpo", "cpo_alpha": 0.0, "beta": 2.0, "simpo_gamma": 0.5}
-    return {e: _trainer("cpo", tiny_model, out / str(e), label_smoothing=e, **simpo) for e in (0.0, 0.1)}
+    return {e: trl_trainer("cpo", tiny_model, out / str(e), label_smoothing=e, **simpo) for e in (0.0, 0.1)}
 
 
 @pytest.mark.parametrize(("label_smoothing", "chunk"), [(0.0, 7), (0.0, 0), (0.1, 7)])
@@ -373,10 +302,10 @@ def test_simpo_equals_trl(simpo_trainers: dict[float, Trainer], label_smoothing:
     """Loss (on log-probs averaged over each reply's tokens, less gamma), rewards, log-probs and gradient."""
     trainer = simpo_trainers[label_smoothing]
     model, pairs = trainer.model, _pairs()
-    params = _lora_params(model)
+    params = lora_params(model)
     trl_loss, trl_metrics = trainer.get_batch_loss_metrics(model, _cpo_inputs(pairs))
     config = ObjectiveConfig(objective="simpo", beta=2.0, simpo_gamma=0.5, label_smoothing=label_smoothing)
-    loss, _, metrics = _ours(make_objective(config, FP32), CausalLMLoss(model, chunk_tokens=chunk), _our_batch(pairs))
+    loss, _, metrics = ours(make_objective(config, FP32), CausalLMLoss(model, chunk_tokens=chunk), _our_batch(pairs))
     assert loss.item() == pytest.approx(trl_loss.item(), rel=TOL, abs=TOL)
-    _assert_metrics(metrics, trl_metrics, METRICS)
-    assert _rel(_grad(loss, params), _grad(trl_loss, params)) < TOL
+    assert_metrics(metrics, trl_metrics, METRICS)
+    assert rel(grad(loss, params), grad(trl_loss, params)) < TOL

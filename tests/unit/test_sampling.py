@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from qlora_fsdp.objectives.loss import CausalLMLoss
 from qlora_fsdp.objectives.sampling import sample
-from tests.unit.test_preference_trl import PAD, _perturb
+from tests.trl_parity import PAD, perturb
 
 PROMPTS = [[5, 9, 33, 71, 2048 % 500], [17], [400, 401, 402, 403, 404, 405, 406, 407], [88, 89, 90]]
 CPU = torch.device("cpu")
@@ -26,7 +26,7 @@ CPU = torch.device("cpu")
 def root(tiny_model: Path) -> CausalLMLoss:
     lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.1)
     lm = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32), lora)
-    _perturb(lm)
+    perturb(lm)
     return CausalLMLoss(lm, chunk_tokens=5).train()
 
 
