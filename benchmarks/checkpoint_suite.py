@@ -14,14 +14,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks import cpu_suite, report
+from benchmarks import harness, report
 from benchmarks.harness import Runner, Settings, alternate, brief, median, model_record, parameters, row, session
 from benchmarks.report import fmt
 
 CASES = ("full", "lora")
 STALL_BAR = 0.3
 """The issue's bound on an async save's stall over a synchronous save's (the full case)."""
-FULL_MODEL = {**cpu_suite.LARGE_MODEL, "num_layers": 8, "num_shards": 2}
+FULL_MODEL = {**harness.LARGE_MODEL, "num_layers": 8, "num_shards": 2}
 """483M parameters: TinyLlama's hidden size, heads, MLP and vocabulary, 8 of its 22 layers (3.9 GB of state in bf16
 over the two ranks, plus the async side's staging copy: what a 24 GB machine shared with other work holds)."""
 FULL_LAYERS_FP32 = 4
@@ -64,7 +64,7 @@ def plan(*, quick: bool, threads: int, reps: int | None, idle_wait_s: float | No
          precision: str | None = None) -> CheckpointPlan:  # fmt: skip
     """The full suite (the 483M full fine-tune and the 171M LoRA case, 6 steps saving every 2nd) or the quick one
     (the 1.6M model in both cases). No re-measuring on contention (a full-case run takes minutes)."""
-    models = (cpu_suite.QUICK_MODEL, cpu_suite.QUICK_MODEL) if quick else (FULL_MODEL, cpu_suite.FULL_MODEL)
+    models = (harness.QUICK_MODEL, harness.QUICK_MODEL) if quick else (FULL_MODEL, harness.FULL_MODEL)
     p = CheckpointPlan(*map(dict, models), reps=1, steps=6, save_steps=2, context_length=64, batch_size=1,
                        quick=quick, retries=0)  # fmt: skip
     if quick:

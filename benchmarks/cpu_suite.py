@@ -13,15 +13,19 @@ from typing import Any
 
 from benchmarks import report
 from benchmarks.harness import (
+    FULL_MODEL,
+    LARGE_MODEL,
+    QUICK_MODEL,
     REPO_ROOT,
     SIZE_KEYS,
     Runner,
     Settings,
     alternate,
+    llama,
     median,
     model_record,
     parameters,
-    row,  # fmt: skip
+    row,
     session,
 )
 
@@ -44,18 +48,6 @@ LOAD_VERSIONS = (2, 1)
 WORLD_COMBOS = ((2, "bnb"), (2, "hqq"), (1, "bnb"))
 
 
-def llama(hidden: int, layers: int, intermediate: int, heads: int, kv_heads: int, vocab: int,
-          shards: int) -> dict[str, int]:  # fmt: skip
-    """scripts/make_tiny_model.py's size flags."""
-    return dict(hidden_size=hidden, num_layers=layers, intermediate_size=intermediate, num_heads=heads,
-                num_kv_heads=kv_heads, vocab_size=vocab, num_shards=shards)  # fmt: skip
-
-
-FULL_MODEL = llama(1024, 12, 2816, 16, 16, 8192, 3)
-"""About 171M parameters: 12 Llama layers of 12.6M + 8192-token embeddings."""
-QUICK_MODEL = llama(256, 2, 512, 4, 4, 512, 2)
-LARGE_MODEL = llama(2048, 22, 5632, 32, 4, 32000, 5)
-"""TinyLlama's shape, about 1.1B parameters in five fp32 shards of 0.88 GB: loading at a size where memory tells."""
 LOSS_MODEL = llama(256, 2, 512, 4, 4, 0, 1)
 """The loss suite's memory model: one decoder too small to matter, so the head and its logits decide the peak."""
 LOSS_VOCABS = (512, 128256)  # a toy vocabulary, and Llama 3's

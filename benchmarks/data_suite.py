@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import report
-from benchmarks.cpu_suite import QUICK_MODEL
 from benchmarks.harness import (
+    QUICK_MODEL,
     REPO_ROOT,
     SIZE_KEYS,
     Runner,
@@ -32,7 +32,7 @@ from benchmarks.harness import (
     base_env,
     brief,
     bundled_words,
-    model_record,  # fmt: skip
+    model_record,
     read_json,
     row,
     session,

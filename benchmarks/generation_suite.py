@@ -12,8 +12,17 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import report
-from benchmarks.cpu_suite import FULL_MODEL, QUICK_MODEL
-from benchmarks.harness import REPO_ROOT, Settings, alternate, figure_rows, median, model_record, session
+from benchmarks.harness import (
+    FULL_MODEL,
+    QUICK_MODEL,
+    REPO_ROOT,
+    Settings,
+    alternate,
+    figure_rows,
+    median,
+    model_record,
+    session,
+)
 
 MODES = ("sharded", "gathered")
 """--generation_mode values; gathered is `ours`, sharded (the default) the `peer` column."""

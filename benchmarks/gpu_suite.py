@@ -23,17 +23,17 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import report
-from benchmarks.cpu_suite import llama
 from benchmarks.harness import (
     Launch,
     base_env,
     launch,
+    llama,
     machine_info,
     peak_rss_bytes,
     read_json,
     reset_peak_rss,
     row,
-    worker_cmd,  # fmt: skip
+    worker_cmd,
     worker_main,
     write_json,
     write_long_rows,

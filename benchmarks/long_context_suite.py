@@ -14,18 +14,18 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import report
-from benchmarks.cpu_suite import llama
 from benchmarks.harness import (
     Runner,
     Settings,
     alternate,
     brief,
     figure_rows,
+    llama,
     median,
     model_record,
     row,
     session,
-    write_long_rows,  # fmt: skip
+    write_long_rows,
 )
 from benchmarks.report import fmt
 

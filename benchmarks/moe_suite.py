@@ -6,6 +6,7 @@ experts 16-bit: bitsandbytes#1849); (2) step time against a dense Llama with the
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -13,19 +14,19 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import report
-from benchmarks.cpu_suite import llama
 from benchmarks.harness import (
     Runner,
     Settings,
-    _numel,
     alternate,
     base_env,
     brief,
     launch,
+    llama,
     median,
     row,
     session,
-    worker_cmd,  # fmt: skip
+    tensor_headers,
+    worker_cmd,
 )
 from benchmarks.report import fmt
 
@@ -93,25 +94,20 @@ def dense_sizes(moe: dict[str, int], vocab_size: int) -> dict[str, int]:
 def describe(model: Path, *, experts: int = 0, top_k: int = 0) -> dict[str, Any]:
     """Parameters and on-disk bytes from the safetensors headers; for an MoE, its routed experts' share and the
     parameters a token uses."""
-    tensors: dict[str, tuple[str, list[int]]] = {}
-    for file in sorted(model.glob("*.safetensors")):
-        with open(file, "rb") as fh:
-            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
-        tensors.update({k: (v["dtype"], v["shape"]) for k, v in header.items() if k != "__metadata__"})
+    tensors = tensor_headers(model)
     config = json.loads((model / "config.json").read_text())
-    total = sum(_numel(s) for _, s in tensors.values())
+    total = sum(math.prod(t["shape"]) for t in tensors.values())
     info: dict[str, Any] = {
         "path": str(model), "architecture": (config.get("architectures") or ["?"])[0], "parameters": total,
-        "bytes_on_disk": sum(_numel(s) * DTYPE_BYTES[d] for d, s in tensors.values()),
-        "dtypes_on_disk": sorted({d for d, _ in tensors.values()}), "sizes": {k: config.get(k) for k in SIZE_KEYS},
-        "active_parameters": total,
+        "bytes_on_disk": sum(math.prod(t["shape"]) * DTYPE_BYTES[t["dtype"]] for t in tensors.values()),
+        "dtypes_on_disk": sorted({t["dtype"] for t in tensors.values()}),
+        "sizes": {k: config.get(k) for k in SIZE_KEYS}, "active_parameters": total,
     }  # fmt: skip
     if experts:  # per-expert tensors (...experts.E.w1/w2/w3) or fused 3-D ones
-        routed = [(d, s) for k, (d, s) in tensors.items()
-                  if ".experts." in k or k.endswith((".gate_up_proj", ".down_proj"))]  # fmt: skip
-        expert_params = sum(_numel(s) for _, s in routed)
+        routed = [t for k, t in tensors.items() if ".experts." in k or k.endswith((".gate_up_proj", ".down_proj"))]
+        expert_params = sum(math.prod(t["shape"]) for t in routed)
         info.update(expert_parameters=expert_params,
-                    expert_bytes_on_disk=sum(_numel(s) * DTYPE_BYTES[d] for d, s in routed),
+                    expert_bytes_on_disk=sum(math.prod(t["shape"]) * DTYPE_BYTES[t["dtype"]] for t in routed),
                     active_parameters=total - expert_params + expert_params * top_k // experts)  # fmt: skip
     return info
 

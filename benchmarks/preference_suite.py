@@ -13,8 +13,19 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import report
-from benchmarks.cpu_suite import QUICK_MODEL, llama
-from benchmarks.harness import Runner, Settings, alternate, brief, bundled_words, median, model_record, row, session
+from benchmarks.harness import (
+    QUICK_MODEL,
+    Runner,
+    Settings,
+    alternate,
+    brief,
+    bundled_words,
+    llama,
+    median,
+    model_record,
+    row,
+    session,
+)
 from benchmarks.report import fmt
 
 OBJECTIVES = ("dpo", "ipo", "orpo", "simpo")
