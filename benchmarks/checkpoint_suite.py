@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import harness, report
-from benchmarks.harness import Runner, Settings, alternate, brief, median, model_record, parameters, row, session
+from benchmarks.harness import Runner, Settings, alternate, brief, median, row, session
 from benchmarks.report import fmt
 
 CASES = ("full", "lora")
@@ -242,8 +242,8 @@ def run(p: CheckpointPlan, *, cache: Path, model: Path | None = None,
             "stalls": "logged: rank 0's checkpoint line at the save; step times: metrics.jsonl's elapsed_s less the "
                       "next step's tokens / tokens_per_s at the save's boundary (and where an async save is marked "
                       "complete), less the median of the boundaries without either",
-        }, model=model_record(models.get("full", models[p.cases[0]]), p.full_model),
-           models={c: {"path": str(m), "parameters": parameters(m)} for c, m in models.items()})  # fmt: skip
+        }, model=harness.model_record(models.get("full", models[p.cases[0]]), p.full_model),
+           models={c: {"path": str(m), "parameters": harness.parameters(m)} for c, m in models.items()})  # fmt: skip
 
 
 def _rows(p: CheckpointPlan, models: dict[str, Path], runs: dict[str, dict[str, list[dict[str, Any]]]],
@@ -265,7 +265,8 @@ def _rows(p: CheckpointPlan, models: dict[str, Path], runs: dict[str, dict[str, 
         ours, peer = sides["async"], sides["sync"]
         params = ours[0]["trainable_parameters"]
         what = "--train_type full --quant none" if case == "full" else f"--quant bnb, LoRA r{p.lora_rank}"
-        shape = f"{what}, {params:,} trainable of {parameters(models[case]):,} parameters, {p.nproc} ranks, FSDP2"
+        total = harness.parameters(models[case])
+        shape = f"{what}, {params:,} trainable of {total:,} parameters, {p.nproc} ranks, FSDP2"
         kw = {"ours_label": f"--async_save true; {shape}", "peer_label": "--async_save false (the same CLI)",
               "note": f"{case}: saves after steps {', '.join(map(str, p.saves))} of {p.steps}; {p.reps} repetition(s), "
                       f"medians"}  # fmt: skip

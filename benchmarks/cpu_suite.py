@@ -11,23 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks import report
-from benchmarks.harness import (
-    FULL_MODEL,
-    LARGE_MODEL,
-    QUICK_MODEL,
-    REPO_ROOT,
-    SIZE_KEYS,
-    Runner,
-    Settings,
-    alternate,
-    llama,
-    median,
-    model_record,
-    parameters,
-    row,
-    session,
-)
+from benchmarks import harness, report
+from benchmarks.harness import FULL_MODEL, LARGE_MODEL, QUICK_MODEL, Runner, Settings, alternate, median, row, session
 
 PEER_LOAD = "HF from_pretrained 4-bit, 1 process"
 PEER_TRAIN = "HF 4-bit + PEFT + AdamW, 1 process"
@@ -48,7 +33,7 @@ LOAD_VERSIONS = (2, 1)
 WORLD_COMBOS = ((2, "bnb"), (2, "hqq"), (1, "bnb"))
 
 
-LOSS_MODEL = llama(256, 2, 512, 4, 4, 0, 1)
+LOSS_MODEL = harness.llama(256, 2, 512, 4, 4, 0, 1)
 """The loss suite's memory model: one decoder too small to matter, so the head and its logits decide the peak."""
 LOSS_VOCABS = (512, 128256)  # a toy vocabulary, and Llama 3's
 LOSS_SHAPE = {"batch_size": 1, "context_length": 2048}
@@ -144,7 +129,7 @@ def run(p: CpuPlan, *, model: Path | None, cache: Path, log: Callable[[str], Non
             "our_training": "the real CLI: python train.py / torchrun train.py --max_steps, metrics.jsonl tokens_per_s",
             "adapters": f"ours: LoRA weights in {p.precision} (qlora-fsdp stores them in --precision); peer: PEFT "
                         "default fp32",
-        }, model=model_record(model_dir, {k: config.get(k) for k in SIZE_KEYS}))  # fmt: skip
+        }, model=harness.model_record(model_dir, {k: config.get(k) for k in harness.SIZE_KEYS}))  # fmt: skip
 
 
 def render(results: dict[str, Any]) -> str:
@@ -167,7 +152,7 @@ def _loading(runner: Runner, model: Path, rows: list, details: dict) -> dict[int
         args = {"model": str(model), "precision": runner.plan.precision}
         peer.append(runner.worker(f"load peer (rep {rep + 1})", "load_peer", args)[0])
     ours_model, peer_model = ours[LOAD_VERSIONS[0]][0][0]["quantized_model_bytes"], peer[0]["quantized_model_bytes"]
-    details["parameters"] = parameters(model)
+    details["parameters"] = harness.parameters(model)
     details["quantized_model_bytes"] = {"ours": ours_model, "peer": peer_model}
     peer_peak = [x["peak_rss_bytes"] for x in peer]
     for version, runs in ours.items():
@@ -284,11 +269,11 @@ def _packing(runner: Runner, model: Path, rows: list, details: dict) -> None:
     """--suite cpu-packing: label tokens/s and row efficiency of bnb on 2 ranks on the bundled data, --packing true
     against false (the same CLI, in the peer's column)."""
     p = runner.plan
-    details["parameters"] = parameters(model)
+    details["parameters"] = harness.parameters(model)
     figures: dict[bool, dict[str, list[float]]] = {k: {"label_tps": [], "efficiency": []} for k in (True, False)}
     for rep in range(p.reps):
         for packing in (False, True):
-            data = {"dataset": REPO_ROOT / "data" / "alpaca_tiny.jsonl", "dataset_samples": 0, "packing": packing}
+            data = {"dataset": harness.WORDS, "dataset_samples": 0, "packing": packing}
             what = f"train {'packed' if packing else 'unpacked'} bnb x2 (rep {rep + 1})"
             steps = train_cli(runner, what, model, "bnb", nproc=2, version=2, flags=data)[0][p.warmup_steps :]
             seconds = sum(m["tokens"] / m["tokens_per_s"] for m in steps)
@@ -311,7 +296,7 @@ def _loss(runner: Runner, model: Path, cache: Path, rows: list, details: dict) -
     """--suite cpu-loss: the chunked loss against whole logits (--loss_chunk_tokens 0). Memory: one process's peak
     RSS on LOSS_MODEL at vocabulary 128256 minus at 512 (what the vocabulary costs); speed on the suite's model."""
     p = runner.plan
-    details["parameters"] = parameters(model)
+    details["parameters"] = harness.parameters(model)
     peaks: dict[tuple[int, int], list[int]] = {}
     speed: dict[int, list[float]] = {LOSS_CHUNK: [], 0: []}
     for rep in range(p.reps):

@@ -22,22 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks import report
-from benchmarks.harness import (
-    Launch,
-    base_env,
-    launch,
-    llama,
-    machine_info,
-    peak_rss_bytes,
-    read_json,
-    reset_peak_rss,
-    row,
-    worker_cmd,
-    worker_main,
-    write_json,
-    write_long_rows,
-)
+from benchmarks import harness, report
+from benchmarks.harness import llama, row
 
 LLAMA2_7B = llama(4096, 32, 11008, 32, 32, 32000, 7)
 DRY_MODEL = llama(128, 2, 256, 4, 2, 512, 2)
@@ -146,7 +132,7 @@ def _jobs(p: dict[str, Any], variants: list[Variant], only: tuple[str, ...], wor
                                "fsdp_version": v.fsdp_version, "flags": v.flags,
                                "warmup": p["warmup"] + bool(v.flags.get("compile"))}) for v in variants]  # fmt: skip
     if LONG in only:
-        rows = write_long_rows(work / "long-rows.jsonl", rows=2, words=max(p["long"]) + 8, seed=0)
+        rows = harness.write_long_rows(work / "long-rows.jsonl", rows=2, words=max(p["long"]) + 8, seed=0)
         # Tokenized in memory: the GPU machine has no `datasets`, which the tokenized cache is built with.
         data = {"dataset": str(rows), "dataset_in_memory": True}
         jobs += [(long_key(name, c), "ours", {**common, "shape": (1, c), "quant": "bnb", "fsdp_version": 2,
@@ -171,7 +157,8 @@ class GpuRun:
             "model": {"parameters": 0, "non_embedding_parameters": 0, "shards": self.p["model"]["num_shards"],
                       "sizes": self.p["model"]},
             "settings": _settings(self.p, dry_run, peak_flops, self.budget), "tests": None, "rows": [], "details": {},
-            "conditions": {"launches": []}, "errors": [], "missing": [], "machine": machine_info(), "wall_time_s": 0.0,
+            "conditions": {"launches": []}, "errors": [], "missing": [], "machine": harness.machine_info(),
+            "wall_time_s": 0.0,
         }  # fmt: skip
 
     def left(self) -> float:
@@ -182,7 +169,7 @@ class GpuRun:
         self.results["errors"].append(f"{key}: skipped, {self.left():.0f} s of the {self.budget:.0f} s budget left")
         self.done(key, None, missing=[item] if item in NAMES and item not in self.results["missing"] else [])
 
-    def done(self, name: str, job: Launch | None, *, missing: list[str] | None = None) -> None:
+    def done(self, name: str, job: harness.Launch | None, *, missing: list[str] | None = None) -> None:
         """Record a job, recompute every row from the records so far, and save."""
         r = self.results
         if job is not None:
@@ -226,10 +213,10 @@ class GpuRun:
                 self.skipped(key, item)
                 continue
             result = work / f"{key}.json"
-            job = launch([worker_cmd("benchmarks.gpu_suite", worker, {**args, "result": str(result)})],
-                         [base_env(os.cpu_count() or 1)], timeout_s=self.left())  # fmt: skip
+            cmd = harness.worker_cmd("benchmarks.gpu_suite", worker, {**args, "result": str(result)})
+            job = harness.launch([cmd], [harness.base_env(os.cpu_count() or 1)], timeout_s=self.left())
             if job.returncode == 0 and result.is_file():
-                self.records[key] = read_json(result)
+                self.records[key] = harness.read_json(result)
                 self.done(key, job)
                 continue
             cause = failure_cause(job)
@@ -268,7 +255,7 @@ def render(results: dict[str, Any]) -> str:
     return report.render(results)
 
 
-def failure_cause(job: Launch) -> str:
+def failure_cause(job: harness.Launch) -> str:
     """One line saying why a job failed: its last error line (an exception, or the CLI's `error:` line)."""
     if job.returncode == 124:
         return f"killed at its time limit, after {job.wall_s:.0f} s"
@@ -282,14 +269,14 @@ def _shape(shape: tuple[int, int]) -> str:
     return f"{shape[0]} x {shape[1]}"
 
 
-def _test_tier(work: Path, *, timeout_s: float) -> tuple[Launch, dict[str, Any]]:
+def _test_tier(work: Path, *, timeout_s: float) -> tuple[harness.Launch, dict[str, Any]]:
     """`pytest -m gpu` in a fresh process: its counts, and one line per failing test."""
     report = work / "gpu-tests.xml"
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
            "tests/gpu"]  # fmt: skip
     # Only the plugins pytest itself brings: the GPU machine's image has others, built for its own pytest.
-    env = {**base_env(os.cpu_count() or 1), "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
-    job = launch([cmd], [env], timeout_s=timeout_s)
+    env = {**harness.base_env(os.cpu_count() or 1), "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    job = harness.launch([cmd], [env], timeout_s=timeout_s)
     tier: dict[str, Any] = {"command": "python -m pytest -m gpu tests/gpu", "wall_s": round(job.wall_s, 1),
                             "returncode": job.returncode, "causes": []}  # fmt: skip
     if not report.is_file():
@@ -400,7 +387,7 @@ def _peaks(device: Any) -> dict[str, int]:
     if device.type == "cuda":
         return {"peak_allocated_bytes": int(torch.cuda.max_memory_allocated(device)),
                 "peak_reserved_bytes": int(torch.cuda.max_memory_reserved(device))}  # fmt: skip
-    rss = peak_rss_bytes()
+    rss = harness.peak_rss_bytes()
     return {"peak_allocated_bytes": rss, "peak_reserved_bytes": rss}
 
 
@@ -414,7 +401,7 @@ def _reset_peaks(device: Any) -> None:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     else:
-        reset_peak_rss()
+        harness.reset_peak_rss()
 
 
 def _device(args: dict[str, Any]) -> Any:
@@ -466,7 +453,7 @@ def write_model(args: dict[str, Any]) -> None:
         state[name] = value.cpu()
     generated = time.perf_counter() - start
     tiny.write_shards(state, out, sizes["num_shards"])
-    write_json(args["result"], {
+    harness.write_json(args["result"], {
         "parameters": sum(t.numel() for t in state.values()),
         "non_embedding_parameters": sum(t.numel() for k, t in state.items() if "embed_tokens" not in k),
         "generate_s": generated, "write_s": time.perf_counter() - start - generated})  # fmt: skip
@@ -513,7 +500,7 @@ def ours(args: dict[str, Any]) -> None:
         tokens = [m["tokens"] for m in metrics]
         raise RuntimeError(f"tokens per step {tokens}: the rows did not fill {batch} x {context}")
     tps = [m["tokens_per_s"] for m in metrics[args["warmup"] :]]
-    write_json(args["result"], {"batch": batch, "context": context, "tps": tps, **_peaks(device), "load": load,
+    harness.write_json(args["result"], {"batch": batch, "context": context, "tps": tps, **_peaks(device), "load": load,
                                 **_device_name(device)})  # fmt: skip
 
 
@@ -534,8 +521,8 @@ def peer(args: dict[str, Any]) -> None:
         steps = list(train_steps(model, batches, device=device))
         shapes.append({"batch": batch, "context": context, "tps": [n / s for n, s in steps[args["warmup"] :]],
                        **_peaks(device)})  # fmt: skip
-    write_json(args["result"], {"load": load, "shapes": shapes, **_device_name(device)})
+    harness.write_json(args["result"], {"load": load, "shapes": shapes, **_device_name(device)})
 
 
 if __name__ == "__main__":
-    worker_main({"write_model": write_model, "ours": ours, "peer": peer})
+    harness.worker_main({"write_model": write_model, "ours": ours, "peer": peer})

@@ -13,21 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks import report
-from benchmarks.harness import (
-    Runner,
-    Settings,
-    alternate,
-    base_env,
-    brief,
-    launch,
-    llama,
-    median,
-    row,
-    session,
-    tensor_headers,
-    worker_cmd,
-)
+from benchmarks import harness, report
+from benchmarks.harness import Runner, Settings, alternate, brief, llama, median, row, session
 from benchmarks.report import fmt
 
 QUANTS = ("bnb", "hqq")
@@ -94,7 +81,7 @@ def dense_sizes(moe: dict[str, int], vocab_size: int) -> dict[str, int]:
 def describe(model: Path, *, experts: int = 0, top_k: int = 0) -> dict[str, Any]:
     """Parameters and on-disk bytes from the safetensors headers; for an MoE, its routed experts' share and the
     parameters a token uses."""
-    tensors = tensor_headers(model)
+    tensors = harness.tensor_headers(model)
     config = json.loads((model / "config.json").read_text())
     total = sum(math.prod(t["shape"]) for t in tensors.values())
     info: dict[str, Any] = {
@@ -122,8 +109,8 @@ def ensure_models(runner: Runner, cache: Path) -> tuple[Path, Path]:
     if not (moe / "config.json").is_file():
         runner.say(f"building {name}")
         args = {"out": str(moe), "tokenizer_from": str(dense), "seed": p.seed, "sizes": p.moe}
-        launch([worker_cmd("benchmarks.cpu_workers", "build_moe", args)], [base_env(p.threads)],
-               timeout_s=p.launch_timeout_s).check(f"building {name}")  # fmt: skip
+        cmd = harness.worker_cmd("benchmarks.cpu_workers", "build_moe", args)
+        harness.launch([cmd], [harness.base_env(p.threads)], timeout_s=p.launch_timeout_s).check(f"building {name}")
     a, b = (json.loads((m / "config.json").read_text()) for m in (moe, dense))
     same = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size")
     wrong = [f"{k}: {a.get(k)} vs {b.get(k)}" for k in same if a.get(k) != b.get(k)]

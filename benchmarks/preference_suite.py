@@ -12,20 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks import report
-from benchmarks.harness import (
-    QUICK_MODEL,
-    Runner,
-    Settings,
-    alternate,
-    brief,
-    bundled_words,
-    llama,
-    median,
-    model_record,
-    row,
-    session,
-)
+from benchmarks import harness, report
+from benchmarks.harness import QUICK_MODEL, Runner, Settings, alternate, brief, llama, median, row, session
 from benchmarks.report import fmt
 
 OBJECTIVES = ("dpo", "ipo", "orpo", "simpo")
@@ -104,7 +92,7 @@ class Texts:
         from tokenizers import Tokenizer  # the Rust library alone: the harness stays without torch
 
         self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
-        self.cost = {w: self.count(" " + w) for w in bundled_words()}
+        self.cost = {w: self.count(" " + w) for w in harness.bundled_words()}
         self.words = [w for w, c in self.cost.items() if 1 <= c <= 3]
         self.ones = [w for w in self.words if self.cost[w] == 1 and self.count(w) == 1]
         if not self.ones:
@@ -235,7 +223,8 @@ def run(p: PreferencePlan, *, cache: Path, model: Path | None = None,
                      f"there and after every step by benchmarks/probe.py), largest of steps 1-{p.steps - 1} and of "
                      f"the ranks; tensor bytes: the largest 'Total Allocated' of the profiler's CPU memory events "
                      f"over step {p.steps}, largest rank",
-        }, model=model_record(model_dir, p.model), data={k: v for k, v in data.items() if k != "files"})  # fmt: skip
+        }, model=harness.model_record(model_dir, p.model),
+           data={k: v for k, v in data.items() if k != "files"})  # fmt: skip
 
 
 def _rows(p: PreferencePlan, runs: dict[str, list[dict[str, Any]]], rows: list) -> dict[str, Any]:
