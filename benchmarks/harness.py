@@ -540,6 +540,22 @@ def session(plan: Settings, suite: str, log: Callable[[str], None] = print, **kw
         yield Runner(plan, Path(tmp), log, **kw)
 
 
+def step_peaks(run: dict[str, Any], steps: int) -> dict[str, int]:
+    """A `probe="steps"` run's peaks, largest rank: the profiled last step's tensor bytes, and over steps 1 to
+    steps-1 the RSS less the RSS before step 1 and the RSS itself."""
+    measured = [(s, r) for r in run["ranks"] for s in r["steps"][: steps - 1]]
+    return {"tensor_peak_bytes": max(r["tensor_peak_bytes"] for r in run["ranks"]),
+            "rss_peak_growth_bytes": max(s["peak_rss_bytes"] - r["baseline_rss_bytes"] for s, r in measured),
+            "peak_rss_bytes": max(s["peak_rss_bytes"] for s, _ in measured)}  # fmt: skip
+
+
+def choose(flag: str, given: tuple[str, ...], allowed: tuple[str, ...]) -> tuple[str, ...]:
+    """A suite option's values, once each in the order given; ValueError names the choices."""
+    if set(given) - set(allowed) or not given:
+        raise ValueError(f"{flag}: choose from {', '.join(allowed)} (got {','.join(given) or 'nothing'})")
+    return tuple(dict.fromkeys(given))
+
+
 def tensor_peak(trace: Path) -> tuple[int, int]:
     """(the largest "Total Allocated" of a Chrome trace's CPU memory events, how many there were): the bytes of
     tensors allocated since the profiler started and not yet freed."""

@@ -130,11 +130,8 @@ def train(runner: Runner, what: str, model: Path, data: Path, context: int, size
 
 def summary(run: dict[str, Any], steps: int) -> dict[str, Any]:
     """A run's figures: the step peaks (largest rank; RSS over steps 1 to steps-1), tokens/s, resident bytes."""
-    m, ranks = run["metrics"], run["ranks"]
-    measured = [(s, r) for r in ranks for s in r["steps"][: steps - 1]]
-    return {"tensor_peak_bytes": max(r["tensor_peak_bytes"] for r in ranks),
-            "rss_peak_growth_bytes": max(s["peak_rss_bytes"] - r["baseline_rss_bytes"] for s, r in measured),
-            "peak_rss_bytes": max(s["peak_rss_bytes"] for s, _ in measured),
+    m = run["metrics"]
+    return {**harness.step_peaks(run, steps),
             "tokens_per_s": median([x["tokens_per_s"] for x in m[1 : steps - 1] or m[:1]]),
             "param_bytes_per_rank": max(m[0]["param_bytes_per_rank"]), "loss": [x["loss"] for x in m]}  # fmt: skip
 

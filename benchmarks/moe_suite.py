@@ -65,9 +65,7 @@ def plan(*, quick: bool, threads: int, reps: int | None, idle_wait_s: float | No
     else:
         p = MoePlan(dict(FULL_MOE), 8192, reps=2)
     if quants is not None:
-        if set(quants) - set(QUANTS) or not quants:
-            raise ValueError(f"--quants: choose from {', '.join(QUANTS)} (got {','.join(quants) or 'nothing'})")
-        p.quants = tuple(dict.fromkeys(quants))
+        p.quants = harness.choose("--quants", quants, QUANTS)
     p.retries = 0
     p.configure(threads=threads, precision=precision, idle_wait_s=idle_wait_s, reps=reps)
     return p

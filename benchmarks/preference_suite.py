@@ -67,10 +67,7 @@ def plan(*, quick: bool, threads: int, reps: int | None, idle_wait_s: float | No
     else:
         p = PreferencePlan(dict(FULL_MODEL), reps=1, pairs_per_rank=4, prompt_tokens=95, reply_tokens=288, steps=4)
     if objectives is not None:
-        if set(objectives) - set(OBJECTIVES) or not objectives:
-            got = ",".join(objectives) or "nothing"
-            raise ValueError(f"--objectives: choose from {', '.join(OBJECTIVES)} (got {got})")
-        p.objectives = tuple(dict.fromkeys(objectives))
+        p.objectives = harness.choose("--objectives", objectives, OBJECTIVES)
     p.retries = 0
     p.configure(threads=threads, precision=precision, idle_wait_s=idle_wait_s, reps=reps)
     check_plan(p)
@@ -156,12 +153,9 @@ def rss_growth(run: dict[str, Any]) -> list[list[int]]:
 def summary(run: dict[str, Any], steps: int) -> dict[str, Any]:
     """A run's figures: resident bytes, the two step peaks (largest rank; RSS of steps 1 to S-1), the step time
     (median of steps 2 to S-1) and the tokens of every step."""
-    m, growth = run["metrics"], [g[: steps - 1] for g in rss_growth(run)]
-    return {"param_bytes_per_rank": m[0]["param_bytes_per_rank"],
-            "rss_peak_growth_bytes": max(max(g) for g in growth),
-            "rss_peak_growth_step1_bytes": max(g[0] for g in growth),
-            "tensor_peak_bytes": max(r["tensor_peak_bytes"] for r in run["ranks"]),
-            "peak_rss_bytes": max(s["peak_rss_bytes"] for r in run["ranks"] for s in r["steps"][: steps - 1]),
+    m = run["metrics"]
+    return {"param_bytes_per_rank": m[0]["param_bytes_per_rank"], **harness.step_peaks(run, steps),
+            "rss_peak_growth_step1_bytes": max(g[0] for g in rss_growth(run)),
             "baseline_rss_bytes": [r["baseline_rss_bytes"] for r in run["ranks"]],
             "step_s": median([x["tokens"] / x["tokens_per_s"] for x in m[1 : steps - 1]]),
             "tokens": [x["tokens"] for x in m], "label_tokens": [x["label_tokens"] for x in m]}  # fmt: skip
