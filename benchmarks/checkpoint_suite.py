@@ -150,9 +150,7 @@ def parse_saves(text: str, *, async_save: bool, expected: list[int]) -> list[dic
     return [saves[s] for s in found]
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # The figures of a run
-# ---------------------------------------------------------------------------------------------------------------
 
 
 def analyse(run: dict[str, Any], steps: int) -> dict[str, Any]:
