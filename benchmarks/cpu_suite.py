@@ -87,11 +87,12 @@ def train_cli(runner: Runner, what: str, model: Path, quant: str, *, nproc: int,
     if p.batch_size % nproc:
         raise ValueError(f"batch {p.batch_size} does not split over {nproc} ranks")
     steps = p.warmup_steps + p.measured_steps
-    run = runner.train(what, runner.flags(
-        f"train-{quant}-{nproc}-fsdp{version}", model=model, quant=quant, fsdp_version=version, dataset="dummy",
-        dataset_samples=p.batch_size * steps, context_length=p.context_length, batch_size=p.batch_size // nproc,
-        gradient_checkpointing=str(p.gradient_checkpointing).lower(), max_steps=steps, **(flags or {})),
-        nproc=nproc, steps=steps)  # fmt: skip
+    plan_flags = {"model": model, "quant": quant, "fsdp_version": version, "dataset": "dummy",
+                  "dataset_samples": p.batch_size * steps, "context_length": p.context_length,
+                  "batch_size": p.batch_size // nproc, "gradient_checkpointing": str(p.gradient_checkpointing).lower(),
+                  "max_steps": steps}  # fmt: skip
+    run = runner.train(what, runner.flags(f"train-{quant}-{nproc}-fsdp{version}", **{**plan_flags, **(flags or {})}),
+                       nproc=nproc, steps=steps)  # fmt: skip
     return run["metrics"], run["exit_peak_rss_bytes"]
 
 
