@@ -14,14 +14,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks import cpu_suite, report
-from benchmarks.harness import Runner, Settings, alternate, brief, median, model_record, parameters, row, session
+from benchmarks import harness, report
+from benchmarks.harness import Runner, Settings, alternate, brief, median, row, session
 from benchmarks.report import fmt
 
 CASES = ("full", "lora")
 STALL_BAR = 0.3
 """The issue's bound on an async save's stall over a synchronous save's (the full case)."""
-FULL_MODEL = {**cpu_suite.LARGE_MODEL, "num_layers": 8, "num_shards": 2}
+FULL_MODEL = {**harness.LARGE_MODEL, "num_layers": 8, "num_shards": 2}
 """483M parameters: TinyLlama's hidden size, heads, MLP and vocabulary, 8 of its 22 layers (3.9 GB of state in bf16
 over the two ranks, plus the async side's staging copy: what a 24 GB machine shared with other work holds)."""
 FULL_LAYERS_FP32 = 4
@@ -64,7 +64,7 @@ def plan(*, quick: bool, threads: int, reps: int | None, idle_wait_s: float | No
          precision: str | None = None) -> CheckpointPlan:  # fmt: skip
     """The full suite (the 483M full fine-tune and the 171M LoRA case, 6 steps saving every 2nd) or the quick one
     (the 1.6M model in both cases). No re-measuring on contention (a full-case run takes minutes)."""
-    models = (cpu_suite.QUICK_MODEL, cpu_suite.QUICK_MODEL) if quick else (FULL_MODEL, cpu_suite.FULL_MODEL)
+    models = (harness.QUICK_MODEL, harness.QUICK_MODEL) if quick else (FULL_MODEL, harness.FULL_MODEL)
     p = CheckpointPlan(*map(dict, models), reps=1, steps=6, save_steps=2, context_length=64, batch_size=1,
                        quick=quick, retries=0)  # fmt: skip
     if quick:
@@ -150,9 +150,7 @@ def parse_saves(text: str, *, async_save: bool, expected: list[int]) -> list[dic
     return [saves[s] for s in found]
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # The figures of a run
-# ---------------------------------------------------------------------------------------------------------------
 
 
 def analyse(run: dict[str, Any], steps: int) -> dict[str, Any]:
@@ -242,8 +240,8 @@ def run(p: CheckpointPlan, *, cache: Path, model: Path | None = None,
             "stalls": "logged: rank 0's checkpoint line at the save; step times: metrics.jsonl's elapsed_s less the "
                       "next step's tokens / tokens_per_s at the save's boundary (and where an async save is marked "
                       "complete), less the median of the boundaries without either",
-        }, model=model_record(models.get("full", models[p.cases[0]]), p.full_model),
-           models={c: {"path": str(m), "parameters": parameters(m)} for c, m in models.items()})  # fmt: skip
+        }, model=harness.model_record(models.get("full", models[p.cases[0]]), p.full_model),
+           models={c: {"path": str(m), "parameters": harness.parameters(m)} for c, m in models.items()})  # fmt: skip
 
 
 def _rows(p: CheckpointPlan, models: dict[str, Path], runs: dict[str, dict[str, list[dict[str, Any]]]],
@@ -265,7 +263,8 @@ def _rows(p: CheckpointPlan, models: dict[str, Path], runs: dict[str, dict[str, 
         ours, peer = sides["async"], sides["sync"]
         params = ours[0]["trainable_parameters"]
         what = "--train_type full --quant none" if case == "full" else f"--quant bnb, LoRA r{p.lora_rank}"
-        shape = f"{what}, {params:,} trainable of {parameters(models[case]):,} parameters, {p.nproc} ranks, FSDP2"
+        total = harness.parameters(models[case])
+        shape = f"{what}, {params:,} trainable of {total:,} parameters, {p.nproc} ranks, FSDP2"
         kw = {"ours_label": f"--async_save true; {shape}", "peer_label": "--async_save false (the same CLI)",
               "note": f"{case}: saves after steps {', '.join(map(str, p.saves))} of {p.steps}; {p.reps} repetition(s), "
                       f"medians"}  # fmt: skip

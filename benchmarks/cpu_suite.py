@@ -11,19 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks import report
-from benchmarks.harness import (
-    REPO_ROOT,
-    SIZE_KEYS,
-    Runner,
-    Settings,
-    alternate,
-    median,
-    model_record,
-    parameters,
-    row,  # fmt: skip
-    session,
-)
+from benchmarks import harness, report
+from benchmarks.harness import FULL_MODEL, LARGE_MODEL, QUICK_MODEL, Runner, Settings, alternate, median, row, session
 
 PEER_LOAD = "HF from_pretrained 4-bit, 1 process"
 PEER_TRAIN = "HF 4-bit + PEFT + AdamW, 1 process"
@@ -44,19 +33,7 @@ LOAD_VERSIONS = (2, 1)
 WORLD_COMBOS = ((2, "bnb"), (2, "hqq"), (1, "bnb"))
 
 
-def llama(hidden: int, layers: int, intermediate: int, heads: int, kv_heads: int, vocab: int,
-          shards: int) -> dict[str, int]:  # fmt: skip
-    """scripts/make_tiny_model.py's size flags."""
-    return dict(hidden_size=hidden, num_layers=layers, intermediate_size=intermediate, num_heads=heads,
-                num_kv_heads=kv_heads, vocab_size=vocab, num_shards=shards)  # fmt: skip
-
-
-FULL_MODEL = llama(1024, 12, 2816, 16, 16, 8192, 3)
-"""About 171M parameters: 12 Llama layers of 12.6M + 8192-token embeddings."""
-QUICK_MODEL = llama(256, 2, 512, 4, 4, 512, 2)
-LARGE_MODEL = llama(2048, 22, 5632, 32, 4, 32000, 5)
-"""TinyLlama's shape, about 1.1B parameters in five fp32 shards of 0.88 GB: loading at a size where memory tells."""
-LOSS_MODEL = llama(256, 2, 512, 4, 4, 0, 1)
+LOSS_MODEL = harness.llama(256, 2, 512, 4, 4, 0, 1)
 """The loss suite's memory model: one decoder too small to matter, so the head and its logits decide the peak."""
 LOSS_VOCABS = (512, 128256)  # a toy vocabulary, and Llama 3's
 LOSS_SHAPE = {"batch_size": 1, "context_length": 2048}
@@ -110,11 +87,12 @@ def train_cli(runner: Runner, what: str, model: Path, quant: str, *, nproc: int,
     if p.batch_size % nproc:
         raise ValueError(f"batch {p.batch_size} does not split over {nproc} ranks")
     steps = p.warmup_steps + p.measured_steps
-    run = runner.train(what, runner.flags(
-        f"train-{quant}-{nproc}-fsdp{version}", model=model, quant=quant, fsdp_version=version, dataset="dummy",
-        dataset_samples=p.batch_size * steps, context_length=p.context_length, batch_size=p.batch_size // nproc,
-        gradient_checkpointing=str(p.gradient_checkpointing).lower(), max_steps=steps, **(flags or {})),
-        nproc=nproc, steps=steps)  # fmt: skip
+    plan_flags = {"model": model, "quant": quant, "fsdp_version": version, "dataset": "dummy",
+                  "dataset_samples": p.batch_size * steps, "context_length": p.context_length,
+                  "batch_size": p.batch_size // nproc, "gradient_checkpointing": str(p.gradient_checkpointing).lower(),
+                  "max_steps": steps}  # fmt: skip
+    run = runner.train(what, runner.flags(f"train-{quant}-{nproc}-fsdp{version}", **{**plan_flags, **(flags or {})}),
+                       nproc=nproc, steps=steps)  # fmt: skip
     return run["metrics"], run["exit_peak_rss_bytes"]
 
 
@@ -152,7 +130,7 @@ def run(p: CpuPlan, *, model: Path | None, cache: Path, log: Callable[[str], Non
             "our_training": "the real CLI: python train.py / torchrun train.py --max_steps, metrics.jsonl tokens_per_s",
             "adapters": f"ours: LoRA weights in {p.precision} (qlora-fsdp stores them in --precision); peer: PEFT "
                         "default fp32",
-        }, model=model_record(model_dir, {k: config.get(k) for k in SIZE_KEYS}))  # fmt: skip
+        }, model=harness.model_record(model_dir, {k: config.get(k) for k in harness.SIZE_KEYS}))  # fmt: skip
 
 
 def render(results: dict[str, Any]) -> str:
@@ -175,7 +153,7 @@ def _loading(runner: Runner, model: Path, rows: list, details: dict) -> dict[int
         args = {"model": str(model), "precision": runner.plan.precision}
         peer.append(runner.worker(f"load peer (rep {rep + 1})", "load_peer", args)[0])
     ours_model, peer_model = ours[LOAD_VERSIONS[0]][0][0]["quantized_model_bytes"], peer[0]["quantized_model_bytes"]
-    details["parameters"] = parameters(model)
+    details["parameters"] = harness.parameters(model)
     details["quantized_model_bytes"] = {"ours": ours_model, "peer": peer_model}
     peer_peak = [x["peak_rss_bytes"] for x in peer]
     for version, runs in ours.items():
@@ -292,11 +270,11 @@ def _packing(runner: Runner, model: Path, rows: list, details: dict) -> None:
     """--suite cpu-packing: label tokens/s and row efficiency of bnb on 2 ranks on the bundled data, --packing true
     against false (the same CLI, in the peer's column)."""
     p = runner.plan
-    details["parameters"] = parameters(model)
+    details["parameters"] = harness.parameters(model)
     figures: dict[bool, dict[str, list[float]]] = {k: {"label_tps": [], "efficiency": []} for k in (True, False)}
     for rep in range(p.reps):
         for packing in (False, True):
-            data = {"dataset": REPO_ROOT / "data" / "alpaca_tiny.jsonl", "dataset_samples": 0, "packing": packing}
+            data = {"dataset": harness.WORDS, "dataset_samples": 0, "packing": packing}
             what = f"train {'packed' if packing else 'unpacked'} bnb x2 (rep {rep + 1})"
             steps = train_cli(runner, what, model, "bnb", nproc=2, version=2, flags=data)[0][p.warmup_steps :]
             seconds = sum(m["tokens"] / m["tokens_per_s"] for m in steps)
@@ -319,7 +297,7 @@ def _loss(runner: Runner, model: Path, cache: Path, rows: list, details: dict) -
     """--suite cpu-loss: the chunked loss against whole logits (--loss_chunk_tokens 0). Memory: one process's peak
     RSS on LOSS_MODEL at vocabulary 128256 minus at 512 (what the vocabulary costs); speed on the suite's model."""
     p = runner.plan
-    details["parameters"] = parameters(model)
+    details["parameters"] = harness.parameters(model)
     peaks: dict[tuple[int, int], list[int]] = {}
     speed: dict[int, list[float]] = {LOSS_CHUNK: [], 0: []}
     for rep in range(p.reps):

@@ -6,9 +6,11 @@ jobs) that the orchestrator reads; multi-rank workers join the job through the t
 
 from __future__ import annotations
 
+import functools
 import importlib
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -204,46 +206,41 @@ def quant_quality(args: dict[str, Any]) -> None:
     from qlora_fsdp.quant import make_backend
 
     layers = {f"model.layers.{i}." for i in args["layers"]}
-    weights: dict[str, torch.Tensor] = {}
+    weights: list[torch.Tensor] = []
     for file in shard_files(Path(args["model"])):
         with safe_open(file, framework="pt", device="cpu") as shard:
             for name in shard.keys():  # noqa: SIM118 - safe_open is not a mapping
                 if name.endswith("proj.weight") and any(name.startswith(p) for p in layers):
-                    weights[name] = shard.get_tensor(name).float()
-    cpu = torch.device("cpu")
+                    weights.append(shard.get_tensor(name).float())
     results = {}
     for fmt in args["formats"]:
         cfg = QuantConfig(**fmt["config"])
         backend = make_backend(cfg, storage_dtype=torch.uint8, compute_dtype=torch.bfloat16)
-        sides: dict[str, dict[str, float]] = {}
-        for side in ("ours", "reference"):
-            stored = err_sum = 0.0
-            err_max = 0.0
-            count = 0
-            start = time.perf_counter()
-            for w in weights.values():
-                if side == "ours":
-                    module = backend.make_module(nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta"))
-                    backend.load_weight(module, w, device=cpu)
-                    deq = module.dequantize().float()
-                    stored += tensor_bytes(module.packed_bytes())
-                    stored += sum(tensor_bytes(t) for t in module.state_bytes().values())
-                else:
-                    deq, nbytes = _reference_quantize(cfg, w)
-                    stored += nbytes
-                diff = (deq - w).abs()
-                err_sum += float(diff.double().sum())
-                err_max = max(err_max, float(diff.max()))
-                count += w.numel()
-            sides[side] = {
-                "bits_per_param": 8 * stored / count,
-                "mean_abs_error": err_sum / count,
-                "max_abs_error": err_max,
-                "seconds": time.perf_counter() - start,
-            }
-        results[fmt["name"]] = sides
+        ours, reference = functools.partial(_our_quantize, backend), functools.partial(_reference_quantize, cfg)
+        results[fmt["name"]] = {"ours": _errors(weights, ours), "reference": _errors(weights, reference)}
     write_json(args["result"], {"formats": results, "matrices": len(weights),
-                                "params": sum(w.numel() for w in weights.values())})  # fmt: skip
+                                "params": sum(w.numel() for w in weights)})  # fmt: skip
+
+
+def _errors(weights: list[torch.Tensor], quantize: Callable[[torch.Tensor], tuple[Any, int]]) -> dict[str, float]:
+    """Stored bits per parameter and the mean and max absolute error of `quantize` over `weights`."""
+    stored = err_sum = err_max = 0.0
+    for w in weights:
+        deq, nbytes = quantize(w)
+        diff = (deq - w).abs()
+        stored += nbytes
+        err_sum += float(diff.double().sum())
+        err_max = max(err_max, float(diff.max()))
+    count = sum(w.numel() for w in weights)
+    return {"bits_per_param": 8 * stored / count, "mean_abs_error": err_sum / count, "max_abs_error": err_max}
+
+
+def _our_quantize(backend: Any, w: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Our backend's path into the module our loader builds: (dequantized fp32 weight, stored bytes)."""
+    module = backend.make_module(nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta"))
+    backend.load_weight(module, w, device=torch.device("cpu"))
+    stored = tensor_bytes(module.packed_bytes()) + sum(tensor_bytes(t) for t in module.state_bytes().values())
+    return module.dequantize().float(), stored
 
 
 def _reference_quantize(cfg: Any, w: Any) -> tuple[Any, int]:

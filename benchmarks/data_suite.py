@@ -6,6 +6,7 @@ first-step ...` is the wrapper that times a launch to its first metrics.jsonl re
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -21,24 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks import report
-from benchmarks.cpu_suite import QUICK_MODEL
-from benchmarks.harness import (
-    REPO_ROOT,
-    SIZE_KEYS,
-    Runner,
-    Settings,
-    alternate,
-    base_env,
-    brief,
-    bundled_words,
-    model_record,  # fmt: skip
-    read_json,
-    row,
-    session,
-    shell,
-    write_json,
-)
+from benchmarks import harness, report
+from benchmarks.harness import Runner, Settings, alternate, brief, row, session
 
 GENERATOR_VERSION = 1
 """Part of the synthetic file's name: raise it when the generator changes what it writes."""
@@ -120,7 +105,7 @@ def ensure_dataset(plan: DataPlan, model: Path, cache: Path, log: Callable[[str]
     from tokenizers import Tokenizer  # the Rust library alone: the harness stays without torch and transformers
 
     tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
-    words = bundled_words()
+    words = harness.bundled_words()
     costs = [len(tokenizer.encode(" " + w, add_special_tokens=False).ids) for w in words]
     digest = hashlib.sha256((model / "tokenizer.json").read_bytes()).hexdigest()[:10]
     path = cache / "data" / f"synthetic-alpaca-v{GENERATOR_VERSION}-seed{plan.seed}-tok{digest}-{plan.rows}.jsonl"
@@ -163,7 +148,7 @@ def _first_step_main(argv: list[str]) -> int:
         time.sleep(0.02)
     if first is None and written():
         first = time.clock_gettime(time.CLOCK_BOOTTIME) - started  # written in the last 20 ms: an upper bound
-    write_json(result, {"first_step_s": first, "exit_s": time.clock_gettime(time.CLOCK_BOOTTIME) - started})
+    harness.write_json(result, {"first_step_s": first, "exit_s": time.clock_gettime(time.CLOCK_BOOTTIME) - started})
     return proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
 
 
@@ -179,16 +164,15 @@ def _cache_line(log: str) -> dict[str, Any] | None:
     return {**out, **{k: int(g[k]) for k in ("examples", "samples", "tokens")}, "mib": float(g["mib"])}
 
 
-def _env(threads: int) -> dict[str, str]:
-    """base_env with the tokenizer's own thread default, as a user's run has it (the package pins it itself when
-    it tokenizes in a process pool)."""
-    return base_env(threads, pin_tokenizers=False)
+_env = functools.partial(harness.base_env, pin_tokenizers=False)
+"""base_env with the tokenizer's own thread default, as a user's run has it (the package pins it itself when it
+tokenizes in a process pool)."""
 
 
 def preprocess(runner: Runner, what: str, rows: int, procs: int, cache_dir: Path, data: Path, model: Path, *,
                fresh: bool = True) -> dict[str, Any]:  # fmt: skip
     """scripts/preprocess.py into `cache_dir` (emptied first when `fresh`): wall time and the cache's line."""
-    cmd = [sys.executable, str(REPO_ROOT / "scripts" / "preprocess.py"), "--model", str(model), "--dataset",
+    cmd = [sys.executable, str(harness.REPO_ROOT / "scripts" / "preprocess.py"), "--model", str(model), "--dataset",
            str(data), "--context_length", str(runner.plan.context_length), "--dataset_num_proc", str(procs),
            "--dataset_cache_dir", str(cache_dir), "--dataset_samples", str(rows)]  # fmt: skip
     reset = (lambda: shutil.rmtree(cache_dir, ignore_errors=True)) if fresh else None
@@ -196,7 +180,7 @@ def preprocess(runner: Runner, what: str, rows: int, procs: int, cache_dir: Path
     line = _cache_line(result.log)
     if line is None:
         raise RuntimeError(f"{what}: no 'tokenized cache' line in its output:\n{result.log}")
-    return {"wall_s": result.wall_s, "foreign_cores": result.foreign_cores, "command": shell(cmd), **line}
+    return {"wall_s": result.wall_s, "foreign_cores": result.foreign_cores, "command": harness.shell(cmd), **line}
 
 
 def train(runner: Runner, what: str, model: Path, data: Path, *, rows: int, cache_dir: Path, nproc: int, steps: int,
@@ -219,7 +203,7 @@ def train(runner: Runner, what: str, model: Path, data: Path, *, rows: int, cach
     run = runner.train(what, f, nproc=nproc, steps=steps, wrap=wrap, reset=reset)
     run["cache"] = _cache_line(run.pop("log"))
     if first_step:
-        run.update(read_json(timing))
+        run.update(harness.read_json(timing))
         if run["first_step_s"] is None:
             raise RuntimeError(f"{what}: the wrapper saw no metrics record")
     return run
@@ -229,7 +213,7 @@ def run(p: DataPlan, *, model: Path | None, cache: Path, log: Callable[[str], No
     """Every measurement of the data suite; returns results.json's content."""
     rows: list[dict[str, Any]] = []
     with session(p, "data", log, env=_env) as runner:
-        model_dir = model or runner.model(QUICK_MODEL, cache)
+        model_dir = model or runner.model(harness.QUICK_MODEL, cache)
         config = json.loads((model_dir / "config.json").read_text())
         data, info = ensure_dataset(p, model_dir, cache, log)
         details: dict[str, Any] = {"dataset": info}
@@ -257,7 +241,8 @@ def run(p: DataPlan, *, model: Path | None, cache: Path, log: Callable[[str], No
             "our_training": "the real CLI: python train.py / torchrun train.py, metrics.jsonl; scripts/preprocess.py "
                             "for the builds",
             "shapes": f"batch {p.batch_size} per rank x --context_length {p.context_length}",
-        }, model=model_record(model_dir, {k: config.get(k) for k in SIZE_KEYS}), checks=checks)  # fmt: skip
+        }, model=harness.model_record(model_dir, {k: config.get(k) for k in harness.SIZE_KEYS}),
+           checks=checks)  # fmt: skip
 
 
 def _builds(runner: Runner, model: Path, data: Path, rows: list, details: dict) -> None:
@@ -328,8 +313,6 @@ def _memory_and_padding(runner: Runner, model: Path, data: Path, shared: Path, r
     for n in (large, small):
         if n != p.rows:  # the first-step directory already holds the cache of every row
             preprocess(runner, f"cache for {n} rows (not a figure)", n, 2, shared, data, model, fresh=False)
-    peaks: dict[int, list[list[int]]] = {large: [], small: []}
-    speed: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
     runs: dict[str, list[dict[str, Any]]] = {"large": [], "small": [], "pad_to_context": []}
     for rep in range(p.train_reps):
         for n, pad in alternate(rep, [(small, False), (large, False), (large, True)]):
@@ -340,17 +323,18 @@ def _memory_and_padding(runner: Runner, model: Path, data: Path, shared: Path, r
             if run["cache"] is not None and run["cache"]["built"]:
                 raise RuntimeError(f"{what}: built its cache, which should have existed: {run['cache']}")
             runs["pad_to_context" if pad else "large" if n == large else "small"].append(run)
-            if not pad:
-                peaks[n].append([max(m["peak_memory_bytes_per_rank"][r] for m in run["metrics"])
-                                 for r in range(p.nproc)])  # fmt: skip
-            if n == large:
-                speed[pad].append(_throughput(run, p.warmup_steps))
-    same_rows = all([m["tokens"] for m in a["metrics"]] == [m["tokens"] for m in b["metrics"]]
-                    for a in runs["large"] for b in runs["pad_to_context"])  # fmt: skip
-    if not same_rows:
-        raise RuntimeError("per-batch padding and --pad_to_context trained different tokens per step")
     shape = (f"{p.nproc} ranks (torchrun, gloo) x batch {p.batch_size} x --context_length {p.context_length}, "
              f"--quant none --train_type lora, --max_steps {p.steps}")  # fmt: skip
+    _memory_rows(p, runs, shape, rows, details)
+    _padding_rows(p, runs, shape, rows, details)
+    details["training_runs"] = {k: [brief(r, KEEP) for r in v] for k, v in runs.items()}
+
+
+def _memory_rows(p: DataPlan, runs: dict[str, list[dict[str, Any]]], shape: str, rows: list, details: dict) -> None:
+    """3: each rank's peak RSS on the large slice against the small one, and their difference against the bar."""
+    large, small = p.rss_rows
+    peaks = {n: [[max(m["peak_memory_bytes_per_rank"][r] for m in run["metrics"]) for r in range(p.nproc)]
+                 for run in runs[kind]] for n, kind in ((large, "large"), (small, "small"))}  # fmt: skip
     note = (f"{shape}; each rank's largest peak_memory_bytes_per_rank (VmHWM) in metrics.jsonl; caches built "
             f"beforehand by scripts/preprocess.py; median over {p.train_reps} run(s)")  # fmt: skip
     sec = f"data memory, {p.nproc} ranks"
@@ -369,9 +353,19 @@ def _memory_and_padding(runner: Runner, model: Path, data: Path, shared: Path, r
                 peer_label=f"the bar, {RSS_BAR_BYTES / 1e6:.0f} MB (ratio <= 1 passes)"),
         ]  # fmt: skip
         details["memory"][f"growth_rank{r}_bytes"] = growth
+
+
+def _padding_rows(p: DataPlan, runs: dict[str, list[dict[str, Any]]], shape: str, rows: list, details: dict) -> None:
+    """4: real tokens/s and real tokens / row tokens of per-batch padding against --pad_to_context, same rows."""
+    same_rows = all([m["tokens"] for m in a["metrics"]] == [m["tokens"] for m in b["metrics"]]
+                    for a in runs["large"] for b in runs["pad_to_context"])  # fmt: skip
+    if not same_rows:
+        raise RuntimeError("per-batch padding and --pad_to_context trained different tokens per step")
+    speed = {pad: [_throughput(run, p.warmup_steps) for run in runs[kind]]
+             for pad, kind in ((False, "large"), (True, "pad_to_context"))}  # fmt: skip
     kw = {"ours_label": "per-batch padding (longest row rounded up to 8)", "peer_label": "--pad_to_context true",
-          "note": f"{shape}, {large:,} rows; steps {p.warmup_steps + 1}-{p.steps}: tokens / seconds and real tokens "
-                  "/ row tokens summed over them; the same rows at every step on both sides; row tokens as the "
+          "note": f"{shape}, {p.rss_rows[0]:,} rows; steps {p.warmup_steps + 1}-{p.steps}: tokens / seconds and real "
+                  "tokens / row tokens summed over them; the same rows at every step on both sides; row tokens as the "
                   f"trainer counts them (every rank's padded batches, summed); median over {p.train_reps} run(s)",
           }  # fmt: skip
     rows += [
@@ -381,7 +375,6 @@ def _memory_and_padding(runner: Runner, model: Path, data: Path, shared: Path, r
             [s[1] for s in speed[False]], [s[1] for s in speed[True]], **kw),
     ]  # fmt: skip
     details["padding"] = {"per_batch": speed[False], "pad_to_context": speed[True], "same_rows_per_step": same_rows}
-    details["training_runs"] = {k: [brief(r, KEEP) for r in v] for k, v in runs.items()}
 
 
 def render(results: dict[str, Any]) -> str:

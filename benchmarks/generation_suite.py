@@ -11,15 +11,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks import report
-from benchmarks.cpu_suite import FULL_MODEL, QUICK_MODEL
-from benchmarks.harness import REPO_ROOT, Settings, alternate, figure_rows, median, model_record, session
+from benchmarks import harness, report
+from benchmarks.harness import Settings, alternate, figure_rows, median, session
 
 MODES = ("sharded", "gathered")
 """--generation_mode values; gathered is `ours`, sharded (the default) the `peer` column."""
 SAME = ("reward", "completions/mean_length", "entropy", "loss")
 """Per-step figures both modes must share (the same completions, from the same distributions, trained the same)."""
-PROMPTS = REPO_ROOT / "data" / "grpo_tiny.jsonl"
+PROMPTS = harness.REPO_ROOT / "data" / "grpo_tiny.jsonl"
 REWARD = "qlora_fsdp.reward_functions:brief"
 FIGURES = (
     ("sampling_tokens_per_s", "sampling: completion tokens per second per rank", "tokens/s", "higher"),
@@ -45,9 +44,9 @@ def plan(*, quick: bool, threads: int, reps: int | None, idle_wait_s: float | No
     """The full suite (171M model, 3 repetitions of 4 steps, 8 completions of 64 tokens a rank a step) or the quick
     one (2-layer model, one repetition of 2 steps, 8 tokens)."""
     if quick:
-        p = GenerationPlan(dict(QUICK_MODEL), reps=1, steps=2, max_completion_length=8, quick=True)
+        p = GenerationPlan(dict(harness.QUICK_MODEL), reps=1, steps=2, max_completion_length=8, quick=True)
     else:
-        p = GenerationPlan(dict(FULL_MODEL), reps=3, steps=4)
+        p = GenerationPlan(dict(harness.FULL_MODEL), reps=3, steps=4)
     p.configure(threads=threads, precision=precision, idle_wait_s=idle_wait_s, reps=reps)
     return p
 
@@ -103,7 +102,7 @@ def run(p: GenerationPlan, *, cache: Path, model: Path | None = None,
                             f"full_shard, --reward_funcs {REWARD}, LoRA r{p.lora_rank} on every linear but the head, "
                             f"--batch_size {p.prompts_per_rank * p.num_generations}, --max_steps {p.steps} (step 1 "
                             "left out of the medians)",
-        }, model=model_record(model_dir, p.model))  # fmt: skip
+        }, model=harness.model_record(model_dir, p.model))  # fmt: skip
 
 
 def render(results: dict[str, Any]) -> str:

@@ -22,22 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks import report
-from benchmarks.cpu_suite import llama
-from benchmarks.harness import (
-    Launch,
-    base_env,
-    launch,
-    machine_info,
-    peak_rss_bytes,
-    read_json,
-    reset_peak_rss,
-    row,
-    worker_cmd,  # fmt: skip
-    worker_main,
-    write_json,
-    write_long_rows,
-)
+from benchmarks import harness, report
+from benchmarks.harness import llama, row
 
 LLAMA2_7B = llama(4096, 32, 11008, 32, 32, 32000, 7)
 DRY_MODEL = llama(128, 2, 256, 4, 2, 512, 2)
@@ -83,6 +69,8 @@ LONG_SETTINGS = (
     ("checkpointing", "bnb FSDP2, gradient checkpointing only (defaults)", {}),
 )  # fmt: skip
 """(name, label, flags): the long-context item's two settings, each at every context of the plan, ascending."""
+MEMORY = (("peak_allocated", "peak allocated memory"), ("peak_reserved", "peak reserved memory"))
+"""The two CUDA allocator peaks (on the CPU both are the peak RSS): key and figure."""
 OOM = re.compile(r"OutOfMemoryError|out of memory", re.IGNORECASE)
 NAMES = (TESTS, *(v.name for v in VARIANTS), LONG)
 
@@ -144,7 +132,7 @@ def _jobs(p: dict[str, Any], variants: list[Variant], only: tuple[str, ...], wor
                                "fsdp_version": v.fsdp_version, "flags": v.flags,
                                "warmup": p["warmup"] + bool(v.flags.get("compile"))}) for v in variants]  # fmt: skip
     if LONG in only:
-        rows = write_long_rows(work / "long-rows.jsonl", rows=2, words=max(p["long"]) + 8, seed=0)
+        rows = harness.write_long_rows(work / "long-rows.jsonl", rows=2, words=max(p["long"]) + 8, seed=0)
         # Tokenized in memory: the GPU machine has no `datasets`, which the tokenized cache is built with.
         data = {"dataset": str(rows), "dataset_in_memory": True}
         jobs += [(long_key(name, c), "ours", {**common, "shape": (1, c), "quant": "bnb", "fsdp_version": 2,
@@ -169,7 +157,8 @@ class GpuRun:
             "model": {"parameters": 0, "non_embedding_parameters": 0, "shards": self.p["model"]["num_shards"],
                       "sizes": self.p["model"]},
             "settings": _settings(self.p, dry_run, peak_flops, self.budget), "tests": None, "rows": [], "details": {},
-            "conditions": {"launches": []}, "errors": [], "missing": [], "machine": machine_info(), "wall_time_s": 0.0,
+            "conditions": {"launches": []}, "errors": [], "missing": [], "machine": harness.machine_info(),
+            "wall_time_s": 0.0,
         }  # fmt: skip
 
     def left(self) -> float:
@@ -180,7 +169,7 @@ class GpuRun:
         self.results["errors"].append(f"{key}: skipped, {self.left():.0f} s of the {self.budget:.0f} s budget left")
         self.done(key, None, missing=[item] if item in NAMES and item not in self.results["missing"] else [])
 
-    def done(self, name: str, job: Launch | None, *, missing: list[str] | None = None) -> None:
+    def done(self, name: str, job: harness.Launch | None, *, missing: list[str] | None = None) -> None:
         """Record a job, recompute every row from the records so far, and save."""
         r = self.results
         if job is not None:
@@ -224,10 +213,10 @@ class GpuRun:
                 self.skipped(key, item)
                 continue
             result = work / f"{key}.json"
-            job = launch([worker_cmd("benchmarks.gpu_suite", worker, {**args, "result": str(result)})],
-                         [base_env(os.cpu_count() or 1)], timeout_s=self.left())  # fmt: skip
+            cmd = harness.worker_cmd("benchmarks.gpu_suite", worker, {**args, "result": str(result)})
+            job = harness.launch([cmd], [harness.base_env(os.cpu_count() or 1)], timeout_s=self.left())
             if job.returncode == 0 and result.is_file():
-                self.records[key] = read_json(result)
+                self.records[key] = harness.read_json(result)
                 self.done(key, job)
                 continue
             cause = failure_cause(job)
@@ -266,7 +255,7 @@ def render(results: dict[str, Any]) -> str:
     return report.render(results)
 
 
-def failure_cause(job: Launch) -> str:
+def failure_cause(job: harness.Launch) -> str:
     """One line saying why a job failed: its last error line (an exception, or the CLI's `error:` line)."""
     if job.returncode == 124:
         return f"killed at its time limit, after {job.wall_s:.0f} s"
@@ -280,14 +269,14 @@ def _shape(shape: tuple[int, int]) -> str:
     return f"{shape[0]} x {shape[1]}"
 
 
-def _test_tier(work: Path, *, timeout_s: float) -> tuple[Launch, dict[str, Any]]:
+def _test_tier(work: Path, *, timeout_s: float) -> tuple[harness.Launch, dict[str, Any]]:
     """`pytest -m gpu` in a fresh process: its counts, and one line per failing test."""
     report = work / "gpu-tests.xml"
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
            "tests/gpu"]  # fmt: skip
     # Only the plugins pytest itself brings: the GPU machine's image has others, built for its own pytest.
-    env = {**base_env(os.cpu_count() or 1), "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
-    job = launch([cmd], [env], timeout_s=timeout_s)
+    env = {**harness.base_env(os.cpu_count() or 1), "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    job = harness.launch([cmd], [env], timeout_s=timeout_s)
     tier: dict[str, Any] = {"command": "python -m pytest -m gpu tests/gpu", "wall_s": round(job.wall_s, 1),
                             "returncode": job.returncode, "causes": []}  # fmt: skip
     if not report.is_file():
@@ -347,13 +336,10 @@ def _long_rows(records: dict[str, dict[str, Any]], contexts: tuple[int, ...]) ->
         if "tps" not in o or "tps" not in b:
             continue
         section = f"long context, batch 1 x {context}"
-        rows += [
-            row(section, f"tokens_per_s_long_{context}", "tokens/s", "tokens/s", "higher", o["tps"], b["tps"], **kw),
-            row(section, f"peak_allocated_long_{context}", "peak allocated memory, training", "bytes", "lower",
-                [o["peak_allocated_bytes"]], [b["peak_allocated_bytes"]], **kw),
-            row(section, f"peak_reserved_long_{context}", "peak reserved memory, training", "bytes", "lower",
-                [o["peak_reserved_bytes"]], [b["peak_reserved_bytes"]], **kw),
-        ]  # fmt: skip
+        rows.append(row(section, f"tokens_per_s_long_{context}", "tokens/s", "tokens/s", "higher", o["tps"], b["tps"],
+                        **kw))  # fmt: skip
+        rows += [row(section, f"{key}_long_{context}", f"{figure}, training", "bytes", "lower", [o[f"{key}_bytes"]],
+                     [b[f"{key}_bytes"]], **kw) for key, figure in MEMORY]  # fmt: skip
     fits = longest_fits(records, contexts)
     if fits[ours]["longest"] and fits[base]["longest"]:
         note = f"of {', '.join(map(str, contexts))}; a setting that trained the largest may fit more"
@@ -362,54 +348,34 @@ def _long_rows(records: dict[str, dict[str, Any]], contexts: tuple[int, ...]) ->
     return rows
 
 
-def _rows(
-    records: dict[str, dict[str, Any]], variants: list[Variant], p: dict[str, Any], peak_flops: float
-) -> list[dict[str, Any]]:
+def _rows(records: dict[str, dict[str, Any]], variants: list[Variant], p: dict[str, Any],
+          peak_flops: float) -> list[dict[str, Any]]:  # fmt: skip
     """Rows for every variant that finished, each beside the peer at its shape."""
     if "peer" not in records:
         return []
-    params = records["write_model"]["non_embedding_parameters"]
-    sizes = p["model"]
-    peer = records["peer"]
+    peer, sizes = records["peer"], p["model"]
     by_shape = {(s["batch"], s["context"]): s for s in peer["shapes"]}
     rows = []
-    for v in variants:
-        if v.name not in records:
-            continue
+    for v in (v for v in variants if v.name in records):
         o, q = records[v.name], by_shape[tuple(p["small"] if v.small else p["big"])]
-        kw = {
-            "ours_label": f"qlora-fsdp CLI code, {v.label}, 1 process",
-            "peer_label": PEER_LABEL,
-        }
-        section = f"{v.label}, batch {_shape((o['batch'], o['context']))}"
-        slug = v.name.replace("-", "_")
-        per_token = palm_flops_per_token(params, layers=sizes["num_layers"], hidden=sizes["hidden_size"],
-                                         sequence=o["context"])  # fmt: skip
-        mfu = [[per_token * t / peak_flops for t in side["tps"]] for side in (o, q)]
-        rows += [
-            row(section, f"tokens_per_s_{slug}", "tokens/s", "tokens/s", "higher", o["tps"], q["tps"], **kw),
-            row(section, f"mfu_{slug}", "MFU", "fraction", "higher", *mfu, **kw),
-        ]
-        for key, figure in (
-            ("peak_allocated", "peak allocated memory, training"),
-            ("peak_reserved", "peak reserved memory, training"),
-        ):
-            rows.append(row(section, f"{key}_{slug}", figure, "bytes", "lower", [o[f"{key}_bytes"]],
-                            [q[f"{key}_bytes"]], **kw))  # fmt: skip
-        for key, figure in (
-            ("peak_allocated", "peak allocated memory, loading"),
-            ("peak_reserved", "peak reserved memory, loading"),
-        ):
-            rows.append(row(section, f"load_{key}_{slug}", figure, "bytes", "lower", [o["load"][f"{key}_bytes"]],
-                            [peer["load"][f"{key}_bytes"]], **kw))  # fmt: skip
-        rows.append(row(section, f"load_s_{slug}", "loading time", "s", "lower", [o["load"]["s"]],
-                        [peer["load"]["s"]], **kw))  # fmt: skip
+        per_token = palm_flops_per_token(records["write_model"]["non_embedding_parameters"],
+                                         layers=sizes["num_layers"], hidden=sizes["hidden_size"], sequence=o["context"])
+        mfu = [[per_token * t / peak_flops for t in x["tps"]] for x in (o, q)]
+        figures = [("tokens_per_s", "tokens/s", "tokens/s", "higher", o["tps"], q["tps"]),
+                   ("mfu", "MFU", "fraction", "higher", *mfu),
+                   *((key, f"{figure}, training", "bytes", "lower", [o[f"{key}_bytes"]], [q[f"{key}_bytes"]])
+                     for key, figure in MEMORY),
+                   *((f"load_{key}", f"{figure}, loading", "bytes", "lower", [o["load"][f"{key}_bytes"]],
+                      [peer["load"][f"{key}_bytes"]]) for key, figure in MEMORY),
+                   ("load_s", "loading time", "s", "lower", [o["load"]["s"]], [peer["load"]["s"]])]  # fmt: skip
+        section, slug = f"{v.label}, batch {_shape((o['batch'], o['context']))}", v.name.replace("-", "_")
+        rows += [row(section, f"{key}_{slug}", figure, unit, better, a, b, peer_label=PEER_LABEL,
+                     ours_label=f"qlora-fsdp CLI code, {v.label}, 1 process")
+                 for key, figure, unit, better, a, b in figures]  # fmt: skip
     return rows
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # Workers
-# ---------------------------------------------------------------------------------------------------------------
 
 
 def _peaks(device: Any) -> dict[str, int]:
@@ -417,11 +383,9 @@ def _peaks(device: Any) -> dict[str, int]:
     import torch
 
     if device.type == "cuda":
-        return {
-            "peak_allocated_bytes": int(torch.cuda.max_memory_allocated(device)),
-            "peak_reserved_bytes": int(torch.cuda.max_memory_reserved(device)),
-        }
-    rss = peak_rss_bytes()
+        return {"peak_allocated_bytes": int(torch.cuda.max_memory_allocated(device)),
+                "peak_reserved_bytes": int(torch.cuda.max_memory_reserved(device))}  # fmt: skip
+    rss = harness.peak_rss_bytes()
     return {"peak_allocated_bytes": rss, "peak_reserved_bytes": rss}
 
 
@@ -435,7 +399,7 @@ def _reset_peaks(device: Any) -> None:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     else:
-        reset_peak_rss()
+        harness.reset_peak_rss()
 
 
 def _device(args: dict[str, Any]) -> Any:
@@ -447,39 +411,30 @@ def _device(args: dict[str, Any]) -> Any:
     return device
 
 
+def _device_name(device: Any) -> dict[str, str]:
+    import torch
+
+    return {"device_name": torch.cuda.get_device_name(device)} if device.type == "cuda" else {}
+
+
 def write_model(args: dict[str, Any]) -> None:
     """A random bf16 Llama with these sizes, generated on the device, as HF safetensors shards + tokenizer."""
     import torch
 
     from qlora_fsdp.model.skeleton import meta_model
-    from scripts.make_tiny_model import (
-        DEFAULT_DATA,
-        make_config,
-        read_rows,
-        train_tokenizer,
-        validate_sizes,
-        write_shards,
-    )
+    from scripts import make_tiny_model as tiny
 
     sizes = args["sizes"]
-    validate_sizes(arch="llama", tie_word_embeddings=False, **sizes)
+    tiny.validate_sizes(arch="llama", tie_word_embeddings=False, **sizes)
     out = Path(args["out"])
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_tokenizer(read_rows(DEFAULT_DATA), sizes["vocab_size"])
-    config = make_config(
-        "llama",
-        vocab_size=sizes["vocab_size"],
-        hidden_size=sizes["hidden_size"],
-        intermediate_size=sizes["intermediate_size"],
-        num_hidden_layers=sizes["num_layers"],
-        num_attention_heads=sizes["num_heads"],
-        num_key_value_heads=sizes["num_kv_heads"],
-        head_dim=sizes["hidden_size"] // sizes["num_heads"],
-        tie_word_embeddings=False,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-    )
+    tokenizer = tiny.train_tokenizer(tiny.read_rows(tiny.DEFAULT_DATA), sizes["vocab_size"])
+    config = tiny.make_config("llama", vocab_size=sizes["vocab_size"], hidden_size=sizes["hidden_size"],
+                              intermediate_size=sizes["intermediate_size"], num_hidden_layers=sizes["num_layers"],
+                              num_attention_heads=sizes["num_heads"], num_key_value_heads=sizes["num_kv_heads"],
+                              head_dim=sizes["hidden_size"] // sizes["num_heads"], tie_word_embeddings=False,
+                              eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                              bos_token_id=tokenizer.bos_token_id)  # fmt: skip
     config.save_pretrained(out)
     tokenizer.save_pretrained(out)
     device = _device(args)
@@ -495,16 +450,22 @@ def write_model(args: dict[str, Any]) -> None:
             value = value.mul_(0.02).to(torch.bfloat16)
         state[name] = value.cpu()
     generated = time.perf_counter() - start
-    write_shards(state, out, sizes["num_shards"])
-    write_json(
-        args["result"],
-        {
-            "parameters": sum(t.numel() for t in state.values()),
-            "non_embedding_parameters": sum(t.numel() for k, t in state.items() if "embed_tokens" not in k),
-            "generate_s": generated,
-            "write_s": time.perf_counter() - start - generated,
-        },
-    )
+    tiny.write_shards(state, out, sizes["num_shards"])
+    harness.write_json(args["result"], {
+        "parameters": sum(t.numel() for t in state.values()),
+        "non_embedding_parameters": sum(t.numel() for k, t in state.items() if "embed_tokens" not in k),
+        "generate_s": generated, "write_s": time.perf_counter() - start - generated})  # fmt: skip
+
+
+def _cli_flags(args: dict[str, Any], batch: int, context: int, out: Path) -> dict[str, Any]:
+    """train.py's flags of one of our runs: bnb or HQQ 4-bit, LoRA on every linear, no saving, then the variant's."""
+    steps = args["warmup"] + args["measured"]
+    return {"model": args["model"], "quant": args["quant"], "fsdp_version": args["fsdp_version"], "hqq_bits": 4,
+            "hqq_group_size": 64, "precision": "bf16", "dataset": args["flags"].get("dataset", "dummy"),
+            "dataset_samples": batch * steps, "context_length": context, "batch_size": batch, "lora_dropout": 0.0,
+            "lora_target_modules": "all", "gradient_checkpointing": CHECKPOINTING, "max_steps": steps, "lr": 1e-5,
+            "log_to": "stdout", "save_model": False, "device": args["device"], "output_dir": str(out), **LORA,
+            **{k: v for k, v in args["flags"].items() if k != "dataset"}}  # fmt: skip
 
 
 def ours(args: dict[str, Any]) -> None:
@@ -517,7 +478,6 @@ def ours(args: dict[str, Any]) -> None:
     device = _device(args)
     batch, context = args["shape"]
     out = Path(args["result"]).with_suffix(".run")
-    steps = args["warmup"] + args["measured"]
     load: dict[str, Any] = {}
     start = time.perf_counter()
 
@@ -531,46 +491,15 @@ def ours(args: dict[str, Any]) -> None:
     hook = register_module_forward_pre_hook(loaded)
     # The CLI reports an error as one `error:` line and exit status 2: left to end this process, it is the line the
     # orchestrator reports.
-    cli_main(
-        model=args["model"],
-        quant=args["quant"],
-        fsdp_version=args["fsdp_version"],
-        hqq_bits=4,
-        hqq_group_size=64,
-        precision="bf16",
-        dataset=args["flags"].get("dataset", "dummy"),
-        dataset_samples=batch * steps,
-        context_length=context,
-        batch_size=batch,
-        lora_dropout=0.0,
-        lora_target_modules="all",
-        gradient_checkpointing=CHECKPOINTING,
-        max_steps=steps,
-        lr=1e-5,
-        log_to="stdout",
-        save_model=False,
-        device=args["device"],
-        output_dir=str(out),
-        **LORA,
-        **{k: v for k, v in args["flags"].items() if k != "dataset"},
-    )
+    cli_main(**_cli_flags(args, batch, context, out))
     with open(out / "metrics.jsonl") as fh:
         metrics = [m for m in map(json.loads, filter(str.strip, fh)) if "tokens_per_s" in m]  # steps, not evals
     if "dataset" in args["flags"] and any(m["tokens"] != batch * context for m in metrics):
-        raise RuntimeError(
-            f"tokens per step {[m['tokens'] for m in metrics]}: the rows did not fill {batch} x {context}"
-        )
-    write_json(
-        args["result"],
-        {
-            "batch": batch,
-            "context": context,
-            "tps": [m["tokens_per_s"] for m in metrics[args["warmup"] :]],
-            **_peaks(device),
-            "load": load,
-            **_device_name(device),
-        },
-    )
+        tokens = [m["tokens"] for m in metrics]
+        raise RuntimeError(f"tokens per step {tokens}: the rows did not fill {batch} x {context}")
+    tps = [m["tokens_per_s"] for m in metrics[args["warmup"] :]]
+    harness.write_json(args["result"], {"batch": batch, "context": context, "tps": tps, **_peaks(device), "load": load,
+                                **_device_name(device)})  # fmt: skip
 
 
 def peer(args: dict[str, Any]) -> None:
@@ -584,22 +513,14 @@ def peer(args: dict[str, Any]) -> None:
     load = {"s": time.perf_counter() - start, **_peaks(device)}
     shapes = []
     for batch, context in args["shapes"]:
-        batches = dummy_batches(
-            args["model"], batch_size=batch, context_length=context, count=args["warmup"] + args["measured"]
-        )
+        count = args["warmup"] + args["measured"]
+        batches = dummy_batches(args["model"], batch_size=batch, context_length=context, count=count)
         _reset_peaks(device)
         steps = list(train_steps(model, batches, device=device))
-        shapes.append(
-            {"batch": batch, "context": context, "tps": [n / s for n, s in steps[args["warmup"] :]], **_peaks(device)}
-        )
-    write_json(args["result"], {"load": load, "shapes": shapes, **_device_name(device)})
-
-
-def _device_name(device: Any) -> dict[str, str]:
-    import torch
-
-    return {"device_name": torch.cuda.get_device_name(device)} if device.type == "cuda" else {}
+        shapes.append({"batch": batch, "context": context, "tps": [n / s for n, s in steps[args["warmup"] :]],
+                       **_peaks(device)})  # fmt: skip
+    harness.write_json(args["result"], {"load": load, "shapes": shapes, **_device_name(device)})
 
 
 if __name__ == "__main__":
-    worker_main({"write_model": write_model, "ours": ours, "peer": peer})
+    harness.worker_main({"write_model": write_model, "ours": ours, "peer": peer})

@@ -1,5 +1,7 @@
-"""The one harness every suite runs on: launch settings, process launch, contention, RSS, runs of our CLI, rows and
-the results record. A suite is a plan (a Settings dataclass of sizes) and the sections that turn runs into rows.
+"""The one harness every suite runs on: the models, process launch and contention, files and RSS, rows (ours beside
+the peer's figure from the same run, medians of their runs, ratio ours / peer), launch settings and the Runner (runs
+of our CLI, the results record). A suite is a plan (a Settings dataclass of sizes) and the sections that turn runs
+into rows.
 
 Nothing here imports torch: the orchestrator stays light (Linux hands its RSS high-water mark to every child), and
 each measurement runs in fresh processes that import only what they measure.
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import resource
@@ -32,6 +35,20 @@ EXIT_ABORT = "terminate called without an active exception"
 """The FSDP + gloo teardown race (benchmarks/README.md): a run that wrote every step and then aborted is kept."""
 WORDS = REPO_ROOT / "data" / "alpaca_tiny.jsonl"
 SIZE_KEYS = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads", "vocab_size")
+
+
+def llama(hidden: int, layers: int, intermediate: int, heads: int, kv_heads: int, vocab: int,
+          shards: int) -> dict[str, int]:  # fmt: skip
+    """scripts/make_tiny_model.py's size flags."""
+    return dict(hidden_size=hidden, num_layers=layers, intermediate_size=intermediate, num_heads=heads,
+                num_kv_heads=kv_heads, vocab_size=vocab, num_shards=shards)  # fmt: skip
+
+
+FULL_MODEL = llama(1024, 12, 2816, 16, 16, 8192, 3)
+"""About 171M parameters: 12 Llama layers of 12.6M + 8192-token embeddings."""
+QUICK_MODEL = llama(256, 2, 512, 4, 4, 512, 2)
+LARGE_MODEL = llama(2048, 22, 5632, 32, 4, 32000, 5)
+"""TinyLlama's shape, about 1.1B parameters in five fp32 shards of 0.88 GB: loading at a size where memory tells."""
 
 
 def median(values: Sequence[float]) -> float:
@@ -64,10 +81,6 @@ def write_long_rows(path: Path, *, rows: int, words: int, seed: int) -> Path:
     path.write_text("".join(json.dumps({"text": " ".join(rng.choices(choices, k=words))}) + "\n" for _ in range(rows)))
     return path
 
-
-# ---------------------------------------------------------------------------------------------------------------
-# Processes: environment, contention, launch
-# ---------------------------------------------------------------------------------------------------------------
 
 
 def base_env(threads: int, *, pin_tokenizers: bool = True) -> dict[str, str]:
@@ -202,10 +215,6 @@ def shell(cmd: Sequence[str]) -> str:
     return " ".join("python" if c == sys.executable else c for c in cmd).replace(str(REPO_ROOT) + "/", "")
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Files and memory
-# ---------------------------------------------------------------------------------------------------------------
-
 
 def read_json(path: str | os.PathLike) -> Any:
     with open(path) as fh:
@@ -280,10 +289,6 @@ def native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Rows: our figure beside the peer's from the same run, medians of their runs, ratio ours / peer
-# ---------------------------------------------------------------------------------------------------------------
-
 
 def row(section: str, key: str, figure: str, unit: str, better: str, ours_runs: Sequence[float],
         peer_runs: Sequence[float], *, ours_label: str = "", peer_label: str = "", note: str = "") -> dict[str, Any]:
@@ -323,31 +328,25 @@ def brief(run: dict[str, Any], keep: tuple[str, ...], drop: tuple[str, ...] = ()
     return out
 
 
-def parameters(model: Path) -> int:
-    """Parameter count from the safetensors headers, reading no tensor."""
-    total = 0
+def tensor_headers(model: Path) -> dict[str, dict[str, Any]]:
+    """Every tensor's dtype and shape from the safetensors headers, reading no tensor."""
+    tensors: dict[str, dict[str, Any]] = {}
     for file in sorted(model.glob("*.safetensors")):
         with open(file, "rb") as fh:
             header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
-        total += sum(_numel(v["shape"]) for k, v in header.items() if k != "__metadata__")
-    return total
+        tensors.update({k: v for k, v in header.items() if k != "__metadata__"})
+    return tensors
 
 
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+def parameters(model: Path) -> int:
+    """Parameter count from the safetensors headers."""
+    return sum(math.prod(v["shape"]) for v in tensor_headers(model).values())
 
 
 def model_record(model: Path, sizes: dict[str, Any]) -> dict[str, Any]:
     return {"path": str(model), "parameters": parameters(model), "shards": len(list(model.glob("*.safetensors"))),
             "sizes": sizes}  # fmt: skip
 
-
-# ---------------------------------------------------------------------------------------------------------------
-# Settings and the Runner
-# ---------------------------------------------------------------------------------------------------------------
 
 
 @dataclass(kw_only=True)
@@ -539,6 +538,22 @@ def session(plan: Settings, suite: str, log: Callable[[str], None] = print, **kw
     """A Runner in a scratch directory that is removed afterwards."""
     with tempfile.TemporaryDirectory(prefix=f"bench-{suite}-") as tmp:
         yield Runner(plan, Path(tmp), log, **kw)
+
+
+def step_peaks(run: dict[str, Any], steps: int) -> dict[str, int]:
+    """A `probe="steps"` run's peaks, largest rank: the profiled last step's tensor bytes, and over steps 1 to
+    steps-1 the RSS less the RSS before step 1 and the RSS itself."""
+    measured = [(s, r) for r in run["ranks"] for s in r["steps"][: steps - 1]]
+    return {"tensor_peak_bytes": max(r["tensor_peak_bytes"] for r in run["ranks"]),
+            "rss_peak_growth_bytes": max(s["peak_rss_bytes"] - r["baseline_rss_bytes"] for s, r in measured),
+            "peak_rss_bytes": max(s["peak_rss_bytes"] for s, _ in measured)}  # fmt: skip
+
+
+def choose(flag: str, given: tuple[str, ...], allowed: tuple[str, ...]) -> tuple[str, ...]:
+    """A suite option's values, once each in the order given; ValueError names the choices."""
+    if set(given) - set(allowed) or not given:
+        raise ValueError(f"{flag}: choose from {', '.join(allowed)} (got {','.join(given) or 'nothing'})")
+    return tuple(dict.fromkeys(given))
 
 
 def tensor_peak(trace: Path) -> tuple[int, int]:

@@ -13,20 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks import report
-from benchmarks.cpu_suite import llama
-from benchmarks.harness import (
-    Runner,
-    Settings,
-    alternate,
-    brief,
-    figure_rows,
-    median,
-    model_record,
-    row,
-    session,
-    write_long_rows,  # fmt: skip
-)
+from benchmarks import harness, report
+from benchmarks.harness import Runner, Settings, alternate, brief, figure_rows, llama, median, row, session
 from benchmarks.report import fmt
 
 SP_PEAK_BAR = 0.6
@@ -120,7 +108,7 @@ def grid_runs(p: LongContextPlan) -> list[Key]:
 
 def write_rows(p: LongContextPlan, out: Path) -> Path:
     """One text row a step, each longer than the largest context, so every run trains exactly its context."""
-    return write_long_rows(out / "rows.jsonl", rows=p.steps, words=p.contexts[-1] + 8, seed=p.seed)
+    return harness.write_long_rows(out / "rows.jsonl", rows=p.steps, words=p.contexts[-1] + 8, seed=p.seed)
 
 
 def train(runner: Runner, what: str, model: Path, data: Path, context: int, size: int, tiled: int) -> dict[str, Any]:
@@ -142,11 +130,8 @@ def train(runner: Runner, what: str, model: Path, data: Path, context: int, size
 
 def summary(run: dict[str, Any], steps: int) -> dict[str, Any]:
     """A run's figures: the step peaks (largest rank; RSS over steps 1 to steps-1), tokens/s, resident bytes."""
-    m, ranks = run["metrics"], run["ranks"]
-    measured = [(s, r) for r in ranks for s in r["steps"][: steps - 1]]
-    return {"tensor_peak_bytes": max(r["tensor_peak_bytes"] for r in ranks),
-            "rss_peak_growth_bytes": max(s["peak_rss_bytes"] - r["baseline_rss_bytes"] for s, r in measured),
-            "peak_rss_bytes": max(s["peak_rss_bytes"] for s, _ in measured),
+    m = run["metrics"]
+    return {**harness.step_peaks(run, steps),
             "tokens_per_s": median([x["tokens_per_s"] for x in m[1 : steps - 1] or m[:1]]),
             "param_bytes_per_rank": max(m[0]["param_bytes_per_rank"]), "loss": [x["loss"] for x in m]}  # fmt: skip
 
@@ -229,7 +214,7 @@ def run(p: LongContextPlan, *, cache: Path, model: Path | None = None,
             "peaks": f"tensor bytes: the largest 'Total Allocated' of the profiler's CPU memory events over step "
                      f"{p.steps}, largest rank; RSS: per rank the largest RSS during {steps} less the RSS just "
                      "before step 1 (benchmarks/probe.py), largest rank",
-        }, model=model_record(model_dir, p.model))  # fmt: skip
+        }, model=harness.model_record(model_dir, p.model))  # fmt: skip
 
 
 def _label(size: int, tiled: int) -> str:

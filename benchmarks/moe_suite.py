@@ -6,27 +6,15 @@ experts 16-bit: bitsandbytes#1849); (2) step time against a dense Llama with the
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks import report
-from benchmarks.cpu_suite import llama
-from benchmarks.harness import (
-    Runner,
-    Settings,
-    _numel,
-    alternate,
-    base_env,
-    brief,
-    launch,
-    median,
-    row,
-    session,
-    worker_cmd,  # fmt: skip
-)
+from benchmarks import harness, report
+from benchmarks.harness import Runner, Settings, alternate, brief, llama, median, row, session
 from benchmarks.report import fmt
 
 QUANTS = ("bnb", "hqq")
@@ -77,9 +65,7 @@ def plan(*, quick: bool, threads: int, reps: int | None, idle_wait_s: float | No
     else:
         p = MoePlan(dict(FULL_MOE), 8192, reps=2)
     if quants is not None:
-        if set(quants) - set(QUANTS) or not quants:
-            raise ValueError(f"--quants: choose from {', '.join(QUANTS)} (got {','.join(quants) or 'nothing'})")
-        p.quants = tuple(dict.fromkeys(quants))
+        p.quants = harness.choose("--quants", quants, QUANTS)
     p.retries = 0
     p.configure(threads=threads, precision=precision, idle_wait_s=idle_wait_s, reps=reps)
     return p
@@ -93,25 +79,20 @@ def dense_sizes(moe: dict[str, int], vocab_size: int) -> dict[str, int]:
 def describe(model: Path, *, experts: int = 0, top_k: int = 0) -> dict[str, Any]:
     """Parameters and on-disk bytes from the safetensors headers; for an MoE, its routed experts' share and the
     parameters a token uses."""
-    tensors: dict[str, tuple[str, list[int]]] = {}
-    for file in sorted(model.glob("*.safetensors")):
-        with open(file, "rb") as fh:
-            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
-        tensors.update({k: (v["dtype"], v["shape"]) for k, v in header.items() if k != "__metadata__"})
+    tensors = harness.tensor_headers(model)
     config = json.loads((model / "config.json").read_text())
-    total = sum(_numel(s) for _, s in tensors.values())
+    total = sum(math.prod(t["shape"]) for t in tensors.values())
     info: dict[str, Any] = {
         "path": str(model), "architecture": (config.get("architectures") or ["?"])[0], "parameters": total,
-        "bytes_on_disk": sum(_numel(s) * DTYPE_BYTES[d] for d, s in tensors.values()),
-        "dtypes_on_disk": sorted({d for d, _ in tensors.values()}), "sizes": {k: config.get(k) for k in SIZE_KEYS},
-        "active_parameters": total,
+        "bytes_on_disk": sum(math.prod(t["shape"]) * DTYPE_BYTES[t["dtype"]] for t in tensors.values()),
+        "dtypes_on_disk": sorted({t["dtype"] for t in tensors.values()}),
+        "sizes": {k: config.get(k) for k in SIZE_KEYS}, "active_parameters": total,
     }  # fmt: skip
     if experts:  # per-expert tensors (...experts.E.w1/w2/w3) or fused 3-D ones
-        routed = [(d, s) for k, (d, s) in tensors.items()
-                  if ".experts." in k or k.endswith((".gate_up_proj", ".down_proj"))]  # fmt: skip
-        expert_params = sum(_numel(s) for _, s in routed)
+        routed = [t for k, t in tensors.items() if ".experts." in k or k.endswith((".gate_up_proj", ".down_proj"))]
+        expert_params = sum(math.prod(t["shape"]) for t in routed)
         info.update(expert_parameters=expert_params,
-                    expert_bytes_on_disk=sum(_numel(s) * DTYPE_BYTES[d] for d, s in routed),
+                    expert_bytes_on_disk=sum(math.prod(t["shape"]) * DTYPE_BYTES[t["dtype"]] for t in routed),
                     active_parameters=total - expert_params + expert_params * top_k // experts)  # fmt: skip
     return info
 
@@ -126,8 +107,8 @@ def ensure_models(runner: Runner, cache: Path) -> tuple[Path, Path]:
     if not (moe / "config.json").is_file():
         runner.say(f"building {name}")
         args = {"out": str(moe), "tokenizer_from": str(dense), "seed": p.seed, "sizes": p.moe}
-        launch([worker_cmd("benchmarks.cpu_workers", "build_moe", args)], [base_env(p.threads)],
-               timeout_s=p.launch_timeout_s).check(f"building {name}")  # fmt: skip
+        cmd = harness.worker_cmd("benchmarks.cpu_workers", "build_moe", args)
+        harness.launch([cmd], [harness.base_env(p.threads)], timeout_s=p.launch_timeout_s).check(f"building {name}")
     a, b = (json.loads((m / "config.json").read_text()) for m in (moe, dense))
     same = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size")
     wrong = [f"{k}: {a.get(k)} vs {b.get(k)}" for k in same if a.get(k) != b.get(k)]

@@ -25,22 +25,16 @@ def bnb_config(*, quant_type: str = "nf4", double_quant: bool = True, dtype: tor
     storage and compute dtype (bf16, or fp32 on a CPU without native bf16 matmuls)."""
     from transformers import BitsAndBytesConfig
 
-    return BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_storage=dtype,
-        bnb_4bit_quant_type=quant_type,
-        bnb_4bit_compute_dtype=dtype,
-        bnb_4bit_use_double_quant=double_quant,
-    )
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_storage=dtype, bnb_4bit_quant_type=quant_type,
+                              bnb_4bit_compute_dtype=dtype, bnb_4bit_use_double_quant=double_quant)  # fmt: skip
 
 
 def load_peer(path: str | Path, *, device: str, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
     """HF's own 4-bit loading onto `device` ("cpu" or "cuda"), `dtype` for the unquantized weights and compute."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        path, quantization_config=bnb_config(dtype=dtype), device_map=device, dtype=dtype
-    )
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=bnb_config(dtype=dtype), device_map=device,
+                                                 dtype=dtype)  # fmt: skip
     model.config.use_cache = False
     return model
 
@@ -51,9 +45,8 @@ def add_lora(model: nn.Module, *, rank: int, alpha: float, dropout: float, check
 
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    config = LoraConfig(
-        r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(LLAMA_LINEARS), task_type="CAUSAL_LM"
-    )
+    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(LLAMA_LINEARS),
+                        task_type="CAUSAL_LM")  # fmt: skip
     return get_peft_model(model, config)
 
 
@@ -72,9 +65,8 @@ def dummy_batches(path: str | Path, *, batch_size: int, context_length: int, cou
     return [batch(items[i * batch_size : (i + 1) * batch_size]) for i in range(count)]
 
 
-def train_steps(
-    model: nn.Module, batches: list[dict], *, device: torch.device, lr: float = 1e-5, grad_norm: float = 0.3
-) -> Iterator[tuple[int, float]]:
+def train_steps(model: nn.Module, batches: list[dict], *, device: torch.device, lr: float = 1e-5,
+                grad_norm: float = 0.3) -> Iterator[tuple[int, float]]:  # fmt: skip
     """One optimizer step per batch, as a plain loop does it; yields (input tokens, seconds) per step.
 
     Clipping matches ours (`--grad_norm 0.3`); the time covers the whole step, synchronised on GPU.

@@ -12,9 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks import report
-from benchmarks.cpu_suite import QUICK_MODEL, llama
-from benchmarks.harness import Runner, Settings, alternate, brief, bundled_words, median, model_record, row, session
+from benchmarks import harness, report
+from benchmarks.harness import QUICK_MODEL, Runner, Settings, alternate, brief, llama, median, row, session
 from benchmarks.report import fmt
 
 OBJECTIVES = ("dpo", "ipo", "orpo", "simpo")
@@ -68,10 +67,7 @@ def plan(*, quick: bool, threads: int, reps: int | None, idle_wait_s: float | No
     else:
         p = PreferencePlan(dict(FULL_MODEL), reps=1, pairs_per_rank=4, prompt_tokens=95, reply_tokens=288, steps=4)
     if objectives is not None:
-        if set(objectives) - set(OBJECTIVES) or not objectives:
-            got = ",".join(objectives) or "nothing"
-            raise ValueError(f"--objectives: choose from {', '.join(OBJECTIVES)} (got {got})")
-        p.objectives = tuple(dict.fromkeys(objectives))
+        p.objectives = harness.choose("--objectives", objectives, OBJECTIVES)
     p.retries = 0
     p.configure(threads=threads, precision=precision, idle_wait_s=idle_wait_s, reps=reps)
     check_plan(p)
@@ -93,7 +89,7 @@ class Texts:
         from tokenizers import Tokenizer  # the Rust library alone: the harness stays without torch
 
         self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
-        self.cost = {w: self.count(" " + w) for w in bundled_words()}
+        self.cost = {w: self.count(" " + w) for w in harness.bundled_words()}
         self.words = [w for w, c in self.cost.items() if 1 <= c <= 3]
         self.ones = [w for w in self.words if self.cost[w] == 1 and self.count(w) == 1]
         if not self.ones:
@@ -157,12 +153,9 @@ def rss_growth(run: dict[str, Any]) -> list[list[int]]:
 def summary(run: dict[str, Any], steps: int) -> dict[str, Any]:
     """A run's figures: resident bytes, the two step peaks (largest rank; RSS of steps 1 to S-1), the step time
     (median of steps 2 to S-1) and the tokens of every step."""
-    m, growth = run["metrics"], [g[: steps - 1] for g in rss_growth(run)]
-    return {"param_bytes_per_rank": m[0]["param_bytes_per_rank"],
-            "rss_peak_growth_bytes": max(max(g) for g in growth),
-            "rss_peak_growth_step1_bytes": max(g[0] for g in growth),
-            "tensor_peak_bytes": max(r["tensor_peak_bytes"] for r in run["ranks"]),
-            "peak_rss_bytes": max(s["peak_rss_bytes"] for r in run["ranks"] for s in r["steps"][: steps - 1]),
+    m = run["metrics"]
+    return {"param_bytes_per_rank": m[0]["param_bytes_per_rank"], **harness.step_peaks(run, steps),
+            "rss_peak_growth_step1_bytes": max(g[0] for g in rss_growth(run)),
             "baseline_rss_bytes": [r["baseline_rss_bytes"] for r in run["ranks"]],
             "step_s": median([x["tokens"] / x["tokens_per_s"] for x in m[1 : steps - 1]]),
             "tokens": [x["tokens"] for x in m], "label_tokens": [x["label_tokens"] for x in m]}  # fmt: skip
@@ -224,7 +217,8 @@ def run(p: PreferencePlan, *, cache: Path, model: Path | None = None,
                      f"there and after every step by benchmarks/probe.py), largest of steps 1-{p.steps - 1} and of "
                      f"the ranks; tensor bytes: the largest 'Total Allocated' of the profiler's CPU memory events "
                      f"over step {p.steps}, largest rank",
-        }, model=model_record(model_dir, p.model), data={k: v for k, v in data.items() if k != "files"})  # fmt: skip
+        }, model=harness.model_record(model_dir, p.model),
+           data={k: v for k, v in data.items() if k != "files"})  # fmt: skip
 
 
 def _rows(p: PreferencePlan, runs: dict[str, list[dict[str, Any]]], rows: list) -> dict[str, Any]:
