@@ -48,7 +48,7 @@ from qlora_fsdp.errors import UserError
 from qlora_fsdp.objectives.base import Forward, Objective
 from qlora_fsdp.objectives.reference import reference_logps
 from qlora_fsdp.objectives.rewards import Reward, load_rewards, score
-from qlora_fsdp.objectives.sampling import sample
+from qlora_fsdp.objectives.sampling import SamplingParams, sample
 from qlora_fsdp.objectives.setup import ObjectiveRun, Setting, Setup, Trainee
 from qlora_fsdp.objectives.specs import GRPO_LOSS_TYPES, ObjectiveSpec
 
@@ -186,9 +186,10 @@ class GrpoObjective(Objective):
         prompts = [r.prompts[i] for i in indices for _ in range(r.num_generations)]
         started = time.perf_counter()
         with contextlib.nullcontext() if r.gathered is None else r.gathered():
-            sampled = sample(model, [p.ids for p in prompts], max_new_tokens=r.max_completion_length,
-                             end_ids=r.end_ids, pad_id=r.pad_id, device=self.forward.device,
-                             temperature=r.temperature, top_p=r.top_p, autocast=self.forward.autocast,
+            params = SamplingParams(max_new_tokens=r.max_completion_length, end_ids=frozenset(r.end_ids),
+                                    pad_id=r.pad_id, temperature=r.temperature, top_p=r.top_p)  # fmt: skip
+            sampled = sample(model, [p.ids for p in prompts], params=params, device=self.forward.device,
+                             autocast=self.forward.autocast,
                              seeds=[_seed(r.seed, step, i, k) for i in indices for k in range(r.num_generations)],
                              lockstep=r.gathered is None)  # fmt: skip
         sampling_s = time.perf_counter() - started
