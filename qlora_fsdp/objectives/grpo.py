@@ -46,6 +46,7 @@ from qlora_fsdp.data.prompts import PROMPT_INDEX, Prompt, prompt_loader
 from qlora_fsdp.data.rows import collate
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.objectives.base import Forward, Objective
+from qlora_fsdp.objectives.loss import LossRequest, Reduction
 from qlora_fsdp.objectives.reference import reference_logps
 from qlora_fsdp.objectives.rewards import Reward, load_rewards, score
 from qlora_fsdp.objectives.sampling import SamplingParams, sample
@@ -125,7 +126,9 @@ class GrpoObjective(Objective):
             raise ValueError(f"unknown GRPO loss type {loss_type!r}")
         self.forward, self.loss_type, self.beta = forward, loss_type, beta
         self.epsilon, self.epsilon_high, self.max_completion_length = epsilon, epsilon_high, max_completion_length
-        self.temperature, self.rollout = temperature, rollout
+        self.rollout = rollout
+        self.logps = LossRequest(Reduction.TOKENS, temperature=temperature)
+        """Each completion token's negative log-prob at the sampling temperature: the forward the ratios compare."""
         self.prepared = 0
         """The last step a micro-batch was prepared for."""
         self.generation: dict[str, Any] = {}
@@ -167,11 +170,11 @@ class GrpoObjective(Objective):
         """The batch with the policy's per-token log-probs of its completions now, which the steps reusing it
         compare against (`old_logps`), and the reference's (computed once for the generation)."""
         with torch.no_grad():
-            old = -self.forward(model, batch, per_token=True, temperature=self.temperature)
+            old = -self.forward(model, batch, self.logps)
             out = {**batch, OLD_LOGPS: old.float().cpu()}
             if self.beta:
-                out[REF_LOGPS] = reference_logps(model, batch, forward=self.forward, per_token=True,
-                                                 temperature=self.temperature).float().cpu()  # fmt: skip
+                out[REF_LOGPS] = reference_logps(model, batch, forward=self.forward,
+                                                 request=self.logps).float().cpu()  # fmt: skip
         return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -236,7 +239,7 @@ class GrpoObjective(Objective):
     def loss_sum(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         device = self.forward.device
         mask = target_mask(batch["labels"]).to(device)
-        logps = -self.forward(model, batch, per_token=True, temperature=self.temperature)
+        logps = -self.forward(model, batch, self.logps)
         old = batch[OLD_LOGPS].to(device) if OLD_LOGPS in batch else logps.detach()
         advantages = batch[ADVANTAGES].to(device)[:, None]
         ratio = torch.exp(logps - old)
@@ -248,7 +251,7 @@ class GrpoObjective(Objective):
         kl = torch.zeros_like(logps)
         if self.beta:
             reference = batch[REF_LOGPS].to(device) if REF_LOGPS in batch else reference_logps(
-                model, batch, forward=self.forward, per_token=True, temperature=self.temperature)  # fmt: skip
+                model, batch, forward=self.forward, request=self.logps)  # fmt: skip
             gap = reference - logps
             kl = (torch.exp(gap) - gap - 1) * ratio  # TRL's use_bias_correction_kl, its default
             per_token = per_token + self.beta * kl
