@@ -111,35 +111,62 @@ class _Pending:
     message: str = ""
 
 
+@dataclass(frozen=True)
+class AdapterExport:
+    """The adapter in PEFT's format, which each checkpoint also holds so that it loads on its own (save_adapter's
+    inputs)."""
+
+    peft_model: nn.Module
+    """The PeftModel before wrapping, for its adapter config."""
+    keys: dict[nn.Module, dict[str, str]]
+    """lora.adapter_keys: each adapter leaf's parameters' keys in the file."""
+    manifest: Manifest | None
+    """The base the adapter was trained on, written beside it."""
+
+
+@dataclass(frozen=True)
+class CheckpointContents:
+    """What each checkpoint holds: the run's live objects, read at every save."""
+
+    model: ShardedModel
+    optimizer: torch.optim.Optimizer
+    scaler: Any
+    """The gradient scaler, or None."""
+    adapter: AdapterExport | None
+    """LoRA and DoRA: the adapter in PEFT's format too; None otherwise."""
+    objective_state: Callable[[], dict[str, Any]] = dict
+    """This rank's state of the objective (GRPO: a generation later steps reuse), kept with its RNG state."""
+
+
+@dataclass(frozen=True)
+class SaveOptions:
+    """Where checkpoints go, how many stay and how they are written."""
+
+    output_dir: Path
+    """Holds the `checkpoint-STEP/` directories."""
+    total_limit: int
+    """The newest complete checkpoints kept (0: all)."""
+    keep: Path | None
+    """Never deleted: the checkpoint this run resumed from."""
+    async_save: bool
+    """Write the sharded state in the background while training goes on."""
+    timeout_s: float
+    """The background writes' process group's collective timeout."""
+
+
 class Checkpointer:
-    """Writes `checkpoint-STEP/` (see the module docstring), in the background with --async_save, and keeps the
-    newest `total_limit` complete ones (0: all), never deleting `keep` (the checkpoint this run resumed from)."""
+    """Writes `checkpoint-STEP/` (see the module docstring) holding `contents` as `options` say, reporting each
+    completed one through `report`."""
 
     def __init__(
-        self,
-        *,
-        model: ShardedModel,
-        optimizer: torch.optim.Optimizer,
-        scaler: Any,
-        adapter: tuple[nn.Module, dict[nn.Module, dict[str, str]], Manifest | None] | None,
-        output_dir: Path,
-        total_limit: int,
-        async_save: bool,
-        keep: Path | None,
-        env: DistEnv,
-        timeout_s: float,
-        report: Callable[[str], None],
-        objective_state: Callable[[], dict[str, Any]] = dict,
+        self, contents: CheckpointContents, options: SaveOptions, *, env: DistEnv, report: Callable[[str], None]
     ) -> None:
-        self.model, self.optimizer, self.scaler, self.adapter = model, optimizer, scaler, adapter
-        self.objective_state = objective_state
-        """This rank's state of the objective (GRPO: a generation later steps reuse), kept with its RNG state."""
-        self.output_dir, self.total_limit, self.keep, self.env, self.report = output_dir, total_limit, keep, env, report
-        self.async_save, self.group, self.stager = async_save, None, None
-        if async_save:
+        self.contents, self.options, self.env, self.report = contents, options, env, report
+        self.group, self.stager = None, None
+        if options.async_save:
             # Background writes run their collectives beside training's, so on a group of their own; gloo, because
             # DCP stages to host memory.
-            self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+            self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=options.timeout_s))
             cuda = env.device.type == "cuda"
             self.stager = reusable_stager(StagingOptions(cuda, False, False, cuda))
         self.pending: _Pending | None = None
@@ -149,24 +176,24 @@ class Checkpointer:
         complete as soon as DCP is done. A save in flight completes first: one at a time."""
         started = time.perf_counter()  # training's stall includes waiting for the save before
         self.wait()
-        final = self.output_dir / f"{CHECKPOINT_PREFIX}{state.step}"
-        tmp = self.output_dir / f".{CHECKPOINT_PREFIX}{state.step}.tmp"
+        contents, output_dir = self.contents, self.options.output_dir
+        final = output_dir / f"{CHECKPOINT_PREFIX}{state.step}"
+        tmp = output_dir / f".{CHECKPOINT_PREFIX}{state.step}.tmp"
         if self.env.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         dist.barrier()
-        if self.adapter is not None:
-            peft_model, keys, manifest = self.adapter
-            save_adapter(self.model, peft_model, keys, tmp, env=self.env, manifest=manifest)
+        if (adapter := contents.adapter) is not None:
+            save_adapter(contents.model, adapter.peft_model, adapter.keys, tmp, env=self.env, manifest=adapter.manifest)
         per_rank = {
-            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "scaler": contents.scaler.state_dict() if contents.scaler is not None else None,
             "rng": _rng_state(self.env.device),
-            "objective": self.objective_state(),
+            "objective": contents.objective_state(),
         }
         torch.save(per_rank, tmp / f"rank-{self.env.rank}.pt")
-        sharded = _sharded_state(self.model, self.optimizer)
+        sharded = _sharded_state(contents.model, contents.optimizer)
         pending = _Pending(tmp, final, replace(state, settings=dict(state.settings)), started)
-        if not self.async_save or wait:
+        if not self.options.async_save or wait:
             dcp.save(sharded, checkpoint_id=tmp / SHARDED, process_group=self.group)
             self._complete(pending)
             dist.barrier()
@@ -213,7 +240,7 @@ class Checkpointer:
             error = pending.error
             if error is None and pending.message:
                 self.report(pending.message)
-        if not self.async_save:
+        if not self.options.async_save:
             return
         failed = torch.tensor(float(error is not None), device=self.env.device)
         dist.all_reduce(failed, op=dist.ReduceOp.MAX)
@@ -242,11 +269,12 @@ class Checkpointer:
 
     def _prune(self, newest: Path) -> None:
         """`newest`, just written, is kept even where checkpoints of a later step (an abandoned run) exist."""
-        for stale in self.output_dir.glob(f".{CHECKPOINT_PREFIX}*.tmp"):
+        options = self.options
+        for stale in options.output_dir.glob(f".{CHECKPOINT_PREFIX}*.tmp"):
             shutil.rmtree(stale, ignore_errors=True)
-        if self.total_limit > 0:
-            keep = {path.resolve() for path in (self.keep, newest) if path is not None}
-            for old in list_checkpoints(self.output_dir)[: -self.total_limit]:
+        if options.total_limit > 0:
+            keep = {path.resolve() for path in (options.keep, newest) if path is not None}
+            for old in list_checkpoints(options.output_dir)[: -options.total_limit]:
                 if old.resolve() not in keep:
                     shutil.rmtree(old, ignore_errors=True)
 

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from qlora_fsdp.data.rows import model_inputs
+from qlora_fsdp.objectives.loss import SUMMED, LossRequest, Reduction
 from qlora_fsdp.parallel.precision import Precision
 from qlora_fsdp.parallel.sequence_parallel import SequenceParallel
 
@@ -26,15 +27,15 @@ class Forward:
     varlen: bool = False
     sequence: SequenceParallel | None = None
 
-    def __call__(self, model: nn.Module, batch: dict[str, torch.Tensor], **options: object) -> torch.Tensor:
+    def __call__(self, model: nn.Module, batch: dict[str, torch.Tensor], request: LossRequest = SUMMED) -> torch.Tensor:
         inputs = model_inputs(batch, self.device, varlen=self.varlen)
         if inputs["attention_mask"] is None:  # packed: which positions are padding, for the router's loss alone
             inputs["token_mask"] = batch["attention_mask"].to(self.device).reshape(inputs["input_ids"].shape)
         if self.sequence is not None:
             self.sequence.begin(batch, self.device)
         with self.autocast():
-            out = model(**inputs, **options)
-        if self.sequence is not None and options.get("per_row"):
+            out = model(**inputs, request=request)
+        if self.sequence is not None and request.reduction is Reduction.ROWS:
             out = self.sequence.row_sums(out)
         return out
 

@@ -46,9 +46,10 @@ from qlora_fsdp.data.prompts import PROMPT_INDEX, Prompt, prompt_loader
 from qlora_fsdp.data.rows import collate
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.objectives.base import Forward, Objective
+from qlora_fsdp.objectives.loss import LossRequest, Reduction
 from qlora_fsdp.objectives.reference import reference_logps
 from qlora_fsdp.objectives.rewards import Reward, load_rewards, score
-from qlora_fsdp.objectives.sampling import sample
+from qlora_fsdp.objectives.sampling import SamplingParams, sample
 from qlora_fsdp.objectives.setup import ObjectiveRun, Setting, Setup, Trainee
 from qlora_fsdp.objectives.specs import GRPO_LOSS_TYPES, ObjectiveSpec
 
@@ -67,25 +68,36 @@ _ROLLOUT_SUMS = ("rows", "length", "clipped", "zero_std", "sampling_s", "entropy
                  "reward_n")  # fmt: skip
 
 
-@dataclass
-class Rollout:
-    """What sampling and scoring a batch of prompts takes."""
+@dataclass(frozen=True)
+class RolloutSettings:
+    """The flags' part of a rollout: how many completions each prompt gets, how they are drawn, how their rewards
+    become advantages and how long a generation serves."""
 
-    prompts: list[Prompt]
-    rewards: list[Reward]
-    tokenizer: Any
-    end_ids: set[int]
-    pad_id: int
+    sampling: SamplingParams
     num_generations: int
-    max_completion_length: int
-    context_length: int
+    """Completions per prompt: a group, whose rewards are compared with each other."""
     seed: int
-    temperature: float = 1.0
-    top_p: float = 1.0
+    """The run's seed; each completion's generator is seeded from it, the step, the prompt and the completion's
+    number."""
+    context_length: int
+    """--context_length: a batch of prompts with their completions is padded to its longest row, not beyond it."""
     scale_rewards: str = "group"
+    """Advantages divided by the group's reward standard deviation, the batch's ("batch"), or not ("none")."""
     num_iterations: int = 1
     """Optimizer steps each generation serves: steps 1, 1 + n, 1 + 2n... sample; the steps between reuse their
     completions (the loader repeats their prompts), with the log-probs the policy gave them when they were sampled."""
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """What sampling and scoring a batch of prompts takes: the settings, and what the run builds for them."""
+
+    settings: RolloutSettings
+    prompts: list[Prompt]
+    """The dataset's prompts, by the index the loader's batches hold."""
+    rewards: list[Reward]
+    tokenizer: Any
+    """Decodes completions for the reward functions."""
     on_samples: Callable[[int, list[dict[str, Any]]], None] | None = None
     """Called on every rank with each micro-batch's step and its first group's prompt, completions and rewards."""
     gathered: Callable[[], contextlib.AbstractContextManager] | None = None
@@ -114,7 +126,9 @@ class GrpoObjective(Objective):
             raise ValueError(f"unknown GRPO loss type {loss_type!r}")
         self.forward, self.loss_type, self.beta = forward, loss_type, beta
         self.epsilon, self.epsilon_high, self.max_completion_length = epsilon, epsilon_high, max_completion_length
-        self.temperature, self.rollout = temperature, rollout
+        self.rollout = rollout
+        self.logps = LossRequest(Reduction.TOKENS, temperature=temperature)
+        """Each completion token's negative log-prob at the sampling temperature: the forward the ratios compare."""
         self.prepared = 0
         """The last step a micro-batch was prepared for."""
         self.generation: dict[str, Any] = {}
@@ -150,17 +164,17 @@ class GrpoObjective(Objective):
     @property
     def iterations(self) -> int:
         """Optimizer steps each generation serves (1 without a rollout)."""
-        return self.rollout.num_iterations if self.rollout is not None else 1
+        return self.rollout.settings.num_iterations if self.rollout is not None else 1
 
     def _with_logps(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The batch with the policy's per-token log-probs of its completions now, which the steps reusing it
         compare against (`old_logps`), and the reference's (computed once for the generation)."""
         with torch.no_grad():
-            old = -self.forward(model, batch, per_token=True, temperature=self.temperature)
+            old = -self.forward(model, batch, self.logps)
             out = {**batch, OLD_LOGPS: old.float().cpu()}
             if self.beta:
-                out[REF_LOGPS] = reference_logps(model, batch, forward=self.forward, per_token=True,
-                                                 temperature=self.temperature).float().cpu()  # fmt: skip
+                out[REF_LOGPS] = reference_logps(model, batch, forward=self.forward,
+                                                 request=self.logps).float().cpu()  # fmt: skip
         return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -183,13 +197,13 @@ class GrpoObjective(Objective):
         """Sample, score and collate the completions of these prompts."""
         r = self.rollout
         assert r is not None
-        prompts = [r.prompts[i] for i in indices for _ in range(r.num_generations)]
+        settings, group = r.settings, r.settings.num_generations
+        prompts = [r.prompts[i] for i in indices for _ in range(group)]
         started = time.perf_counter()
         with contextlib.nullcontext() if r.gathered is None else r.gathered():
-            sampled = sample(model, [p.ids for p in prompts], max_new_tokens=r.max_completion_length,
-                             end_ids=r.end_ids, pad_id=r.pad_id, device=self.forward.device,
-                             temperature=r.temperature, top_p=r.top_p, autocast=self.forward.autocast,
-                             seeds=[_seed(r.seed, step, i, k) for i in indices for k in range(r.num_generations)],
+            sampled = sample(model, [p.ids for p in prompts], params=settings.sampling, device=self.forward.device,
+                             autocast=self.forward.autocast,
+                             seeds=[_seed(settings.seed, step, i, k) for i in indices for k in range(group)],
                              lockstep=r.gathered is None)  # fmt: skip
         sampling_s = time.perf_counter() - started
         texts = r.tokenizer.batch_decode(sampled.completions, skip_special_tokens=True)
@@ -201,17 +215,18 @@ class GrpoObjective(Objective):
                              columns={key: [p.columns.get(key) for p in prompts] for key in keys},
                              step=step)  # fmt: skip
         weights = torch.tensor([reward.weight for reward in r.rewards], dtype=torch.float64)
-        advantages, zero_std = group_advantages(per_function, weights, r.num_generations, r.scale_rewards,
+        advantages, zero_std = group_advantages(per_function, weights, group, settings.scale_rewards,
                                                 device=self.forward.device)  # fmt: skip
         if r.on_samples is not None:
             names = [reward.name for reward in r.rewards]
-            group = zip(prompts[: r.num_generations], completions, per_function.tolist(), strict=False)
+            first = zip(prompts[:group], completions, per_function.tolist(), strict=False)
             r.on_samples(step, [{"prompt": p.text, "completion": c, "rewards": {
                 name: None if math.isnan(v) else v for name, v in zip(names, row, strict=True)}}
-                for p, c, row in group])  # fmt: skip
+                for p, c, row in first])  # fmt: skip
         items = [{"input_ids": p.ids + c, "labels": [IGNORE_INDEX] * len(p.ids) + c}
                  for p, c in zip(prompts, sampled.completions, strict=True)]  # fmt: skip
-        out = collate(items, pad_id=r.pad_id, context_length=r.context_length, pad_to_context=False)
+        out = collate(items, pad_id=settings.sampling.pad_id, context_length=settings.context_length,
+                      pad_to_context=False)  # fmt: skip
         return out | {ADVANTAGES: advantages.float(), REWARDS: per_function, ZERO_STD: zero_std,
                       TRUNCATED: torch.tensor(sampled.truncated), SAMPLING_S: torch.tensor(sampling_s),
                       ENTROPY: torch.tensor([sum(row) for row in sampled.entropies], dtype=torch.float64)}  # fmt: skip
@@ -224,7 +239,7 @@ class GrpoObjective(Objective):
     def loss_sum(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         device = self.forward.device
         mask = target_mask(batch["labels"]).to(device)
-        logps = -self.forward(model, batch, per_token=True, temperature=self.temperature)
+        logps = -self.forward(model, batch, self.logps)
         old = batch[OLD_LOGPS].to(device) if OLD_LOGPS in batch else logps.detach()
         advantages = batch[ADVANTAGES].to(device)[:, None]
         ratio = torch.exp(logps - old)
@@ -236,7 +251,7 @@ class GrpoObjective(Objective):
         kl = torch.zeros_like(logps)
         if self.beta:
             reference = batch[REF_LOGPS].to(device) if REF_LOGPS in batch else reference_logps(
-                model, batch, forward=self.forward, per_token=True, temperature=self.temperature)  # fmt: skip
+                model, batch, forward=self.forward, request=self.logps)  # fmt: skip
             gap = reference - logps
             kl = (torch.exp(gap) - gap - 1) * ratio  # TRL's use_bias_correction_kl, its default
             per_token = per_token + self.beta * kl
@@ -406,12 +421,13 @@ class GrpoRun(ObjectiveRun):
         ends |= set(configured if isinstance(configured, list) else [] if configured is None else [configured])
         log = CompletionLog(s.output_dir, resume_step=trainee.resume_step) if s.env.is_main else None
         gathered = trainee.model.gathered if setting("generation_mode") == "gathered" else None
-        return Rollout(prompts=trainee.loader.dataset.prompts, rewards=self.rewards, tokenizer=s.tokenizer,
-                       end_ids=ends - {None}, pad_id=pad_token_id(s.tokenizer),
-                       num_generations=setting("num_generations"),
-                       max_completion_length=setting("max_completion_length"), context_length=s.data.context_length,
-                       seed=s.batching.seed, temperature=setting("temperature"), top_p=setting("top_p"),
-                       scale_rewards=setting("scale_rewards"), num_iterations=setting("num_iterations"),
+        sampling = SamplingParams(max_new_tokens=setting("max_completion_length"), end_ids=frozenset(ends - {None}),
+                                  pad_id=pad_token_id(s.tokenizer), temperature=setting("temperature"),
+                                  top_p=setting("top_p"))  # fmt: skip
+        settings = RolloutSettings(sampling, num_generations=setting("num_generations"), seed=s.batching.seed,
+                                   context_length=s.data.context_length, scale_rewards=setting("scale_rewards"),
+                                   num_iterations=setting("num_iterations"))  # fmt: skip
+        return Rollout(settings, prompts=trainee.loader.dataset.prompts, rewards=self.rewards, tokenizer=s.tokenizer,
                        on_samples=log, gathered=gathered)  # fmt: skip
 
 

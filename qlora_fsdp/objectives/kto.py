@@ -22,6 +22,7 @@ from torch import nn
 
 from qlora_fsdp.data.rows import DESIRABLE
 from qlora_fsdp.objectives.base import Forward, Objective
+from qlora_fsdp.objectives.loss import PER_ROW
 from qlora_fsdp.objectives.preference import reply_tokens
 from qlora_fsdp.objectives.reference import ReferenceLookup, reference_logps
 from qlora_fsdp.objectives.setup import ReferenceRun, Setting
@@ -45,7 +46,7 @@ class KtoObjective(Objective):
 
     def loss_sum(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         device = self.forward.device
-        logps = -self.forward(model, batch, per_row=True)
+        logps = -self.forward(model, batch, PER_ROW)
         ratios = logps - reference_logps(model, batch, forward=self.forward, table=self.reference)
         ratio, kl_ratio = ratios.chunk(2)
         present = _rows_present(batch).to(device)

@@ -19,8 +19,10 @@ while it runs, under both FSDP versions.
 from __future__ import annotations
 
 import contextlib
+import enum
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,15 +43,43 @@ LM_PREFIX = "lm."
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
+class Reduction(enum.Enum):
+    """How the label positions' cross-entropies add up."""
+
+    SUM = "sum"
+    """One sum over the batch (fp32 scalar), which the caller divides by the step's label tokens."""
+    ROWS = "rows"
+    """Each row's sum [rows]: a sequence's negative log-likelihood (the preference objectives)."""
+    TOKENS = "tokens"
+    """Each label position's [rows, labels' width - 1], 0 where there is no label (GRPO's per-token ratios)."""
+
+
+@dataclass(frozen=True)
+class LossRequest:
+    """What one forward of CausalLMLoss computes from its inputs; the default is the training loss."""
+
+    reduction: Reduction = Reduction.SUM
+    adapters: bool = True
+    """False: the adapters are off for the forward (the reference model of DPO, KTO and GRPO's KL: the same weights
+    in the same FSDP units)."""
+    temperature: float = 1.0
+    """Divides the logits (GRPO's sampling temperature)."""
+
+
+SUMMED = LossRequest()
+"""The training loss: one sum over the label tokens, through the adapters."""
+PER_ROW = LossRequest(Reduction.ROWS)
+"""Each row's sum, through the adapters (the preference objectives' log-probs)."""
+
+
 class CausalLMLoss(nn.Module):
     """Wraps a causal LM (a PeftModel or a transformers model) as what FSDP shards as its root.
 
     Returns the fp32 sum of the next-token cross-entropy over label tokens (labels align with input_ids and are
     shifted here; IGNORE_INDEX marks positions without one; labels one longer than input_ids give the last
     position a target too, as a sequence-parallel slice's do); the caller divides by the label-token count of the
-    whole step, over every rank. With `per_row` it returns each row's sum instead (a sequence's negative
-    log-likelihood, for the preference objectives); with `adapters=False` the adapters are off for the forward (the
-    reference model of DPO and IPO, the same weights in the same FSDP units).
+    whole step, over every rank. A LossRequest asks for other sums (each row's, each position's), for the forward
+    with the adapters off, or for a temperature.
     """
 
     def __init__(self, lm: nn.Module, *, chunk_tokens: int, router: RouterLoss | None = None) -> None:
@@ -70,15 +100,11 @@ class CausalLMLoss(nn.Module):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         token_mask: torch.Tensor | None = None,
-        per_row: bool = False,
-        adapters: bool = True,
-        per_token: bool = False,
+        request: LossRequest = SUMMED,
         cache: Any = None,
-        temperature: float = 1.0,
         **images: torch.Tensor,
     ) -> torch.Tensor:
-        """`per_token`: each label position's cross-entropy, [rows, labels' width - 1] (0 where there is no label;
-        GRPO's per-token ratios), of the logits divided by `temperature` (GRPO's sampling temperature). `cache`: a
+        """`request`: which sums of the cross-entropy, with or without the adapters, at which temperature. `cache`: a
         transformers KV cache to decode with (qlora_fsdp.objectives.sampling): the next token's fp32 logits [rows,
         vocabulary] instead of a loss, through this root so FSDP gathers what it holds. `token_mask`: which positions
         are tokens rather than padding, where `attention_mask` is not given (packed rows); only the router's loss reads
@@ -89,9 +115,8 @@ class CausalLMLoss(nn.Module):
             return out.logits[:, -1].float().clone()  # a view would lose FSDP2's output hooks
         if labels is None:
             raise ValueError("labels are required unless decoding with a cache")
-        with contextlib.nullcontext() if adapters else adapters_off(self.lm):
-            return self._loss(input_ids, labels, attention_mask, position_ids, token_mask, per_row=per_row,
-                              per_token=per_token, temperature=temperature, **images)  # fmt: skip
+        with contextlib.nullcontext() if request.adapters else adapters_off(self.lm):
+            return self._loss(input_ids, labels, attention_mask, position_ids, token_mask, request=request, **images)
 
     def _loss(
         self,
@@ -101,9 +126,7 @@ class CausalLMLoss(nn.Module):
         position_ids: torch.Tensor | None,
         token_mask: torch.Tensor | None,
         *,
-        per_row: bool,
-        per_token: bool = False,
-        temperature: float = 1.0,
+        request: LossRequest,
         **images: torch.Tensor,
     ) -> torch.Tensor:
         inputs: dict[str, Any] = dict(
@@ -119,35 +142,32 @@ class CausalLMLoss(nn.Module):
         trained_head = type(head) is nn.Linear and any(
             p is not None and p.requires_grad for p in (head.weight, head.bias)
         )
+        reduction, temperature = request.reduction, request.temperature
         # A bias-free linear head's logits / t are its logits of the states / t; any other head divides whole logits.
         scalable = temperature == 1.0 or (type(head) is nn.Linear and getattr(head, "bias", None) is None)
-        if not self.chunked or ((per_row or per_token) and trained_head) or not scalable:
+        if not self.chunked or (reduction is not Reduction.SUM and trained_head) or not scalable:
             out = self.lm(**inputs)
             logits = out.logits if temperature == 1.0 else out.logits / temperature
-            loss = full_loss_sum(logits, labels, per_row=per_row, per_token=per_token)
+            loss = full_loss_sum(logits, labels, reduction=reduction)
         else:
             out = hidden_states_model(self.lm)(**inputs)
             states = out.last_hidden_state if temperature == 1.0 else out.last_hidden_state / temperature
-            loss = chunked_loss_sum(states, head, labels, chunk_tokens=self.chunk_tokens, per_row=per_row,
-                                    per_token=per_token)  # fmt: skip
+            loss = chunked_loss_sum(states, head, labels, chunk_tokens=self.chunk_tokens, reduction=reduction)
         if router is not None:
             mask = attention_mask if attention_mask is not None else token_mask
             loss = loss + router(out.router_logits, mask, labels)
         return loss
 
 
-def full_loss_sum(
-    logits: torch.Tensor, labels: torch.Tensor, *, per_row: bool = False, per_token: bool = False
-) -> torch.Tensor:
-    """Summed next-token cross-entropy from whole logits (fp32), the reference the chunked loss must equal; per row
-    with `per_row`, per label position with `per_token`."""
+def full_loss_sum(logits: torch.Tensor, labels: torch.Tensor, *, reduction: Reduction = Reduction.SUM) -> torch.Tensor:
+    """Summed next-token cross-entropy from whole logits (fp32), the reference the chunked loss must equal."""
     predicting = logits[:, : labels.shape[1] - 1]  # all positions where labels run one past (a sequence slice)
     losses = F.cross_entropy(
         predicting.flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX, reduction="none"
     )
-    if per_token:
+    if reduction is Reduction.TOKENS:
         return losses.view(labels.shape[0], -1).clone()  # FSDP2 warns of a view output (its hooks could miss it)
-    return losses.view(labels.shape[0], -1).sum(1) if per_row else losses.sum()
+    return losses.view(labels.shape[0], -1).sum(1) if reduction is Reduction.ROWS else losses.sum()
 
 
 def chunked_loss_sum(
@@ -156,35 +176,32 @@ def chunked_loss_sum(
     labels: torch.Tensor,
     *,
     chunk_tokens: int,
-    per_row: bool = False,
-    per_token: bool = False,
+    reduction: Reduction = Reduction.SUM,
 ) -> torch.Tensor:
-    """Summed next-token cross-entropy of `head(hidden)` without materialising more than one chunk of logits; each
-    row's sum with `per_row`, each label position's with `per_token` (the head must then be frozen, or not a plain
-    linear)."""
-    per_row = per_row or per_token
+    """Summed next-token cross-entropy of `head(hidden)` without materialising more than one chunk of logits (for
+    rows' or positions' sums, the head must be frozen, or not a plain linear)."""
+    apart = reduction is not Reduction.SUM  # each token's loss, which rows' and positions' sums are made of
     targets = labels[:, 1:].flatten()
     keep = targets != IGNORE_INDEX
     states = hidden[:, : labels.shape[1] - 1].flatten(0, 1)[keep]  # only labelled positions reach the head
     targets = targets[keep]
     if type(head) is nn.Linear:
-        losses = _LinearHeadLoss.apply(states, head.weight, head.bias, targets, chunk_tokens, per_row)
+        losses = _LinearHeadLoss.apply(states, head.weight, head.bias, targets, chunk_tokens, apart)
     else:
-        reduction = "none" if per_row else "sum"
         parts = [
             checkpoint(_chunk_loss, head, states[start : start + chunk_tokens], targets[start : start + chunk_tokens],
-                       reduction, use_reentrant=False)
+                       "none" if apart else "sum", use_reentrant=False)
             for start in range(0, states.shape[0], chunk_tokens)
         ]  # fmt: skip
-        empty = states.new_zeros((0,) if per_row else (), dtype=torch.float32)
-        losses = torch.cat([empty, *parts]) if per_row else sum(parts, empty)
+        empty = states.new_zeros((0,) if apart else (), dtype=torch.float32)
+        losses = torch.cat([empty, *parts]) if apart else sum(parts, empty)
         losses = losses + 0.0 * states.sum()  # no label token here: backward must still reach every layer (FSDP)
-    if not per_row:
+    if not apart:
         return losses
     # Each row's sum by a dense scatter (deterministic on CUDA, unlike index_add's atomics).
     rows = labels.shape[0]
     dense = losses.new_zeros(rows, keep.shape[0] // rows).masked_scatter(keep.view(rows, -1), losses)
-    return dense if per_token else dense.sum(1)
+    return dense if reduction is Reduction.TOKENS else dense.sum(1)
 
 
 def _chunk_loss(head: nn.Module, states: torch.Tensor, targets: torch.Tensor, reduction: str) -> torch.Tensor:

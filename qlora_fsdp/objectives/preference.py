@@ -24,6 +24,7 @@ from torch import nn
 
 from qlora_fsdp.data import target_mask
 from qlora_fsdp.objectives.base import Forward, Objective
+from qlora_fsdp.objectives.loss import PER_ROW
 from qlora_fsdp.objectives.reference import ReferenceLookup, reference_logps
 from qlora_fsdp.objectives.setup import ObjectiveRun, ReferenceRun, Setting
 from qlora_fsdp.parallel.sequence_parallel import ROW_LABEL_TOKENS
@@ -61,7 +62,7 @@ class PreferenceObjective(Objective):
 
     def reply_logps(self, model: nn.Module, batch: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
         """Every sequence's log-probability of its reply, summed (or averaged) over the reply's tokens."""
-        logps = -self.forward(model, batch, per_row=True)
+        logps = -self.forward(model, batch, PER_ROW)
         return logps / tokens.clamp(min=1) if self.average else logps
 
     @abstractmethod

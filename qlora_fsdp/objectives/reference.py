@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from qlora_fsdp.objectives.base import Forward
+from qlora_fsdp.objectives.loss import PER_ROW, LossRequest
 from qlora_fsdp.parallel.distributed import DistEnv
 
 REFERENCE_FILE = "reference_logps.safetensors"
@@ -35,20 +37,18 @@ def reference_logps(
     *,
     forward: Forward,
     table: ReferenceLookup | None = None,
-    per_token: bool = False,
-    temperature: float = 1.0,
+    request: LossRequest = PER_ROW,
 ) -> torch.Tensor:
-    """The reference's summed reply log-probs of a batch's 2B sequences (first sides first; each label position's
-    with `per_token`, at `temperature`): looked up in the precomputed `table`, or the model's with its adapters off,
-    in eval mode (the reference has no dropout: the base model's own, where its config has some)."""
+    """The reference's summed reply log-probs of a batch's 2B sequences (first sides first; or what `request` asks
+    for, with the adapters off whatever it says): looked up in the precomputed `table`, or the model's with its
+    adapters off, in eval mode (the reference has no dropout: the base model's own, where its config has some)."""
     if table is not None:
         return table(batch["pair_index"]).T.reshape(-1).to(forward.device)
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            return -forward(model, batch, per_row=not per_token, per_token=per_token, adapters=False,
-                            temperature=temperature)  # fmt: skip
+            return -forward(model, batch, replace(request, adapters=False))
     finally:
         model.train(was_training)
 
@@ -82,7 +82,7 @@ def reference_table(
     try:
         with torch.no_grad():
             for batch in make_loader(EvalShard(rows, env, 1)):
-                logps = -forward(model, batch, per_row=True, adapters=False).double()
+                logps = -forward(model, batch, replace(PER_ROW, adapters=False)).double()
                 # A shard's padding pair has no labels: its log-probs are 0 and add nothing.
                 table.index_add_(0, batch["pair_index"].to(env.device), torch.stack(logps.chunk(2), dim=1))
     finally:

@@ -36,25 +36,40 @@ class Sampled:
     """Rows that reached the length limit without an end token."""
 
 
+@dataclass(frozen=True)
+class SamplingParams:
+    """What decides the completions drawn for given prompts and seeds, as transformers' GenerationConfig names it;
+    how the model runs (device, autocast, lockstep) is the caller's."""
+
+    max_new_tokens: int
+    """Tokens drawn at most per completion (GRPO's --max_completion_length)."""
+    end_ids: frozenset[int]
+    """Tokens that end a completion (kept as its last)."""
+    pad_id: int
+    """Fills the prompts' left and the ended rows' further tokens."""
+    temperature: float = 1.0
+    """Divides the logits before drawing."""
+    top_p: float = 1.0
+    """Draws from the smallest set of most likely tokens whose probability reaches it (1: from all)."""
+
+
 @torch.no_grad()
 def sample(
     model: nn.Module,
     prompts: list[list[int]],
     *,
-    max_new_tokens: int,
-    end_ids: set[int],
-    pad_id: int,
+    params: SamplingParams,
     seeds: list[int],
     device: torch.device,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     lockstep: bool = True,
 ) -> Sampled:
     """Completions of `prompts` from `model` (a CausalLMLoss root, wrapped by FSDP or not), in eval mode (no
-    dropout; transformers turns the cache off under gradient checkpointing in training mode)."""
+    dropout; transformers turns the cache off under gradient checkpointing in training mode), row i drawn with
+    `seeds[i]`."""
     from transformers import DynamicCache
 
+    pad_id, end_ids = params.pad_id, params.end_ids
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
@@ -69,10 +84,10 @@ def sample(
     try:
         with autocast():
             logits = model(ids, attention_mask=mask, position_ids=positions, cache=cache)
-        for _ in range(max_new_tokens):
-            log_probs = torch.log_softmax(logits / temperature, dim=-1)
+        for _ in range(params.max_new_tokens):
+            log_probs = torch.log_softmax(logits / params.temperature, dim=-1)
             uniform = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators])
-            token = _draw(log_probs, top_p, uniform.to(device))
+            token = _draw(log_probs, params.top_p, uniform.to(device))
             token = torch.where(done, pad_id, token)
             tokens.append(token)
             logps.append(log_probs.gather(1, token[:, None]).squeeze(1))
@@ -113,7 +128,7 @@ def _all_done(done: torch.Tensor, lockstep: bool) -> bool:
 
 
 def _rows(tokens: list[list[int]], logps: list[list[float]], entropies: list[list[float]], *,
-          end_ids: set[int]) -> Sampled:  # fmt: skip
+          end_ids: frozenset[int]) -> Sampled:  # fmt: skip
     completions, truncated = [], []
     for row in tokens:
         stop = next((i + 1 for i, token in enumerate(row) if token in end_ids), None)

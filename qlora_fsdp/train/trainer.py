@@ -18,7 +18,10 @@ from torch.utils.data import DataLoader
 
 from qlora_fsdp.checkpoint.artifacts import TRAINED_BLOCKS, save_adapter, save_full_model, save_trained_blocks
 from qlora_fsdp.checkpoint.dcp import (
+    AdapterExport,
+    CheckpointContents,
     Checkpointer,
+    SaveOptions,
     TrainState,
     list_checkpoints,
     load_checkpoint,
@@ -289,13 +292,14 @@ def _run(
     eval_objective = run_objective.objective(trainee, training=False)
     unit = run_objective.spec.unit
 
-    checkpointer = Checkpointer(
+    contents = CheckpointContents(
         model=built.model, optimizer=optimizer, scaler=scaler,
-        adapter=(built.unwrapped, built.keys, built.manifest) if adapters else None,
-        output_dir=output_dir, total_limit=cfg.output.save_total_limit, async_save=cfg.output.async_save,
-        keep=resume, env=env, timeout_s=cfg.dist.dist_timeout_s, report=logger.message,
+        adapter=AdapterExport(built.unwrapped, built.keys, built.manifest) if adapters else None,
         objective_state=objective.state_dict,
     )  # fmt: skip
+    options = SaveOptions(output_dir=output_dir, total_limit=cfg.output.save_total_limit, keep=resume,
+                          async_save=cfg.output.async_save, timeout_s=cfg.dist.dist_timeout_s)  # fmt: skip
+    checkpointer = Checkpointer(contents, options, env=env, report=logger.message)
 
     def checkpoint(at: TrainState, wait: bool) -> Path:
         if not shared_output or not cfg.resumable:

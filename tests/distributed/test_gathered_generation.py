@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from qlora_fsdp.objectives.loss import CausalLMLoss
-from qlora_fsdp.objectives.sampling import sample
+from qlora_fsdp.objectives.sampling import SamplingParams, sample
 from qlora_fsdp.parallel.fsdp2 import Fsdp2Model
 
 pytestmark = pytest.mark.distributed
@@ -34,8 +34,9 @@ CPU = torch.device("cpu")
 
 def _sample(root: CausalLMLoss, rank: int, *, lockstep: bool) -> dict[str, list]:
     prompts = PROMPTS[rank]
-    drawn = sample(root, prompts, max_new_tokens=NEW_TOKENS[rank], end_ids={2}, pad_id=0, device=CPU,
-                   seeds=[100 * rank + i for i in range(len(prompts))], lockstep=lockstep)  # fmt: skip
+    params = SamplingParams(max_new_tokens=NEW_TOKENS[rank], end_ids=frozenset({2}), pad_id=0)
+    drawn = sample(root, prompts, params=params, device=CPU, seeds=[100 * rank + i for i in range(len(prompts))],
+                   lockstep=lockstep)  # fmt: skip
     return {"completions": drawn.completions, "logps": drawn.logps}
 
 

@@ -9,6 +9,7 @@ from torch import nn
 
 from qlora_fsdp.data import target_mask
 from qlora_fsdp.objectives.base import Forward, Objective
+from qlora_fsdp.objectives.loss import PER_ROW
 from qlora_fsdp.objectives.setup import ObjectiveRun, Setting
 from qlora_fsdp.objectives.specs import ObjectiveSpec
 
@@ -23,7 +24,7 @@ class RowMeanObjective(Objective):
         return (int(target_mask(batch["labels"]).any(dim=1).sum()),)
 
     def loss_sum(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        per_row = self.forward(model, batch, per_row=True)  # each row's summed token cross-entropy
+        per_row = self.forward(model, batch, PER_ROW)  # each row's summed token cross-entropy
         tokens = target_mask(batch["labels"]).sum(dim=1).to(per_row.device)
         loss = (per_row / tokens.clamp(min=1)).sum()
         return loss.reshape(1), tokens.sum().double().reshape(1)

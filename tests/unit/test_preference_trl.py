@@ -28,7 +28,7 @@ from trl.trainer.dpo_trainer import DataCollatorForPreference
 from qlora_fsdp.config.options import ObjectiveConfig
 from qlora_fsdp.data import IGNORE_INDEX
 from qlora_fsdp.data.rows import collate
-from qlora_fsdp.objectives.loss import CausalLMLoss
+from qlora_fsdp.objectives.loss import PER_ROW, CausalLMLoss
 from qlora_fsdp.objectives.preference import DpoObjective
 from qlora_fsdp.objectives.setup import make_objective
 from tests.trl_parity import (
@@ -149,7 +149,7 @@ def test_label_smoothing_matches_cpo_sigmoid_formula(
     model, pairs = trainer.model, _pairs()
     cpo = trl_trainer("cpo", tiny_model, tmp_path, loss_type="sigmoid", beta=0.5, label_smoothing=0.1, cpo_alpha=0.0)
     with torch.no_grad():
-        logps = -CausalLMLoss(model, chunk_tokens=7)(**_model_inputs(_our_batch(pairs)), per_row=True)
+        logps = -CausalLMLoss(model, chunk_tokens=7)(**_model_inputs(_our_batch(pairs)), request=PER_ROW)
         ref_chosen, ref_rejected = trainer.compute_ref_log_probs(model, _dpo_inputs(pairs))
     chosen, rejected = logps[:3] - ref_chosen, logps[3:] - ref_rejected
     trl_losses, trl_chosen_rewards, trl_rejected_rewards = cpo.cpo_loss(chosen, rejected)
@@ -191,7 +191,7 @@ def test_control_reference_with_adapters_on_is_not_trl(dpo_trainers: dict[str, T
     class AdaptersOn(DpoObjective):
         def reference_logps(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
             with torch.no_grad():
-                return -self.forward(model, batch, per_row=True)
+                return -self.forward(model, batch, PER_ROW)
 
     wrong, _, metrics = ours(AdaptersOn(FP32, beta=0.5), lm, batch)
     assert wrong.item() == pytest.approx(math.log(2), abs=1e-6)
@@ -282,7 +282,7 @@ def test_orpo_equals_trl_loss_when_the_prompt_is_one_token(
     assert rel(grad(loss, params), grad(trl_loss, params)) < TOL
     if confident:  # the regime it is there for
         with torch.no_grad():
-            average = -lm(**_model_inputs(batch), per_row=True) / (batch["labels"][:, 1:] != IGNORE_INDEX).sum(1)
+            average = -lm(**_model_inputs(batch), request=PER_ROW) / (batch["labels"][:, 1:] != IGNORE_INDEX).sum(1)
         assert (average > -math.log(2)).any() and (average < -math.log(2)).any()  # both branches of log1mexp
         assert abs(metrics["log_odds_chosen"] - metrics["rewards/margins"] / 0.2) > 0.1  # odds far from probs
 

@@ -7,6 +7,7 @@ rotary positions make the prompts' position offsets invisible to it."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from qlora_fsdp.objectives.loss import CausalLMLoss
-from qlora_fsdp.objectives.sampling import sample
+from qlora_fsdp.objectives.sampling import SamplingParams, sample
 from tests.trl_parity import PAD, perturb
 
 PROMPTS = [[5, 9, 33, 71, 2048 % 500], [17], [400, 401, 402, 403, 404, 405, 406, 407], [88, 89, 90]]
@@ -30,9 +31,12 @@ def root(tiny_model: Path) -> CausalLMLoss:
     return CausalLMLoss(lm, chunk_tokens=5).train()
 
 
-def _draw(root: CausalLMLoss, seed: int, **settings) -> object:
-    return sample(root, PROMPTS, max_new_tokens=7, end_ids={2}, pad_id=PAD, device=CPU,
-                  seeds=[seed * 10 + i for i in range(len(PROMPTS))], **settings)  # fmt: skip
+PARAMS = SamplingParams(max_new_tokens=7, end_ids=frozenset({2}), pad_id=PAD)
+
+
+def _draw(root: CausalLMLoss, seed: int, **settings: float) -> object:
+    return sample(root, PROMPTS, params=replace(PARAMS, **settings), device=CPU,
+                  seeds=[seed * 10 + i for i in range(len(PROMPTS))])  # fmt: skip
 
 
 def _full_logps(root: CausalLMLoss, temperature: float,
@@ -82,5 +86,5 @@ def test_each_rows_seed_decides_its_completion_whatever_its_batch(root: CausalLM
     drawn = _draw(root, 3)
     assert drawn.completions == _draw(root, 3).completions != _draw(root, 4).completions
     for i, prompt in enumerate(PROMPTS):
-        alone = sample(root, [prompt], max_new_tokens=7, end_ids={2}, pad_id=PAD, device=CPU, seeds=[30 + i])
+        alone = sample(root, [prompt], params=PARAMS, device=CPU, seeds=[30 + i])
         assert alone.completions[0] == drawn.completions[i]
