@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffload, FullStateDictConfig, MixedPrecision, ShardingStrategy, StateDictType
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
@@ -53,11 +53,9 @@ def mixed_precision(precision: Precision, *, ignore: tuple[type[nn.Module], ...]
 
 
 def _device_mesh(cfg: FSDPConfig, env: DistEnv) -> DeviceMesh | None:
-    """hybrid_*: shard within groups of --shard_group_size ranks (default: a node), replicate across groups."""
-    if not cfg.sharding_strategy.startswith("hybrid"):
-        return None
-    shard = cfg.shard_group_size or env.local_world_size
-    return init_device_mesh(env.device.type, (env.world_size // shard, shard), mesh_dim_names=("replicate", "shard"))
+    """hybrid_*: shard within groups of --shard_group_size ranks (default: a node), replicate across groups; the
+    other strategies use every rank (the default group)."""
+    return env.mesh.hybrid if cfg.sharding_strategy.startswith("hybrid") else None
 
 
 def _never(module: nn.Module) -> bool:
