@@ -51,6 +51,7 @@ from qlora_fsdp.objectives.rewards import Reward, load_rewards, score
 from qlora_fsdp.objectives.sampling import sample
 from qlora_fsdp.objectives.setup import ObjectiveRun, Setting, Setup, Trainee
 from qlora_fsdp.objectives.specs import GRPO_LOSS_TYPES, ObjectiveSpec
+from qlora_fsdp.parallel.distributed import DistEnv
 
 COMPLETIONS_FILE = "completions.jsonl"
 ADVANTAGES, OLD_LOGPS, REF_LOGPS = "advantages", "old_logps", "ref_logps"
@@ -80,6 +81,8 @@ class Rollout:
     max_completion_length: int
     context_length: int
     seed: int
+    env: DistEnv
+    """Every rank's completions are scored together: a group's advantages compare it with the others' too."""
     temperature: float = 1.0
     top_p: float = 1.0
     scale_rewards: str = "group"
@@ -199,10 +202,10 @@ class GrpoObjective(Objective):
         per_function = score(r.rewards, prompts=[p.text for p in prompts], completions=completions,
                              completion_ids=sampled.completions,
                              columns={key: [p.columns.get(key) for p in prompts] for key in keys},
-                             step=step)  # fmt: skip
+                             step=step, env=r.env)  # fmt: skip
         weights = torch.tensor([reward.weight for reward in r.rewards], dtype=torch.float64)
         advantages, zero_std = group_advantages(per_function, weights, r.num_generations, r.scale_rewards,
-                                                device=self.forward.device)  # fmt: skip
+                                                env=r.env)  # fmt: skip
         if r.on_samples is not None:
             names = [reward.name for reward in r.rewards]
             group = zip(prompts[: r.num_generations], completions, per_function.tolist(), strict=False)
@@ -300,15 +303,15 @@ class GrpoObjective(Objective):
 
 
 def group_advantages(per_function: torch.Tensor, weights: torch.Tensor, group: int, scale: str, *,
-                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                     env: DistEnv) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(this rank's advantages, whether each one's group (or batch) had no variation): TRL's, the weighted sum of
-    the rewards compared with its group's mean, over every rank's completions (a collective on `device`, the
-    rank's own)."""
+    the rewards compared with its group's mean, over every rank's completions (a collective on the rank's
+    device)."""
     local = len(per_function)
     everyone = per_function
     if dist.is_initialized():
-        sent = per_function.to(device)  # NCCL takes CUDA tensors only, the outputs too
-        parts = [torch.empty_like(sent) for _ in range(dist.get_world_size())]
+        sent = per_function.to(env.device)  # NCCL takes CUDA tensors only, the outputs too
+        parts = [torch.empty_like(sent) for _ in range(env.world_size)]
         dist.all_gather(parts, sent)
         everyone = torch.cat([p.cpu() for p in parts])
     rewards = (everyone * weights).nansum(1)
@@ -320,8 +323,7 @@ def group_advantages(per_function: torch.Tensor, weights: torch.Tensor, group: i
     advantages = rewards - mean
     if scale != "none":
         advantages = advantages / (std + 1e-4)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    mine = slice(rank * local, (rank + 1) * local)
+    mine = slice(env.rank * local, (env.rank + 1) * local)
     return torch.nan_to_num(advantages, nan=0.0)[mine], torch.isclose(std, torch.zeros_like(std))[mine]
 
 
@@ -410,7 +412,7 @@ class GrpoRun(ObjectiveRun):
                        end_ids=ends - {None}, pad_id=pad_token_id(s.tokenizer),
                        num_generations=setting("num_generations"),
                        max_completion_length=setting("max_completion_length"), context_length=s.data.context_length,
-                       seed=s.seed, temperature=setting("temperature"), top_p=setting("top_p"),
+                       seed=s.seed, env=s.env, temperature=setting("temperature"), top_p=setting("top_p"),
                        scale_rewards=setting("scale_rewards"), num_iterations=setting("num_iterations"),
                        on_samples=log, gathered=gathered)  # fmt: skip
 
