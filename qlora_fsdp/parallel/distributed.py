@@ -36,7 +36,8 @@ class JobMesh:
     different shards of the same layers)."""
     hybrid: DeviceMesh
     """("replicate", "shard"): replicate x fsdp, for hybrid sharding and no_shard. A mesh of its own over the same
-    process groups: FSDP1 takes a mesh sliced from a larger one for FSDP + tensor parallelism."""
+    process groups, because FSDP1 takes a mesh sliced from a larger one for FSDP + tensor parallelism (its state
+    dicts would then expect tensor-parallel shards)."""
 
     @classmethod
     def build(cls, device_type: str, shape: tuple[int, int, int]) -> JobMesh:
