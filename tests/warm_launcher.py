@@ -30,7 +30,7 @@ import time
 import traceback
 from typing import TextIO
 
-from qlora_fsdp.parallel.distributed import _free_port
+from qlora_fsdp.parallel.distributed import free_port
 
 # What a training rank imports (the CLI imports lazily): loaded once here, before any fork.
 PRELOAD = (
@@ -106,7 +106,7 @@ def _launch(request: dict, channel: TextIO) -> dict:
     """Fork the ranks, wait for them as torchrun's agent does, and report the job's status. Whatever stops this
     (a timeout, SIGTERM or SIGINT to the launcher) stops the ranks too."""
     nproc = request["nproc"]
-    port = str(_free_port())
+    port = str(free_port())
     pids: list[int] = []
     codes: dict[int, int] = {}
     timed_out = False

@@ -52,6 +52,7 @@ from qlora_fsdp.objectives.rewards import Reward, load_rewards, score
 from qlora_fsdp.objectives.sampling import SamplingParams, sample
 from qlora_fsdp.objectives.setup import ObjectiveRun, Setting, Setup, Trainee
 from qlora_fsdp.objectives.specs import GRPO_LOSS_TYPES, ObjectiveSpec
+from qlora_fsdp.parallel.distributed import DistEnv
 
 COMPLETIONS_FILE = "completions.jsonl"
 ADVANTAGES, OLD_LOGPS, REF_LOGPS = "advantages", "old_logps", "ref_logps"
@@ -98,6 +99,8 @@ class Rollout:
     rewards: list[Reward]
     tokenizer: Any
     """Decodes completions for the reward functions."""
+    env: DistEnv
+    """Every rank's completions are scored together: a group's advantages compare it with the others' too."""
     on_samples: Callable[[int, list[dict[str, Any]]], None] | None = None
     """Called on every rank with each micro-batch's step and its first group's prompt, completions and rewards."""
     gathered: Callable[[], contextlib.AbstractContextManager] | None = None
@@ -213,10 +216,10 @@ class GrpoObjective(Objective):
         per_function = score(r.rewards, prompts=[p.text for p in prompts], completions=completions,
                              completion_ids=sampled.completions,
                              columns={key: [p.columns.get(key) for p in prompts] for key in keys},
-                             step=step)  # fmt: skip
+                             step=step, env=r.env)  # fmt: skip
         weights = torch.tensor([reward.weight for reward in r.rewards], dtype=torch.float64)
         advantages, zero_std = group_advantages(per_function, weights, group, settings.scale_rewards,
-                                                device=self.forward.device)  # fmt: skip
+                                                env=r.env)  # fmt: skip
         if r.on_samples is not None:
             names = [reward.name for reward in r.rewards]
             first = zip(prompts[:group], completions, per_function.tolist(), strict=False)
@@ -315,15 +318,15 @@ class GrpoObjective(Objective):
 
 
 def group_advantages(per_function: torch.Tensor, weights: torch.Tensor, group: int, scale: str, *,
-                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                     env: DistEnv) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(this rank's advantages, whether each one's group (or batch) had no variation): TRL's, the weighted sum of
-    the rewards compared with its group's mean, over every rank's completions (a collective on `device`, the
-    rank's own)."""
+    the rewards compared with its group's mean, over every rank's completions (a collective on the rank's
+    device)."""
     local = len(per_function)
     everyone = per_function
     if dist.is_initialized():
-        sent = per_function.to(device)  # NCCL takes CUDA tensors only, the outputs too
-        parts = [torch.empty_like(sent) for _ in range(dist.get_world_size())]
+        sent = per_function.to(env.device)  # NCCL takes CUDA tensors only, the outputs too
+        parts = [torch.empty_like(sent) for _ in range(env.world_size)]
         dist.all_gather(parts, sent)
         everyone = torch.cat([p.cpu() for p in parts])
     rewards = (everyone * weights).nansum(1)
@@ -335,8 +338,7 @@ def group_advantages(per_function: torch.Tensor, weights: torch.Tensor, group: i
     advantages = rewards - mean
     if scale != "none":
         advantages = advantages / (std + 1e-4)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    mine = slice(rank * local, (rank + 1) * local)
+    mine = slice(env.rank * local, (env.rank + 1) * local)
     return torch.nan_to_num(advantages, nan=0.0)[mine], torch.isclose(std, torch.zeros_like(std))[mine]
 
 
@@ -428,7 +430,7 @@ class GrpoRun(ObjectiveRun):
                                    context_length=s.data.context_length, scale_rewards=setting("scale_rewards"),
                                    num_iterations=setting("num_iterations"))  # fmt: skip
         return Rollout(settings, prompts=trainee.loader.dataset.prompts, rewards=self.rewards, tokenizer=s.tokenizer,
-                       on_samples=log, gathered=gathered)  # fmt: skip
+                       env=s.env, on_samples=log, gathered=gathered)  # fmt: skip
 
 
 class CompletionLog:

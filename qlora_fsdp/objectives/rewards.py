@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.objectives.user_code import load_object
+from qlora_fsdp.parallel.distributed import DistEnv
 
 RewardFunc = Callable[..., list[float | None]]
 
@@ -79,7 +80,7 @@ RESERVED = ("prompt", "prompts", "completion", "completions", "completion_ids")
 
 
 def score(rewards: list[Reward], *, prompts: list[Any], completions: list[Any], completion_ids: list[list[int]],
-          columns: dict[str, list[Any]], step: int) -> torch.Tensor:  # fmt: skip
+          columns: dict[str, list[Any]], step: int, env: DistEnv) -> torch.Tensor:  # fmt: skip
     """[completions, functions] float64 rewards, NaN where a function returned None; every rank calls it once per
     batch, and all stop with the first problem any rank met."""
     out = torch.full((len(completions), len(rewards)), math.nan, dtype=torch.float64)
@@ -104,8 +105,8 @@ def score(rewards: list[Reward], *, prompts: list[Any], completions: list[Any], 
             break
         out[:, i] = torch.tensor(numbers, dtype=torch.float64)
     problems = [problem]
-    if dist.is_initialized():
-        problems = [""] * dist.get_world_size()
+    if env.world_size > 1:
+        problems = [""] * env.world_size
         dist.all_gather_object(problems, problem)
     first = next((p for p in problems if p), "")
     if first:

@@ -1,4 +1,4 @@
-"""Process group, device and rank: the only module that reads torchrun's environment variables."""
+"""Process group, device, rank and mesh: the only module that reads torchrun's environment variables."""
 
 from __future__ import annotations
 
@@ -12,10 +12,43 @@ from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from qlora_fsdp.errors import UserError
+from qlora_fsdp.config.options import FSDPConfig
+from qlora_fsdp.errors import InternalError, UserError
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class JobMesh:
+    """Every rank of the job laid out once, with the views each parallelism takes its process groups from.
+
+    rank = (replicate x shards + shard) x sequence + sequence index: a sequence group is consecutive ranks, within
+    one FSDP shard group of consecutive ranks. The flattened views are kept here, as torch asks, rather than sliced
+    from `dims` again.
+    """
+
+    dims: DeviceMesh
+    """("replicate", "shard", "sequence"); the sequence dim is this rank's sequence-parallel group."""
+    fsdp: DeviceMesh
+    """shard x sequence flattened: the ranks that shard each parameter between them (a sequence group's ranks hold
+    different shards of the same layers)."""
+    hybrid: DeviceMesh
+    """("replicate", "shard"): replicate x fsdp, for hybrid sharding and no_shard. A mesh of its own over the same
+    process groups, because FSDP1 takes a mesh sliced from a larger one for FSDP + tensor parallelism (its state
+    dicts would then expect tensor-parallel shards)."""
+
+    @classmethod
+    def build(cls, device_type: str, shape: tuple[int, int, int]) -> JobMesh:
+        """A collective: every rank builds the same mesh at the same point."""
+        dims = init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard", "sequence"))
+        fsdp = dims["shard", "sequence"]._flatten("fsdp")
+        layout = torch.arange(dims.size()).view(shape[0], -1)
+        hybrid = DeviceMesh.from_group(
+            [dims.get_group("replicate"), fsdp.get_group()], device_type, layout, mesh_dim_names=("replicate", "shard")
+        )
+        return cls(dims, fsdp, hybrid)
 
 
 @dataclass(frozen=True)
@@ -28,13 +61,26 @@ class DistEnv:
     local_world_size: int
     device: torch.device
     backend: str
-    sequence_parallel: int = 1
-    """Ranks that split each row along the sequence (--sequence_parallel_size): consecutive ranks, reading the same
-    rows. The data is dealt to groups of them, not to ranks."""
+    job_mesh: JobMesh | None = None
+    """Built by init_distributed; None only in a DistEnv made by hand for work without collectives (one process,
+    tests)."""
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def mesh(self) -> JobMesh:
+        """The job's mesh, for the collectives of a parallelism."""
+        if self.job_mesh is None:
+            raise InternalError("a DistEnv made without init_distributed has no mesh to take process groups from")
+        return self.job_mesh
+
+    @property
+    def sequence_parallel(self) -> int:
+        """Ranks that split each row along the sequence (--sequence_parallel_size): consecutive ranks, reading the
+        same rows. The data is dealt to groups of them, not to ranks."""
+        return 1 if self.job_mesh is None else self.job_mesh.dims["sequence"].size()
 
     @property
     def data_rank(self) -> int:
@@ -46,13 +92,9 @@ class DistEnv:
         """How many shares the data is dealt into: world size / sequence-parallel size."""
         return self.world_size // self.sequence_parallel
 
-    @property
-    def sequence_index(self) -> int:
-        """Which slice of each row's sequence this rank holds, within its group."""
-        return self.rank % self.sequence_parallel
 
-
-def _free_port() -> int:
+def free_port() -> int:
+    """A loopback port free now, for a group's store (a one-process run, a test's launch)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -67,15 +109,54 @@ def resolve_device(preference: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def init_distributed(*, device: str = "auto", timeout_s: int = 600) -> DistEnv:
-    """Join the torchrun job (or make a one-process group) so FSDP runs the same code at any world size.
+def mesh_shape(
+    fsdp: FSDPConfig, *, sequence_parallel: int, world_size: int, local_world_size: int
+) -> tuple[int, int, int]:
+    """The sizes of JobMesh.dims for `fsdp` and --sequence_parallel_size on this job; a layout the flags cannot
+    give is the user's to fix.
 
-    Without torchrun, a single-rank group on a free loopback port is created.
+    FSDP shards over groups of consecutive ranks (hybrid_*: --shard_group_size, else a node; no_shard: one rank;
+    otherwise every rank), and sequence groups are consecutive ranks too: for both to be dims of one mesh, a shard
+    group holds whole sequence groups.
+    """
+    strategy, sequence = fsdp.sharding_strategy, sequence_parallel
+    group = {"no_shard": 1}.get(strategy, world_size)
+    if strategy.startswith("hybrid"):
+        group = fsdp.shard_group_size or local_world_size
+        if world_size % group:
+            raise UserError(
+                f"--sharding_strategy {strategy}: {world_size} ranks do not split into shard groups of {group}; "
+                "set --shard_group_size to a divisor of the world size"
+            )
+    if world_size % sequence:
+        raise UserError(
+            f"--sequence_parallel_size {sequence} does not divide the {world_size} ranks torchrun started; use a "
+            "divisor of the world size"
+        )
+    if group % sequence:
+        fix = f"--shard_group_size a multiple of {sequence}" if strategy.startswith("hybrid") else "full_shard"
+        raise UserError(
+            f"--sequence_parallel_size {sequence} puts each group of {sequence} ranks inside one shard group, and "
+            f"--sharding_strategy {strategy} shards over {group} rank(s): use {fix}"
+        )
+    return world_size // group, group // sequence, sequence
+
+
+def init_distributed(
+    *, device: str = "auto", timeout_s: int = 600, fsdp: FSDPConfig | None = None, sequence_parallel: int = 1
+) -> DistEnv:
+    """Join the torchrun job (or make a one-process group) so FSDP runs the same code at any world size, and lay its
+    ranks out as the mesh `fsdp` and `sequence_parallel` ask for (default: full sharding, no sequence parallelism).
+
+    Without torchrun, a single-rank group on a free loopback port is created. A caller that joined already keeps
+    its group: each call builds a mesh of its own, for its own flags.
     """
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    shape = mesh_shape(fsdp or FSDPConfig(), sequence_parallel=sequence_parallel, world_size=world_size,
+                       local_world_size=local_world_size)  # fmt: skip
     dev = resolve_device(device, local_rank)
     # CUDA tensors go over NCCL; CPU tensors (FSDP2's CPU-offloaded shards, gradient norms, small control
     # messages) over gloo, in the same process group.
@@ -85,7 +166,7 @@ def init_distributed(*, device: str = "auto", timeout_s: int = 600) -> DistEnv:
     if not dist.is_initialized():
         if "MASTER_ADDR" not in os.environ:
             os.environ["MASTER_ADDR"] = "127.0.0.1"
-            os.environ["MASTER_PORT"] = str(_free_port())
+            os.environ["MASTER_PORT"] = str(free_port())
         dist.init_process_group(
             backend=backend,
             rank=rank,
@@ -93,7 +174,7 @@ def init_distributed(*, device: str = "auto", timeout_s: int = 600) -> DistEnv:
             timeout=datetime.timedelta(seconds=timeout_s),
             device_id=dev if dev.type == "cuda" else None,
         )
-    return DistEnv(rank, local_rank, world_size, local_world_size, dev, backend)
+    return DistEnv(rank, local_rank, world_size, local_world_size, dev, backend, JobMesh.build(dev.type, shape))
 
 
 def teardown() -> None:

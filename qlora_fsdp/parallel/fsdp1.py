@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffload, FullStateDictConfig, MixedPrecision, ShardingStrategy, StateDictType
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
@@ -52,12 +52,10 @@ def mixed_precision(precision: Precision, *, ignore: tuple[type[nn.Module], ...]
     )
 
 
-def _device_mesh(cfg: FSDPConfig, env: DistEnv) -> DeviceMesh | None:
-    """hybrid_*: shard within groups of --shard_group_size ranks (default: a node), replicate across groups."""
-    if not cfg.sharding_strategy.startswith("hybrid"):
-        return None
-    shard = cfg.shard_group_size or env.local_world_size
-    return init_device_mesh(env.device.type, (env.world_size // shard, shard), mesh_dim_names=("replicate", "shard"))
+def shard_mesh(cfg: FSDPConfig, env: DistEnv) -> DeviceMesh | None:
+    """hybrid_*: shard within groups of --shard_group_size ranks (default: a node), replicate across groups; the
+    other strategies use every rank (the default group)."""
+    return env.mesh.hybrid if cfg.sharding_strategy.startswith("hybrid") else None
 
 
 def _never(module: nn.Module) -> bool:
@@ -83,7 +81,7 @@ class Fsdp1Sharder(Sharder):
         self.options = dict(
             auto_wrap_policy=leaves,
             sharding_strategy=STRATEGIES[cfg.sharding_strategy],
-            device_mesh=_device_mesh(cfg, env),
+            device_mesh=shard_mesh(cfg, env),
             mixed_precision=mixed_precision(precision, ignore=ignore),
             cpu_offload=CPUOffload(offload_params=True) if cfg.cpu_offload else None,
             device_id=env.device,

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -37,12 +37,12 @@ RESHARD_AFTER_FORWARD = {
 }
 
 
-def _mesh(cfg: FSDPConfig, env: DistEnv) -> DeviceMesh:
-    """1-D over every rank, or (replicate, shard) for hybrid sharding and no_shard (shard groups of one)."""
+def shard_mesh(cfg: FSDPConfig, env: DistEnv) -> DeviceMesh:
+    """1-D over every rank, or (replicate, shard) for hybrid sharding and no_shard (shard groups of one): the job
+    mesh's FSDP dims, which init_distributed laid out for `cfg`."""
     if cfg.sharding_strategy == "full_shard" or cfg.sharding_strategy == "shard_grad_op":
-        return init_device_mesh(env.device.type, (env.world_size,))
-    shard = 1 if cfg.sharding_strategy == "no_shard" else cfg.shard_group_size or env.local_world_size
-    return init_device_mesh(env.device.type, (env.world_size // shard, shard), mesh_dim_names=("replicate", "shard"))
+        return env.mesh.fsdp
+    return env.mesh.hybrid
 
 
 class Fsdp2Sharder(Sharder):
@@ -61,7 +61,7 @@ class Fsdp2Sharder(Sharder):
             param, reduce, _ = precision.mixed_precision
             mp = MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
         self.options = dict(
-            mesh=_mesh(cfg, env),
+            mesh=shard_mesh(cfg, env),
             reshard_after_forward=RESHARD_AFTER_FORWARD[cfg.sharding_strategy],
             mp_policy=mp,
             offload_policy=CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy(),
@@ -94,7 +94,7 @@ class Fsdp2Sharder(Sharder):
         # The root (embeddings, norm, head) is the last module forward uses and the first backward needs: keeping
         # it gathered saves one all-gather a step (2L+1 in all for L layers).
         root = fully_shard(model, **{**self.options, "reshard_after_forward": False})
-        return Fsdp2Model(root, reshard_after_forward=self.options["reshard_after_forward"])
+        return Fsdp2Model(root, reshard_after_forward=self.options["reshard_after_forward"], env=self.env)
 
 
 def _full(param: torch.Tensor) -> torch.Tensor:
@@ -102,10 +102,11 @@ def _full(param: torch.Tensor) -> torch.Tensor:
 
 
 class Fsdp2Model(ShardedModel):
-    def __init__(self, module: nn.Module, *, reshard_after_forward: bool) -> None:
+    def __init__(self, module: nn.Module, *, reshard_after_forward: bool, env: DistEnv) -> None:
         super().__init__(module)
         self.reshard_after_forward = reshard_after_forward
         """The decoder-layer units' setting (the root's is always False)."""
+        self.env = env
 
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:
@@ -134,10 +135,9 @@ class Fsdp2Model(ShardedModel):
         return float(_full(norm))
 
     def gather(self, modules: list[nn.Module]) -> Iterator[tuple[nn.Module, dict[str, torch.Tensor]]]:
-        is_main = torch.distributed.get_rank() == 0
         for module in modules:
             full = {n: _full(p.detach()) for n, p in module.named_parameters()}
-            yield module, ({n: t.cpu().clone() for n, t in full.items()} if is_main else {})
+            yield module, ({n: t.cpu().clone() for n, t in full.items()} if self.env.is_main else {})
 
     def load(self, module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():
@@ -151,11 +151,10 @@ class Fsdp2Model(ShardedModel):
                     param.copy_(value)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        is_main = torch.distributed.get_rank() == 0
         state = {}
         for name, tensor in self.module.state_dict().items():
             full = _full(tensor)
-            if is_main:
+            if self.env.is_main:
                 state[name] = full.cpu()
         return state
 

@@ -256,13 +256,12 @@ class _LocalHeads:
 
 
 def sequence_groups(env: DistEnv) -> SequenceParallel | None:
-    """This rank's group of `env.sequence_parallel` consecutive ranks (every rank creates every group, as
-    torch.distributed requires); None without sequence parallelism."""
-    size = env.sequence_parallel
-    if size == 1:
+    """This rank's group of `env.sequence_parallel` consecutive ranks: the job mesh's sequence dim; None without
+    sequence parallelism."""
+    if env.sequence_parallel == 1:
         return None
-    groups = [dist.new_group(list(range(first, first + size))) for first in range(0, env.world_size, size)]
-    return SequenceParallel(size=size, index=env.sequence_index, group=groups[env.data_rank])
+    sequence = env.mesh.dims["sequence"]
+    return SequenceParallel(size=sequence.size(), index=sequence.get_local_rank(), group=sequence.get_group())
 
 
 def enable(model: nn.Module, sequence: SequenceParallel) -> None:

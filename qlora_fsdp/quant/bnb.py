@@ -7,7 +7,6 @@ from typing import Any
 import bitsandbytes as bnb
 import bitsandbytes.functional as bnbf
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -136,8 +135,8 @@ class BnbBackend(QuantBackend):
         start = min(rank * per_rank * BLOCKSIZE, flat.numel())
         packed, absmax = _quantize_blocks(flat[start : start + per_rank * BLOCKSIZE], self.quant_type)
         if world > 1:
-            packed = _all_gather(packed, per_rank * BLOCKSIZE // 2, total=(flat.numel() + 1) // 2)
-            absmax = _all_gather(absmax, per_rank, total=blocks)
+            packed = _all_gather(packed, per_rank * BLOCKSIZE // 2, total=(flat.numel() + 1) // 2, world=world)
+            absmax = _all_gather(absmax, per_rank, total=blocks, world=world)
         code = bnbf.get_4bit_type(self.quant_type, device=flat.device)
         if not self.double_quant:
             return QuantizedWeight(packed, {"absmax": absmax, "code": code})
@@ -195,11 +194,11 @@ def _quantize_blocks(flat: torch.Tensor, quant_type: str) -> tuple[torch.Tensor,
     return torch.cat(packed), torch.cat(absmax)
 
 
-def _all_gather(part: torch.Tensor, size: int, *, total: int) -> torch.Tensor:
+def _all_gather(part: torch.Tensor, size: int, *, total: int, world: int) -> torch.Tensor:
     """Every rank's `part` (at most `size` elements, zero-padded for the collective), concatenated, cut to `total`."""
     padded = torch.zeros(size, dtype=part.dtype, device=part.device)
     padded[: part.numel()] = part
-    out = torch.empty(size * dist.get_world_size(), dtype=part.dtype, device=part.device)
+    out = torch.empty(size * world, dtype=part.dtype, device=part.device)
     all_gather_single(out, padded)
     return out[:total]
 

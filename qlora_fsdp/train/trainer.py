@@ -6,7 +6,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -100,18 +100,6 @@ def _preflight(cfg: TrainConfig, env: DistEnv) -> None:
         )
     if cfg.fsdp.cpu_offload and env.device.type == "cpu":
         raise UserError("--cpu_offload moves GPU parameters to host memory; on CPU they are there already: drop it")
-    group = cfg.fsdp.shard_group_size or env.local_world_size
-    if cfg.fsdp.sharding_strategy.startswith("hybrid") and env.world_size % group:
-        raise UserError(
-            f"--sharding_strategy {cfg.fsdp.sharding_strategy}: {env.world_size} ranks do not split into shard groups "
-            f"of {group}; set --shard_group_size to a divisor of the world size"
-        )
-    size = cfg.dist.sequence_parallel_size
-    if env.world_size % size:
-        raise UserError(
-            f"--sequence_parallel_size {size} does not divide the {env.world_size} ranks torchrun started; use a "
-            "divisor of the world size"
-        )
     if cfg.output.log_to == "wandb":
         import wandb  # noqa: F401 - fail here, on every rank, if it is missing
 
@@ -120,17 +108,17 @@ def run(cfg: TrainConfig) -> TrainResult:
     """Train as configured on this process's rank of the job; returns where the outputs went."""
     check_output_dir(cfg.output)
     model_path = resolve_model_path(cfg.model.model)
+    if cfg.dist.sequence_parallel_size > 1:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
+        check_heads(config, cfg.dist.sequence_parallel_size)
     # A caller that already joined a process group (a test or benchmark running several trainings) keeps it.
     owns_group = not dist.is_initialized()
-    env = init_distributed(device=cfg.dist.device, timeout_s=cfg.dist.dist_timeout_s)
+    env = init_distributed(device=cfg.dist.device, timeout_s=cfg.dist.dist_timeout_s, fsdp=cfg.fsdp,
+                           sequence_parallel=cfg.dist.sequence_parallel_size)
     try:
-        if cfg.dist.sequence_parallel_size > 1:
-            from transformers import AutoConfig
-
-            config = AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
-            check_heads(config, cfg.dist.sequence_parallel_size)
         _preflight(cfg, env)
-        env = replace(env, sequence_parallel=cfg.dist.sequence_parallel_size)
         if env.is_main:
             for notice in cfg.notices:
                 log.warning(notice)

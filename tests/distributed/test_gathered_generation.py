@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM
 
 from qlora_fsdp.objectives.loss import CausalLMLoss
 from qlora_fsdp.objectives.sampling import SamplingParams, sample
+from qlora_fsdp.parallel.distributed import DistEnv
 from qlora_fsdp.parallel.fsdp2 import Fsdp2Model
 
 pytestmark = pytest.mark.distributed
@@ -52,7 +53,8 @@ def _rank(rank: int, init: str, model: str, out: str) -> None:
     alone = _sample(root, rank, lockstep=False)  # before sharding: the whole model on this rank
     for layer in root.lm.model.layers:
         fully_shard(layer, reshard_after_forward=True)
-    sharded = Fsdp2Model(fully_shard(root, reshard_after_forward=False), reshard_after_forward=True)
+    env = DistEnv(rank, rank, 2, 2, CPU, "gloo")
+    sharded = Fsdp2Model(fully_shard(root, reshard_after_forward=False), reshard_after_forward=True, env=env)
     with sharded.gathered():
         inside = _sample(root, rank, lockstep=False)
         held = _sharded_layers(root)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 import uuid
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from qlora_fsdp.parallel.distributed import free_port
 from qlora_fsdp.train.metrics import read_metrics
 from tests.conftest import DATASET, REPO_ROOT, TORCHRUN, worker_env
 
@@ -44,12 +44,6 @@ FAKE_SCONTROL = """#!/usr/bin/env bash
 echo 127.0.0.1
 echo 127.0.0.1
 """
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _train_args(model: Path, output_dir: Path) -> list[str]:
@@ -99,7 +93,7 @@ def _run_all(jobs: list[tuple[list[str], dict[str, str], Path]], *, succeed: boo
 def _rendezvous_env(**extra: str) -> dict[str, str]:
     return {
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
+        "MASTER_PORT": str(free_port()),
         "RDZV_ID": uuid.uuid4().hex[:8],
         "TORCHRUN": str(TORCHRUN),
         **extra,

@@ -8,9 +8,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.objectives.rewards import load_rewards, score
+from qlora_fsdp.parallel.distributed import DistEnv
 
 MODULE = '''
 def by_column(completions, topic, trainer_state, **kwargs):
@@ -42,7 +44,7 @@ def _score(module: Path, names: str, **columns: list) -> np.ndarray:
     rewards = load_rewards(",".join(f"{module}:{n}" for n in names.split(",")))
     columns = {"topic": ["ab", "abc"], "completion_ids": ["not passed"], **columns}
     return score(rewards, prompts=["a", "b"], completions=["x", "yy"], completion_ids=[[1], [2, 3]], columns=columns,
-                 step=7).numpy()  # fmt: skip
+                 step=7, env=DistEnv(0, 0, 1, 1, torch.device("cpu"), "gloo")).numpy()  # fmt: skip
 
 
 def test_trls_call_columns_step_and_none(module: Path) -> None:
