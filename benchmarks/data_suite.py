@@ -152,7 +152,7 @@ def _first_step_main(argv: list[str]) -> int:
     return proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
 
 
-def _cache_line(log: str) -> dict[str, Any] | None:
+def cache_line(log: str) -> dict[str, Any] | None:
     """The "tokenized cache built/reused" line of a log, parsed."""
     match = CACHE_LINE.search(log)
     if match is None:
@@ -177,7 +177,7 @@ def preprocess(runner: Runner, what: str, rows: int, procs: int, cache_dir: Path
            "--dataset_cache_dir", str(cache_dir), "--dataset_samples", str(rows)]  # fmt: skip
     reset = (lambda: shutil.rmtree(cache_dir, ignore_errors=True)) if fresh else None
     result = runner.go(what, [cmd], [_env(runner.plan.threads)], reset=reset)
-    line = _cache_line(result.log)
+    line = cache_line(result.log)
     if line is None:
         raise RuntimeError(f"{what}: no 'tokenized cache' line in its output:\n{result.log}")
     return {"wall_s": result.wall_s, "foreign_cores": result.foreign_cores, "command": harness.shell(cmd), **line}
@@ -201,7 +201,7 @@ def train(runner: Runner, what: str, model: Path, data: Path, *, rows: int, cach
             shutil.rmtree(cache_dir, ignore_errors=True)
 
     run = runner.train(what, f, nproc=nproc, steps=steps, wrap=wrap, reset=reset)
-    run["cache"] = _cache_line(run.pop("log"))
+    run["cache"] = cache_line(run.pop("log"))
     if first_step:
         run.update(harness.read_json(timing))
         if run["first_step_s"] is None:

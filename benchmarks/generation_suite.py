@@ -51,7 +51,7 @@ def plan(*, quick: bool, threads: int, reps: int | None, idle_wait_s: float | No
     return p
 
 
-def _check_same(runs: dict[str, list[dict[str, Any]]]) -> None:
+def check_same(runs: dict[str, list[dict[str, Any]]]) -> None:
     """Both modes sampled the same completions and trained the same: every step's SAME figures agree."""
     for a, b in zip(runs["sharded"], runs["gathered"], strict=True):
         for x, y in zip(a["steps"], b["steps"], strict=True):
@@ -87,7 +87,7 @@ def run(p: GenerationPlan, *, cache: Path, model: Path | None = None,
                 done = runner.train(f"--generation_mode {mode} (rep {rep + 1})", flags, nproc=p.nproc, steps=p.steps)
                 runs[mode].append({"mode": mode, "steps": done["metrics"],
                                    "peak_rss_bytes": done["exit_peak_rss_bytes"]})  # fmt: skip
-        _check_same(runs)
+        check_same(runs)
         sums = {mode: [summary(r) for r in runs[mode]] for mode in MODES}
         note = (f"{p.nproc} ranks x {p.prompts_per_rank} prompts x {p.num_generations} completions of "
                 f"{p.max_completion_length} tokens a step, {p.precision}; {p.reps} repetition(s), medians")  # fmt: skip

@@ -177,7 +177,7 @@ class GpuRun:
                                                 "returncode": job.returncode})  # fmt: skip
             print(f"  {name}: {job.wall_s:.1f} s, exit {job.returncode}", flush=True)
         r["missing"] += missing or []
-        r["rows"] = _rows(self.records, self.variants, self.p, self.peak_flops) + _long_rows(self.records,
+        r["rows"] = _rows(self.records, self.variants, self.p, self.peak_flops) + long_rows(self.records,
                                                                                               self.p["long"])
         r["details"] = {k: v for k, v in self.records.items() if k != "write_model"}
         if LONG in self.only:
@@ -324,7 +324,7 @@ def longest_fits(records: dict[str, dict[str, Any]], contexts: tuple[int, ...]) 
     return out
 
 
-def _long_rows(records: dict[str, dict[str, Any]], contexts: tuple[int, ...]) -> list[dict[str, Any]]:
+def long_rows(records: dict[str, dict[str, Any]], contexts: tuple[int, ...]) -> list[dict[str, Any]]:
     """Tiled MLP + activation offload against checkpointing alone, at each context both trained, and the longest
     context each trained when both have one."""
     (ours, ours_label, _), (base, base_label, _) = LONG_SETTINGS

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks.data_suite import FIELD_TOKENS, _cache_line, ensure_dataset, plan
+from benchmarks.data_suite import FIELD_TOKENS, cache_line, ensure_dataset, plan
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ROW_FIELDS = ("section", "key", "figure", "unit", "better", "ours", "peer", "ratio", "runs")
@@ -138,7 +138,7 @@ def test_cache_line() -> None:
         "INFO qlora_fsdp.data.loader: dataset d.jsonl: tokenized cache built in 30.9 s with 2 process(es) at "
         "/tmp/c/6fa5: 20000 examples (d.jsonl: 20000), 19990 samples, 5014525 tokens, 38.8 MiB"
     )
-    assert _cache_line(built) == {"built": True, "path": "/tmp/c/6fa5", "build_s": 30.9, "processes": 2,
+    assert cache_line(built) == {"built": True, "path": "/tmp/c/6fa5", "build_s": 30.9, "processes": 2,
                                   "examples": 20000, "samples": 19990, "tokens": 5014525, "mib": 38.8}  # fmt: skip
     reused = "tokenized cache reused at /tmp/c/6fa5: 20 examples (d.jsonl: 20), 20 samples, 5014 tokens, 0.1 MiB"
-    assert _cache_line(reused)["built"] is False and _cache_line("no such line") is None
+    assert cache_line(reused)["built"] is False and cache_line("no such line") is None

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.generation_suite import FIGURES, MODES, SAME, _check_same
+from benchmarks.generation_suite import FIGURES, MODES, SAME, check_same
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -51,9 +51,9 @@ def test_generation_suite_quick(tmp_path: Path) -> None:
 def test_the_suite_refuses_modes_that_sampled_differently() -> None:
     step = {"step": 1, "reward": 0.5, "completions/mean_length": 8.0, "entropy": 6.2, "loss": 0.25}
     runs = {"sharded": [{"steps": [step]}], "gathered": [{"steps": [dict(step)]}]}
-    _check_same(runs)
+    check_same(runs)
     for key in SAME:
         other = copy.deepcopy(runs)
         other["gathered"][0]["steps"][0][key] += 1e-3
         with pytest.raises(RuntimeError, match=key):
-            _check_same(other)
+            check_same(other)

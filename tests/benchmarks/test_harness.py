@@ -215,7 +215,7 @@ def test_palm_flops_per_token_of_llama2_7b() -> None:
 def test_gpu_long_context_longest_fit() -> None:
     """The longest context is the largest that trained below a setting's first out-of-memory context; a context
     that was never measured (budget) is not a fit, and with no baseline fit there is no ratio row."""
-    from benchmarks.gpu_suite import _long_rows, long_key, longest_fits
+    from benchmarks.gpu_suite import long_key, long_rows, longest_fits
 
     contexts = (16384, 32768, 65536)
     trained = {"tps": [1.0], "peak_allocated_bytes": 2, "peak_reserved_bytes": 3}
@@ -227,10 +227,10 @@ def test_gpu_long_context_longest_fit() -> None:
     fits = longest_fits(records, contexts)
     assert fits["tiled_offload"] == {"trained": [16384, 32768], "out_of_memory_at": None, "longest": 32768}
     assert fits["checkpointing"] == {"trained": [], "out_of_memory_at": 16384, "longest": None}
-    assert _long_rows(records, contexts) == []
+    assert long_rows(records, contexts) == []
     records[long_key("checkpointing", 16384)] = trained
     records[long_key("checkpointing", 32768)] = {"out_of_memory": "CUDA out of memory"}
-    by_key = {r["key"]: r for r in _long_rows(records, contexts)}
+    by_key = {r["key"]: r for r in long_rows(records, contexts)}
     assert set(by_key) == {"tokens_per_s_long_16384", "peak_allocated_long_16384", "peak_reserved_long_16384",
                            "longest_context_long"}  # fmt: skip
     assert by_key["longest_context_long"]["ours"] == 32768 and by_key["longest_context_long"]["ratio"] == 2.0
