@@ -1,5 +1,6 @@
 """The shape of the house: no import cycle in qlora_fsdp (every import counted, lazy and TYPE_CHECKING ones too), no
-module over 600 lines, and the test run's file order naming files that exist."""
+module over 600 lines, at most ten modules beside the subpackages, each module's docstring, and the test run's file
+order naming files that exist."""
 
 from __future__ import annotations
 
@@ -113,3 +114,13 @@ def test_no_module_over_600_lines() -> None:
 def test_long_files_name_test_files_that_exist() -> None:
     present = {f.name for f in (REPO_ROOT / "tests").rglob("test_*.py")}
     assert set(LONG_FILES) <= present, set(LONG_FILES) - present
+
+
+def test_the_top_holds_at_most_ten_modules_and_every_module_says_its_concern() -> None:
+    """The tree is the architecture: stages are subpackages, and at most ten modules sit beside them; each module
+    opens with a docstring saying what it is for."""
+    top = sorted(f.name for f in PACKAGE.glob("*.py") if f.name != "__init__.py")
+    assert len(top) <= 10, top
+    modules = PACKAGE.rglob("*.py")
+    silent = [str(f.relative_to(REPO_ROOT)) for f in modules if ast.get_docstring(ast.parse(f.read_text())) is None]
+    assert not silent, silent
