@@ -61,9 +61,8 @@ def _consecutive(rank: int, size: int) -> list[int]:
     return list(range(first, first + size))
 
 
-def _expected(rank: int, cfg: FSDPConfig) -> dict:
-    """The groups as each parallelism built them for itself before the mesh."""
-    s = cfg.sequence_parallel_size
+def _expected(rank: int, cfg: FSDPConfig, s: int) -> dict:
+    """The groups as each parallelism built them for itself before the mesh (`s`: --sequence_parallel_size)."""
     hybrid = cfg.sharding_strategy.startswith("hybrid")
     everywhere = cfg.sharding_strategy in ("full_shard", "shard_grad_op")
     group = cfg.shard_group_size if hybrid else WORLD if everywhere else 1
@@ -83,4 +82,4 @@ def test_each_parallelism_gets_the_groups_it_had(tmp_path: Path) -> None:
     mp.spawn(_rank, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
     for rank in range(WORLD):
         seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert seen == {name: _expected(rank, cfg) for name, cfg in LAYOUTS.items()}, f"rank {rank}"
+        assert seen == {name: _expected(rank, *layout) for name, layout in LAYOUTS.items()}, f"rank {rank}"
