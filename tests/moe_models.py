@@ -11,9 +11,10 @@ import torch
 
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 """Built for every parametrized MoE test (the `moe_models` fixture)."""
-MORE_FAMILIES = ("phimoe", "deepseek_v2", "olmoe")
+MORE_FAMILIES = ("phimoe", "deepseek_v2", "olmoe", "deepseek_v3")
 """Built only by the tests that name them, which keeps the parametrized suites' cost: PhiMoE (its router an
-nn.Linear subclass returning a tuple), DeepSeek-V2 (latent attention with shared experts), OLMoE."""
+nn.Linear subclass returning a tuple), DeepSeek-V2 (latent attention with shared experts), OLMoE, DeepSeek-V3
+(V2's layout with a sigmoid group-limited router; the FP8 release's architecture)."""
 
 
 def moe_config(family: str, *, vocab_size: int, hidden: int = 64, layers: int = 2, experts: int = 8, top_k: int = 2,
@@ -22,6 +23,7 @@ def moe_config(family: str, *, vocab_size: int, hidden: int = 64, layers: int = 
     first layer, a shared expert and latent attention; PhiMoE routes to 2 experts whatever `top_k` says."""
     from transformers import (
         DeepseekV2Config,
+        DeepseekV3Config,
         MixtralConfig,
         OlmoeConfig,
         PhimoeConfig,
@@ -66,10 +68,12 @@ def moe_config(family: str, *, vocab_size: int, hidden: int = 64, layers: int = 
         )
     if family == "olmoe":
         return OlmoeConfig(**common, intermediate_size=intermediate, num_experts=experts)
-    if family == "deepseek_v2":
+    if family in ("deepseek_v2", "deepseek_v3"):
         head = hidden // 4
-        return DeepseekV2Config(
-            **common,
+        # V3's attention computes with as many key/value heads as the config says (the release: all of them).
+        groups = {"n_group": 2, "topk_group": 1, "num_key_value_heads": 4} if family == "deepseek_v3" else {}
+        return (DeepseekV2Config if family == "deepseek_v2" else DeepseekV3Config)(
+            **(common | groups),
             intermediate_size=intermediate,
             moe_intermediate_size=intermediate,
             n_routed_experts=experts,

@@ -302,6 +302,9 @@ class TrainConfig:
     run: RunConfig = field(default_factory=RunConfig)
     notices: list[str] = field(default_factory=list)
     """One line for each deprecated flag given (DEPRECATED), for the run to print."""
+    given: frozenset[str] = frozenset()
+    """The flags set on the command line or in the YAML file, as against left at their defaults: a checkpoint
+    that decides a setting itself (a pre-quantized one) refuses only a given flag that contradicts it."""
 
     @property
     def resumable(self) -> bool:
@@ -395,7 +398,10 @@ def build_config(overrides: dict[str, Any], config_file: str | None = None) -> T
         raise ConfigError(
             "unknown option(s): " + ", ".join(f"--{k}" for k in unknown) + " (python train.py --help lists them)"
         )
-    cfg = TrainConfig(notices=[f"--{flag} is deprecated and does nothing: {DEPRECATED[flag]}" for flag in retired])
+    cfg = TrainConfig(
+        notices=[f"--{flag} is deprecated and does nothing: {DEPRECATED[flag]}" for flag in retired],
+        given=frozenset(values) - DEPRECATED.keys(),
+    )
     for flag, value in values.items():
         if flag in DEPRECATED:
             continue

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -70,8 +71,13 @@ class CheckpointNames:
                     short.append(f"{target}: {found} of {needed} tensors matching {pattern}")
         return short
 
-    def arrive(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-        """{model name: tensor} that `name`'s arrival completes: itself renamed, a whole fused target, or nothing."""
+    def fuses(self, name: str) -> bool:
+        """Whether `name` is one source of a fused target (which only a dense tensor can be)."""
+        return name in self.fused_of
+
+    def arrive(self, name: str, tensor: Any) -> dict[str, Any]:
+        """{model name: tensor} that `name`'s arrival completes: itself renamed (whatever it is: a pre-quantized
+        weight goes on as it came), a whole fused target, or nothing."""
         target = self.fused_of.get(name)
         if target is None:
             return {self.direct.get(name, name): tensor}

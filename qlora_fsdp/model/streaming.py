@@ -20,6 +20,7 @@ from torch import nn
 from qlora_fsdp.config.options import ModelConfig
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.model.conversion import CheckpointNames
+from qlora_fsdp.model.formats import Prequantized, Stored
 from qlora_fsdp.model.skeleton import Skeleton, build_skeleton
 from qlora_fsdp.parallel.distributed import DistEnv
 from qlora_fsdp.quant import QuantBackend
@@ -115,13 +116,19 @@ def stream_weights(
     if short:
         raise UserError(f"--model {skeleton.path}: checkpoint lacks expert tensors ({short[0]}); is it complete?")
 
-    def place(name: str, tensor: torch.Tensor) -> None:
+    def place(name: str, tensor: Stored) -> None:
         source = skeleton.sources.get(name)
         if source is None:
             log.warning("ignoring checkpoint tensor %s: no such parameter in the model", name)
             return
         module, attr = source
-        if id(module) in quantized and attr == "weight":  # a bias of a quantized layer is a plain parameter
+        kept = None
+        if isinstance(tensor, Prequantized):  # the file's own quantization: kept where the layer's is the same
+            kept = tensor.kept(module) if id(module) in quantized and attr == "weight" else None
+            tensor = tensor.dequantize() if kept is None else tensor
+        if kept is not None:
+            module.set_quantized(kept.to(device))  # type: ignore[operator]
+        elif id(module) in quantized and attr == "weight":  # a bias of a quantized layer is a plain parameter
             if shares is not None and shares.covers(module):
                 shares.arrive(module, tensor)  # type: ignore[arg-type]
             else:
@@ -146,8 +153,10 @@ def stream_weights(
             if on_unit_ready is not None:
                 on_unit_ready(unit, layer)
 
-    for checkpoint_name, tensor in skeleton.checkpoint_format.tensors(skeleton.files):
-        for name, converted in names.arrive(checkpoint_name, tensor).items():
+    for checkpoint_name, stored in skeleton.checkpoint_format.tensors(skeleton.files):
+        if isinstance(stored, Prequantized) and names.fuses(checkpoint_name):  # fused by transformers' own ops
+            stored = stored.dequantize()
+        for name, converted in names.arrive(checkpoint_name, stored).items():
             parts = _expand(name, experts)
             if parts == [name]:
                 place(name, converted)

@@ -31,6 +31,11 @@ class QuantizedWeight:
     meta: dict[str, Any] = field(default_factory=dict)
     """Scalar metadata (bit width, packing, shapes) the backend's layer reads back."""
 
+    def to(self, device: torch.device) -> QuantizedWeight:
+        """The same bytes and state on `device` (moved, never converted)."""
+        state = {name: t.to(device) for name, t in self.state.items()}
+        return QuantizedWeight(self.packed.to(device), state, self.meta)
+
 
 class QuantizedLinear(nn.Linear):
     """A frozen linear layer held as packed low-bit bytes plus the quantization state that decodes them.

@@ -25,6 +25,7 @@ class Bnb4bitLinear(QuantizedLinear):
     The state tensors are bitsandbytes' `QuantState` taken apart (absmax, code and, with double quantization, the
     nested absmax, nested code and offset), rebuilt at each forward from whatever tensors FSDP put back in place.
     The forward never runs `bnb.nn.Linear4bit.forward`, which on CPU repacks `weight.data` in place in eval mode.
+    Block sizes are bitsandbytes' defaults unless the weight came pre-quantized with others (`meta`).
     """
 
     def __init__(
@@ -42,7 +43,7 @@ class Bnb4bitLinear(QuantizedLinear):
             nested = bnbf.QuantState(
                 absmax=self.state_tensor("nested_absmax"),
                 code=self.state_tensor("nested_code"),
-                blocksize=NESTED_BLOCKSIZE,
+                blocksize=self.meta.get("nested_blocksize", NESTED_BLOCKSIZE),
                 dtype=torch.float32,
             )
             offset = self.state_tensor("offset")
@@ -50,7 +51,7 @@ class Bnb4bitLinear(QuantizedLinear):
             absmax=self.state_tensor("absmax"),
             shape=torch.Size((self.out_features, self.in_features)),
             code=self.state_tensor("code"),
-            blocksize=BLOCKSIZE,
+            blocksize=self.meta.get("blocksize", BLOCKSIZE),
             quant_type=self.quant_type,
             dtype=self.compute_dtype,
             offset=offset,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -43,6 +44,7 @@ from qlora_fsdp.data.images import load_image_inputs
 from qlora_fsdp.data.loader import Batching
 from qlora_fsdp.errors import TrainingStopped, UserError
 from qlora_fsdp.model.attention import FLASH_ATTENTION, attention_implementation
+from qlora_fsdp.model.formats import checkpoint_format
 from qlora_fsdp.model.hub import load_tokenizer, model_identity, resolve_model_path
 from qlora_fsdp.model.lora import (
     adapter_keys,
@@ -108,6 +110,8 @@ def run(cfg: TrainConfig) -> TrainResult:
     """Train as configured on this process's rank of the job; returns where the outputs went."""
     check_output_dir(cfg.output)
     model_path = resolve_model_path(cfg.model.model)
+    # A pre-quantized checkpoint's own settings are the run's (recorded, resumed and exported as such).
+    cfg = dataclasses.replace(cfg, quant=checkpoint_format(model_path).quant_settings(cfg.quant, cfg.given))
     if cfg.dist.sequence_parallel_size > 1:
         from transformers import AutoConfig
 

@@ -1,46 +1,42 @@
 """Checkpoint formats: how a checkpoint stores its tensors, kept apart from how loading quantizes them.
 
-A format reads a model directory's weight files and yields its tensors by checkpoint name; loading
-(qlora_fsdp/model/streaming.py) renames, places and quantizes them with --quant. A format of its own per storage
-(plain tensors today; pre-quantized ones are to come) keeps the reading of each out of the loader: a new format is
-one module here and one entry in FORMATS.
+A format reads a model directory's weight files and yields its tensors by checkpoint name: dense tensors, which
+loading (qlora_fsdp/model/streaming.py) renames, places and quantizes with --quant, or weights the file holds
+already quantized (`Prequantized`), which loading keeps as they are where the layer's quantization is the file's
+and dequantizes otherwise. A new format is one module here and one entry in FORMATS.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Protocol
 
-import torch
-
+from qlora_fsdp.errors import UserError
+from qlora_fsdp.model.formats.base import CheckpointFormat, Prequantized, Stored
+from qlora_fsdp.model.formats.bnb4bit import Bnb4bitFormat
 from qlora_fsdp.model.formats.dense import DenseFormat
+from qlora_fsdp.model.formats.fp8 import Fp8Format
 
-
-class CheckpointFormat(Protocol):
-    """What loading asks of a checkpoint format."""
-
-    def detect(self, config: dict[str, Any]) -> bool:
-        """Whether a model whose config.json is `config` stores its weights this way (a quantized checkpoint names
-        its method in `quantization_config.quant_method`)."""
-        ...
-
-    def names(self, files: list[Path]) -> list[str]:
-        """The names `tensors` yields, without reading the tensors: loading checks them against the model before it
-        reads any weight."""
-        ...
-
-    def tensors(self, files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-        """(checkpoint name, dense tensor) one at a time, in file order, each in fresh memory of its own."""
-        ...
-
-
-FORMATS: tuple[CheckpointFormat, ...] = (DenseFormat(),)
-"""Tried in order, the first whose `detect` holds reads the checkpoint; DenseFormat, the catch-all, stays last."""
+FORMATS: tuple[type[CheckpointFormat], ...] = (Bnb4bitFormat, Fp8Format, DenseFormat)
+"""Tried in order; the first whose `detect` holds reads the checkpoint, made from its config.json."""
+SUPPORTED = "plain weights, bitsandbytes 4-bit (quant_method bitsandbytes) and FP8 (quant_method fp8)"
+"""What FORMATS reads, for the refusal of anything else."""
 
 
 def checkpoint_format(path: Path) -> CheckpointFormat:
-    """The format of the model directory `path`, from its config.json."""
+    """The format of the model directory `path`, from its config.json; a quantization no format reads is refused
+    in one line naming it."""
     config = json.loads((path / "config.json").read_text())
-    return next(fmt for fmt in FORMATS if fmt.detect(config))
+    quant = config.get("quantization_config") or {}
+    method = "bitsandbytes 8-bit" if quant.get("load_in_8bit") else quant.get("quant_method")
+    for fmt in FORMATS:
+        if fmt.detect(config):
+            return fmt(config)
+    raise UserError(
+        f"--model {path}: the checkpoint is quantized with {method!r} (config.json quantization_config), which "
+        f"this loader cannot read; it reads {SUPPORTED}. Use the model's unquantized release, or dequantize it with "
+        "transformers (from_pretrained, then save_pretrained with the quantization removed)"
+    )
+
+
+__all__ = ["FORMATS", "CheckpointFormat", "Prequantized", "Stored", "checkpoint_format"]

@@ -8,19 +8,28 @@ from typing import Any
 
 import torch
 
-from qlora_fsdp.model.formats.files import read_tensors, tensor_names
+from qlora_fsdp.config.options import QuantConfig
+from qlora_fsdp.model.formats.base import weight_names
+from qlora_fsdp.model.formats.files import read_tensors
 
 
 class DenseFormat:
     """Every tensor read as it is stored; loading converts its dtype and quantizes it with --quant."""
 
-    def detect(self, config: dict[str, Any]) -> bool:
-        """Always: the last of FORMATS reads whatever no format before it claims."""
-        return True
+    def __init__(self, config: dict[str, Any]) -> None:
+        pass
+
+    @staticmethod
+    def detect(config: dict[str, Any]) -> bool:
+        """A checkpoint that names no quantization of its own."""
+        return not config.get("quantization_config")
 
     def names(self, files: list[Path]) -> list[str]:
-        return [n for file in files for n in tensor_names(file)]
+        return weight_names(files)
 
     def tensors(self, files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
         for file in files:
             yield from read_tensors(file)
+
+    def quant_settings(self, quant: QuantConfig, given: frozenset[str]) -> QuantConfig:
+        return quant

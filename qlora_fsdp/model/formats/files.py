@@ -20,6 +20,8 @@ SAFETENSORS_DTYPES = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool,
 }  # fmt: skip
+"""What a plain checkpoint may store; a quantized format reads more (FP8_DTYPES) and says what they mean."""
+FP8_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu}
 
 
 def safetensors_header(file: Path) -> tuple[int, dict[str, dict]]:
@@ -37,8 +39,10 @@ def safetensors_header(file: Path) -> tuple[int, dict[str, dict]]:
     return size, header
 
 
-def read_safetensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) in file order, each read into fresh memory.
+def read_safetensors(
+    file: Path, dtypes: dict[str, torch.dtype] = SAFETENSORS_DTYPES
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) in file order, each read into fresh memory; a dtype outside `dtypes` is refused.
 
     Not through safetensors' memory map: every page of a mapped shard that is touched stays in this process's
     resident set until the file is closed, which would put a whole shard into each rank's peak. Plain reads go
@@ -48,7 +52,7 @@ def read_safetensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
     size, header = safetensors_header(file)
     with open(file, "rb", buffering=0) as fh:
         for name, info in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
-            dtype = SAFETENSORS_DTYPES.get(info["dtype"])
+            dtype = dtypes.get(info["dtype"])
             if dtype is None:
                 raise UserError(f"--model: {file} stores {name} as {info['dtype']}, which this loader cannot read")
             begin, end = info["data_offsets"]
@@ -76,9 +80,9 @@ def tensor_names(file: Path) -> list[str]:
     return list(torch.load(file, map_location="meta", weights_only=True, mmap=True))
 
 
-def read_tensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def read_tensors(file: Path, dtypes: dict[str, torch.dtype] = SAFETENSORS_DTYPES) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) one at a time: safetensors from disk; pickle only with weights_only, memory-mapped."""
     if file.suffix == ".safetensors":
-        yield from read_safetensors(file)
+        yield from read_safetensors(file, dtypes)
     else:
         yield from torch.load(file, map_location="cpu", weights_only=True, mmap=True).items()

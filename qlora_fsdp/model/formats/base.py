@@ -1,0 +1,95 @@
+"""What every checkpoint format shares: the protocol loading calls, a weight stored quantized, and the grouping of
+a weight's tensors that arrive one at a time."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from qlora_fsdp.config.options import QuantConfig
+from qlora_fsdp.model.formats.files import tensor_names
+from qlora_fsdp.quant.base import QuantizedWeight
+
+
+class Prequantized(ABC):
+    """One weight as the checkpoint stores it quantized: its packed data and the state that decodes it."""
+
+    shape: torch.Size
+    """The weight's [out, in] shape."""
+
+    @abstractmethod
+    def dequantize(self) -> torch.Tensor:
+        """The weight in float32, as its library decodes it."""
+
+    def kept(self, module: nn.Module) -> QuantizedWeight | None:
+        """The packed data as `module` holds it, bit for bit, where `module` quantizes the way the file did;
+        None where it does not (the weight is then dequantized and quantized as --quant asks)."""
+        return None
+
+
+Stored = torch.Tensor | Prequantized
+"""What a format yields for one checkpoint name."""
+
+
+class CheckpointFormat(Protocol):
+    """What loading asks of a checkpoint format."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        """The format of a checkpoint whose config.json is `config` (its quantization settings, if any)."""
+        ...
+
+    @staticmethod
+    def detect(config: dict[str, Any]) -> bool:
+        """Whether a model whose config.json is `config` stores its weights this way (a quantized checkpoint names
+        its method in `quantization_config.quant_method`)."""
+        ...
+
+    def names(self, files: list[Path]) -> list[str]:
+        """The names `tensors` yields, without reading the tensors: loading checks them against the model before it
+        reads any weight. A quantized weight's state tensors are not among them; a weight whose state is incomplete
+        is refused here."""
+        ...
+
+    def tensors(self, files: list[Path]) -> Iterator[tuple[str, Stored]]:
+        """(checkpoint name, tensor or Prequantized) one at a time, in file order, each in fresh memory of its
+        own."""
+        ...
+
+    def quant_settings(self, quant: QuantConfig, given: frozenset[str]) -> QuantConfig:
+        """--quant's settings for this checkpoint: a format that keeps its own quantization puts its settings in
+        place of those not `given` on the command line or in YAML, and refuses a given one that contradicts it."""
+        ...
+
+
+def grouped(
+    stream: Iterator[tuple[str, torch.Tensor]], group_of: dict[str, str], combine: Callable[[str, dict], Stored]
+) -> Iterator[tuple[str, Stored]]:
+    """`stream` with each group's tensors (member name -> group name in `group_of`) held until the last of them has
+    arrived, then yielded as one `combine(group, {member: tensor})` under the group's name; other tensors pass.
+
+    A group's members may come in any order and from different files; only incomplete groups wait in memory.
+    """
+    size: dict[str, int] = {}
+    for group in group_of.values():
+        size[group] = size.get(group, 0) + 1
+    waiting: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in stream:
+        group = group_of.get(name)
+        if group is None:
+            yield name, tensor
+            continue
+        parts = waiting.setdefault(group, {})
+        parts[name] = tensor
+        if len(parts) == size[group]:
+            del waiting[group]
+            yield group, combine(group, parts)
+
+
+def weight_names(files: list[Path]) -> list[str]:
+    """Every tensor name of `files`, without reading a tensor."""
+    return [n for file in files for n in tensor_names(file)]

@@ -1,0 +1,71 @@
+"""Checkpoints in the quantized layouts the hub ships, made by transformers' own code from a dense model directory:
+a pre-quantized bitsandbytes 4-bit one by `from_pretrained(..., BitsAndBytesConfig)` then `save_pretrained`, as the
+`*-bnb-4bit` releases are made; an FP8 one with transformers' own FP8 quantizer op (its `Fp8Quantize`, what its
+save path runs), each projection weight of the decoder layers float8 e4m3 with its `weight_scale_inv`, as the
+DeepSeek-V3 and -FP8 releases lay them out."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def bnb_4bit_checkpoint(dense: Path, out: Path, *, quant_type: str = "nf4", double_quant: bool = True,
+                        storage: torch.dtype = torch.uint8) -> Path:  # fmt: skip
+    """`dense` loaded in 4-bit by transformers and saved by it (fp32 compute, so its loss is exact to compare)."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant_type,
+                                bnb_4bit_use_double_quant=double_quant, bnb_4bit_quant_storage=storage,
+                                bnb_4bit_compute_dtype=torch.float32)  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(dense, quantization_config=config, device_map="cpu",
+                                                 dtype=torch.float32)  # fmt: skip
+    model.save_pretrained(out)
+    _copy_tokenizer(dense, out)
+    return out
+
+
+def fp8_checkpoint(dense: Path, out: Path, *, block: tuple[int, int] | None = (16, 16)) -> Path:
+    """`dense` with every 2-D weight inside its decoder layers but the routers' quantized to FP8 (block-scaled, or
+    one scale per tensor with `block` None), other tensors as they were; the shards and index keep their names."""
+    from transformers import FineGrainedFP8Config
+    from transformers.integrations.finegrained_fp8 import Fp8Quantize
+    from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+
+    quantizer = FineGrainedFP8HfQuantizer(FineGrainedFP8Config(weight_block_size=block))
+    quantize = Fp8Quantize(quantizer)
+    out.mkdir(parents=True)
+    weight_map = {}
+    for file in sorted(dense.glob("*.safetensors")):
+        tensors = {}
+        for name, tensor in load_file(file).items():
+            if tensor.ndim == 2 and ".layers." in name and not name.endswith(".gate.weight"):
+                parts = quantize._quantize_one(name, tensor)
+                assert parts[name].dtype == torch.float8_e4m3fn, f"{name} {tuple(tensor.shape)} is not whole blocks"
+                tensors |= parts
+            else:
+                tensors[name] = tensor
+        save_file(tensors, out / file.name, metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(tensors, file.name)
+    if (dense / "model.safetensors.index.json").is_file():
+        index = json.loads((dense / "model.safetensors.index.json").read_text())
+        index["weight_map"] = weight_map
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    config = json.loads((dense / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                     "weight_block_size": None if block is None else list(block)}  # fmt: skip
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    _copy_tokenizer(dense, out)
+    return out
+
+
+def _copy_tokenizer(source: Path, out: Path) -> None:
+    for name in (*TOKENIZER_FILES, "generation_config.json"):
+        if (source / name).is_file() and not (out / name).is_file():
+            shutil.copy(source / name, out / name)

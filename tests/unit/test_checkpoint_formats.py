@@ -1,0 +1,219 @@
+"""Quantized checkpoints as the hub ships them (qlora_fsdp/model/formats/): pre-quantized bitsandbytes 4-bit and
+FP8, each written by transformers' own code (tests/quantized_checkpoints.py).
+
+The bar is transformers' own loading of the same files: the first step's loss, adapters fresh, equals the mean
+label loss of `from_pretrained`'s model on the same rows. A pre-quantized 4-bit weight trained with --quant bnb is
+the file's bytes and state, by digest; anything else quantized is refused in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from qlora_fsdp.checkpoint.manifest import layer_digests, tensor_digest
+from qlora_fsdp.config.options import ModelConfig, QuantConfig, build_config
+from qlora_fsdp.errors import UserError
+from qlora_fsdp.model.formats import checkpoint_format
+from qlora_fsdp.model.streaming import load_model
+from qlora_fsdp.quant import make_backend
+from qlora_fsdp.quant.base import QuantizedLinear
+from qlora_fsdp.train.metrics import read_metrics
+from qlora_fsdp.train.trainer import run
+from tests.parity import label_loss_sum, step_batches
+from tests.quantized_checkpoints import bnb_4bit_checkpoint, fp8_checkpoint
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+ROWS = 4
+CONTEXT = 128
+BNB = {
+    "nf4-double-uint8": {"quant_type": "nf4", "double_quant": True},
+    "nf4-double-bf16": {"quant_type": "nf4", "double_quant": True, "storage": torch.bfloat16},
+    "fp4": {"quant_type": "fp4", "double_quant": False},
+}
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def one_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The first ROWS rows of the shipped Alpaca sample: one step's batch."""
+    path = tmp_path_factory.mktemp("rows") / "rows.jsonl"
+    lines = (REPO_ROOT / "data" / "alpaca_tiny.jsonl").read_text().splitlines(keepends=True)
+    path.write_text("".join(lines[:ROWS]))
+    return path
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("quantized")
+    made = {name: bnb_4bit_checkpoint(tiny_model, root / name, **kw) for name, kw in BNB.items()}
+    made["fp8-block"] = fp8_checkpoint(tiny_model, root / "fp8-block", block=(16, 16))
+    made["fp8-tensor"] = fp8_checkpoint(tiny_model, root / "fp8-tensor", block=None)
+    return made
+
+
+@pytest.fixture(scope="module")
+def deepseek_fp8(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Path:
+    """A tiny DeepSeek-V3 whose experts are stored one tensor per expert, each FP8 with its scales."""
+    from tests.moe_models import build_moe_model
+
+    root = tmp_path_factory.mktemp("deepseek")
+    dense = build_moe_model("deepseek_v3", root / "dense", tokenizer_from=tiny_model)
+    return fp8_checkpoint(dense, root / "fp8", block=(8, 8))
+
+
+def transformers_label_loss(model: Path, rows: Path) -> float:
+    """The mean label loss over the run's rows of transformers' own loading of `model` (fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, device_map="cpu").eval()
+    total, count = torch.zeros(()), 0
+    with torch.no_grad():
+        for batch in step_batches(model, rows, context=CONTEXT, rows=ROWS):
+            loss, n = label_loss_sum(reference, batch)
+            total, count = total + loss, count + n
+    return (total / count).item()
+
+
+def first_loss(model: Path, rows: Path, out: Path, quant: str, **flags: object) -> float:
+    """The logged loss of one step over all ROWS rows, fp32, fresh adapters, in this process."""
+    cfg = {"model": str(model), "quant": quant, "dataset": str(rows), "batch_size": ROWS,
+           "context_length": CONTEXT, "max_steps": 1, "precision": "fp32", "lora_rank": 4, "device": "cpu",
+           "log_to": "stdout", "output_dir": str(out), "save_model": False, **flags}  # fmt: skip
+    run(build_config(cfg).validate())
+    return read_metrics(out)[0]["loss"]
+
+
+@pytest.mark.parametrize("quant", ["bnb", "none"])
+@pytest.mark.parametrize("layout", list(BNB))
+def test_pre_quantized_bnb_loss_equals_transformers(one_rank: None, checkpoints: dict[str, Path], rows: Path,
+                                                     tmp_path: Path, layout: str, quant: str) -> None:  # fmt: skip
+    """--quant bnb trains on the file's bytes, --quant none on their exact dequantization: both are what
+    transformers' 4-bit model computes."""
+    model = checkpoints[layout]
+    ours = first_loss(model, rows, tmp_path, quant)
+    assert ours == pytest.approx(transformers_label_loss(model, rows), rel=2e-4)
+
+
+@pytest.mark.parametrize("layout", ["fp8-block", "fp8-tensor"])
+def test_fp8_loss_equals_transformers(one_rank: None, checkpoints: dict[str, Path], rows: Path, tmp_path: Path,
+                                      layout: str) -> None:  # fmt: skip
+    model = checkpoints[layout]
+    assert first_loss(model, rows, tmp_path, "none") == pytest.approx(transformers_label_loss(model, rows), rel=2e-4)
+
+
+def test_fp8_experts_of_deepseek_v3_loss_equals_transformers(one_rank: None, deepseek_fp8: Path, rows: Path,
+                                                             tmp_path: Path) -> None:  # fmt: skip
+    """Each expert's FP8 weight is dequantized with its own scales before transformers' conversion fuses them."""
+    ours = first_loss(deepseek_fp8, rows, tmp_path, "none", lora_target_modules="all")
+    assert ours == pytest.approx(transformers_label_loss(deepseek_fp8, rows), rel=2e-4)
+
+
+def file_digests(model: Path) -> dict[str, dict[str, str]]:
+    """Each pre-quantized layer's packed bytes and QuantState, digested straight from the file's tensors under the
+    names the quantized layer holds them by."""
+    tensors = {k: v for f in sorted(model.glob("*.safetensors")) for k, v in load_file(f).items()}
+    out = {}
+    for key in tensors:
+        if ".quant_state.bitsandbytes__" not in key:
+            continue
+        weight = key.split(".quant_state.")[0]
+        extra = json.loads(bytes(tensors[key].tolist()).decode())
+        digests = {"packed": tensor_digest(tensors[weight].view(torch.uint8).flatten()),
+                   "absmax": tensor_digest(tensors[f"{weight}.absmax"]),
+                   "code": tensor_digest(tensors[f"{weight}.quant_map"])}  # fmt: skip
+        if f"{weight}.nested_absmax" in tensors:
+            digests |= {"nested_absmax": tensor_digest(tensors[f"{weight}.nested_absmax"]),
+                        "nested_code": tensor_digest(tensors[f"{weight}.nested_quant_map"]),
+                        "offset": tensor_digest(torch.tensor(float(extra["nested_offset"])))}  # fmt: skip
+        out[weight.removesuffix(".weight")] = digests
+    return out
+
+
+@pytest.mark.parametrize("layout", list(BNB))
+def test_pre_quantized_bnb_is_kept_bit_for_bit(checkpoints: dict[str, Path], layout: str) -> None:
+    """No second rounding: every quantized layer holds the file's packed bytes and state (digests), and
+    quantizing the dequantized weights again would have given other bytes (the control)."""
+    model = checkpoints[layout]
+    quant = checkpoint_format(model).quant_settings(QuantConfig(quant="bnb"), frozenset())
+    backend = make_backend(quant, storage_dtype=torch.uint8, compute_dtype=torch.float32)
+    skeleton = load_model(ModelConfig(model=str(model)), backend=backend, device=CPU, param_dtype=torch.float32)
+    ours = {n: layer_digests(m) for n, m in skeleton.model.named_modules() if isinstance(m, QuantizedLinear)}
+    assert ours == file_digests(model)
+    layer = skeleton.model.get_submodule("model.layers.0.mlp.down_proj")
+    again = backend.quantize(layer.dequantize())
+    assert tensor_digest(again.packed) != ours["model.layers.0.mlp.down_proj"]["packed"] or not torch.equal(
+        again.state["absmax"], layer.state_tensor("absmax")
+    ), "requantizing reproduced the file's bytes: the control cannot tell kept from requantized"
+
+
+def test_file_decides_the_4bit_type_unless_a_flag_contradicts_it(checkpoints: dict[str, Path]) -> None:
+    fmt = checkpoint_format(checkpoints["fp4"])
+    settled = fmt.quant_settings(QuantConfig(quant="bnb"), frozenset())
+    assert (settled.bnb_quant_type, settled.bnb_double_quant) == ("fp4", False)
+    given = build_config({"quant": "bnb", "bnb_quant_type": "nf4"})
+    with pytest.raises(UserError, match=r"^--bnb_quant_type nf4 contradicts the checkpoint.*bnb_4bit_quant_type=fp4"):
+        fmt.quant_settings(given.quant, given.given)
+    # Any other --quant dequantizes the file: its flags stand, whatever the file says.
+    assert fmt.quant_settings(QuantConfig(quant="hqq"), given.given) == QuantConfig(quant="hqq")
+
+
+def _copy(model: Path, out: Path, *, config: dict | None = None, drop: str | None = None) -> Path:
+    """`model` with its config.json's quantization_config replaced, or with tensors whose names end in `drop`
+    removed from its files."""
+    shutil.copytree(model, out)
+    if config is not None:
+        cfg = json.loads((out / "config.json").read_text())
+        cfg["quantization_config"] = config
+        (out / "config.json").write_text(json.dumps(cfg))
+    if drop is not None:
+        for file in out.glob("*.safetensors"):
+            tensors = load_file(file)
+            save_file({k: v for k, v in tensors.items() if not k.endswith(drop)}, file, metadata={"format": "pt"})
+        index = out / "model.safetensors.index.json"
+        if index.is_file():
+            kept = json.loads(index.read_text())
+            kept["weight_map"] = {k: v for k, v in kept["weight_map"].items() if not k.endswith(drop)}
+            index.write_text(json.dumps(kept))
+    return out
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq", "compressed-tensors", "mystery"])
+def test_an_unread_quantization_is_refused_in_one_line(tiny_model: Path, tmp_path: Path, method: str) -> None:
+    model = _copy(tiny_model, tmp_path / "m", config={"quant_method": method, "bits": 4})
+    with pytest.raises(UserError, match=rf"quantized with '{method}'.*it reads plain weights, bitsandbytes 4-bit"):
+        checkpoint_format(model)
+
+
+def test_bnb_8bit_is_refused_by_name(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    model = _copy(checkpoints["fp4"], tmp_path / "m", config={"quant_method": "bitsandbytes", "load_in_8bit": True})
+    with pytest.raises(UserError, match="quantized with 'bitsandbytes 8-bit'"):
+        checkpoint_format(model)
+
+
+INCOMPLETE = [
+    ("nf4-double-uint8", "layers.0.mlp.down_proj.weight.absmax", "incomplete: model.layers.0.mlp.down_proj.weight.abs"),
+    ("fp4", "layers.1.self_attn.q_proj.weight.quant_state.bitsandbytes__fp4", "weight.absmax has no quant_state"),
+    ("fp8-block", "layers.0.mlp.up_proj.weight_scale_inv", "incomplete: model.layers.0.mlp.up_proj.weight has no"),
+]  # fmt: skip
+"""(checkpoint, the tensor removed, what the refusal says)."""
+
+
+@pytest.mark.parametrize(("layout", "drop", "message"), INCOMPLETE)
+def test_an_incomplete_quantized_checkpoint_is_refused_before_loading(
+    checkpoints: dict[str, Path], tmp_path: Path, layout: str, drop: str, message: str
+) -> None:
+    model = _copy(checkpoints[layout], tmp_path / "m", drop=drop)
+    with pytest.raises(UserError, match=message):
+        load_model(ModelConfig(model=str(model)), backend=None, device=CPU, param_dtype=torch.float32)
