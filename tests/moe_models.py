@@ -12,6 +12,10 @@ import torch
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 """Built for every parametrized MoE test (the `moe_models` fixture)."""
 MORE_FAMILIES = ("phimoe", "deepseek_v2", "olmoe", "deepseek_v3")
+TRANSPOSED = ("gpt_oss", "llama4")
+"""Experts stored transposed ([experts, in, out]): gpt-oss's with biases, gate and up interleaved, a clamped SwiGLU,
+attention sinks and a router with a bias; Llama 4's with a shared expert and a sigmoid top-1 router that hands every
+expert every token, scaled."""
 """Built only by the tests that name them, which keeps the parametrized suites' cost: PhiMoE (its router an
 nn.Linear subclass returning a tuple), DeepSeek-V2 (latent attention with shared experts), OLMoE, DeepSeek-V3
 (V2's layout with a sigmoid group-limited router; the FP8 release's architecture)."""
@@ -24,6 +28,8 @@ def moe_config(family: str, *, vocab_size: int, hidden: int = 64, layers: int = 
     from transformers import (
         DeepseekV2Config,
         DeepseekV3Config,
+        GptOssConfig,
+        Llama4TextConfig,
         MixtralConfig,
         OlmoeConfig,
         PhimoeConfig,
@@ -86,6 +92,16 @@ def moe_config(family: str, *, vocab_size: int, hidden: int = 64, layers: int = 
             head_dim=head // 2,
             v_head_dim=head,
         )
+    if family == "gpt_oss":
+        return GptOssConfig(
+            **common, intermediate_size=intermediate // 2, num_local_experts=experts, head_dim=hidden // 4,
+            layer_types=["sliding_attention", "full_attention"] * (layers // 2), sliding_window=8,
+        )  # fmt: skip
+    if family == "llama4":
+        return Llama4TextConfig(
+            **(common | {"num_experts_per_tok": 1}), intermediate_size=intermediate // 2, num_local_experts=experts,
+            intermediate_size_mlp=intermediate, head_dim=hidden // 4, interleave_moe_layer_step=1,
+        )  # fmt: skip
     raise ValueError(f"unknown family {family}")
 
 
@@ -98,6 +114,10 @@ def build_moe_model(family: str, out: Path, *, tokenizer_from: Path, seed: int =
     ids = {f"{t}_token_id": getattr(tokenizer, f"{t}_token_id") for t in ("bos", "eos", "pad")}
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(moe_config(family, vocab_size=vocab_size, **ids, **sizes))
+    with torch.no_grad():  # biases transformers initialises to zero: random, so a misplaced one shows
+        for name, param in model.named_parameters():
+            if name.endswith("_bias") or name.endswith("router.bias") or name.endswith("sinks"):
+                param.normal_(0, 0.5)
     model.save_pretrained(out)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (tokenizer_from / name).is_file():

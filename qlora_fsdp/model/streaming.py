@@ -25,7 +25,7 @@ from qlora_fsdp.model.skeleton import Skeleton, build_skeleton
 from qlora_fsdp.parallel.distributed import DistEnv
 from qlora_fsdp.quant import QuantBackend
 from qlora_fsdp.quant.base import QuantizedLinear, QuantizedWeight
-from qlora_fsdp.quant.experts import FUSED, QuantizedExperts
+from qlora_fsdp.quant.experts import QuantizedExperts
 
 log = logging.getLogger(__name__)
 
@@ -157,12 +157,13 @@ def stream_weights(
         if isinstance(stored, Prequantized) and names.fuses(checkpoint_name):  # fused by transformers' own ops
             stored = stored.dequantize()
         for name, converted in names.arrive(checkpoint_name, stored).items():
-            parts = _expand(name, experts)
-            if parts == [name]:
+            module_name, _, fused = name.rpartition(".")
+            module = experts.get(module_name)
+            if module is None or fused not in module.fused_names():
                 place(name, converted)
-            else:  # a fused experts tensor: one 2-D weight per expert
-                for part, weight in zip(parts, converted.unbind(0), strict=True):
-                    place(part, weight)
+            else:  # a fused experts tensor: one 2-D weight (or bias) per expert
+                for part, value in module.split(fused, converted).items():
+                    place(f"{module_name}.{part}", value)
     params.materialize(model, device)
 
 
@@ -191,15 +192,16 @@ def _model_names(skeleton: Skeleton, experts: dict[str, QuantizedExperts]) -> li
     """The model's tensor names as transformers knows them: routed experts split here keep their fused names."""
     inside = tuple(f"{n}." for n in experts)
     names = [n for n in skeleton.sources if not (inside and n.startswith(inside))]
-    return names + [f"{n}.{fused}" for n in experts for fused in FUSED]
+    return names + [f"{n}.{fused}" for n, module in experts.items() for fused in module.fused_names()]
 
 
 def _expand(name: str, experts: dict[str, QuantizedExperts]) -> list[str]:
     """`name` itself, or for a fused experts name (`...experts.gate_up_proj`) the per-expert weights it fills."""
     module_name, _, attr = name.rpartition(".")
-    if module_name not in experts or attr not in FUSED:
+    module = experts.get(module_name)
+    if module is None or attr not in module.fused_names():
         return [name]
-    return [f"{module_name}.{FUSED[attr]}.{i}.weight" for i in range(experts[module_name].num_experts)]
+    return [f"{module_name}.{part}" for part in module.part_names(attr)]
 
 
 class _WeightShares:

@@ -30,7 +30,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from qlora_fsdp.checkpoint.manifest import MANIFEST_FILE, intra_op_threads, read_manifest
-from qlora_fsdp.compat import revert_weight_conversion
+from qlora_fsdp.compat import experts_flags, revert_weight_conversion
 from qlora_fsdp.config.options import ModelConfig, QuantConfig
 from qlora_fsdp.data.images import load_image_inputs
 from qlora_fsdp.errors import UserError
@@ -40,7 +40,7 @@ from qlora_fsdp.model.streaming import checkpoint_targets, stream_weights
 from qlora_fsdp.parallel.precision import PRECISIONS, quant_compute_dtype
 from qlora_fsdp.quant import QuantBackend, make_backend
 from qlora_fsdp.quant.base import QuantizedLinear
-from qlora_fsdp.quant.experts import FUSED, QuantizedExperts, fused_order, peft_wrapper_depth
+from qlora_fsdp.quant.experts import QuantizedExperts, fused_order, peft_wrapper_depth
 from qlora_fsdp.tools.config import OUTPUT_DTYPES, ExportConfig, MergeConfig
 from qlora_fsdp.train.metrics import peak_memory_bytes
 
@@ -165,11 +165,12 @@ def check_adapter(adapter: Adapter, model: nn.Module, model_name: str) -> None:
 
 
 def _fused_shape(module: nn.Module, fused: str) -> tuple[int, int, int]:
-    """(experts, out, in) of a fused projection, whether transformers' module or the per-expert one holds it."""
+    """(experts, out, in) of a fused projection as PEFT reads it, whether transformers' module or the per-expert
+    one holds it (transformers' flagged transposed layout is [experts, in, out]; PEFT reads any other as given)."""
     if isinstance(module, QuantizedExperts):
-        first = getattr(module, FUSED[fused])[0]
-        return module.num_experts, first.out_features, first.in_features
-    return tuple(getattr(module, fused).shape)  # type: ignore[return-value]
+        return module.peft_shape(fused)
+    count, a, b = getattr(module, fused).shape
+    return (count, b, a) if experts_flags(module)["is_transposed"] else (count, a, b)
 
 
 def _find_expert_adapters(adapter: Adapter, modules: dict[str, nn.Module]) -> None:
@@ -188,12 +189,14 @@ def _find_expert_adapters(adapter: Adapter, modules: dict[str, nn.Module]) -> No
             adapter.experts[f"{base}.{found[0]}"] = adapter.layers.pop(name)
 
 
-def merge_experts(weight: torch.Tensor, lora: LoraWeights, scaling: float) -> torch.Tensor:
-    """[experts, out, in] + scaling x B_e @ A_e for each expert e, in fp32 (PEFT's ParamWrapper delta)."""
+def merge_experts(weight: torch.Tensor, lora: LoraWeights, scaling: float, *, flagged: bool = False) -> torch.Tensor:
+    """A fused projection + scaling x B_e @ A_e for each expert e, in fp32 (PEFT's ParamWrapper delta), transposed
+    onto a module transformers flags as transposed ([experts, in, out])."""
     experts = weight.shape[0]
     a = lora.a.float().reshape(experts, -1, lora.a.shape[-1])
     b = lora.b.float().reshape(lora.b.shape[0], -1, experts).permute(2, 0, 1)
-    return weight.float() + scaling * (b @ a)
+    delta = b @ a
+    return weight.float() + scaling * (delta.transpose(1, 2) if flagged else delta)
 
 
 def merge_weight(weight: torch.Tensor, lora: LoraWeights, scaling: float) -> torch.Tensor:
@@ -415,16 +418,16 @@ def merge_adapter(model_cfg: ModelConfig, quant: QuantConfig, *, precision: str,
 def _merged_experts(module_name: str, module: nn.Module, adapter: Adapter) -> dict[str, torch.Tensor]:
     """A routed-experts module's fused projections (dequantized where quantized) with the adapter merged in."""
     out = {}
-    for fused in FUSED:
-        if isinstance(module, QuantizedExperts):
-            layers = getattr(module, FUSED[fused])
-            weight = torch.stack([m.dequantize() if isinstance(m, QuantizedLinear) else m.weight for m in layers])
-        else:
-            weight = getattr(module, fused).detach()
-        name = f"{module_name}.{fused}"
-        out[name] = (
-            merge_experts(weight.cpu(), adapter.experts[name], adapter.scaling) if name in adapter.experts else weight
-        )
+    if isinstance(module, QuantizedExperts):
+        flagged = module.layout.transposed and not module.layout.peft_reversed
+        fused = {name: module.fused(name) for name in module.fused_names()}
+    else:
+        flagged = experts_flags(module)["is_transposed"]
+        fused = {name: param.detach() for name, param in module.named_parameters(recurse=False)}
+    for attr, weight in fused.items():
+        name = f"{module_name}.{attr}"
+        lora = adapter.experts.get(name)
+        out[name] = weight if lora is None else merge_experts(weight.cpu(), lora, adapter.scaling, flagged=flagged)
     return out
 
 

@@ -20,9 +20,17 @@ from qlora_fsdp.quant import make_backend
 from qlora_fsdp.quant.base import QuantizedLinear
 from qlora_fsdp.quant.experts import ExpertAdapter, QuantizedExperts, replace_experts, router_gates
 from tests.conftest import REPO_ROOT, launch, randomize_adapters
-from tests.moe_models import FAMILIES
+from tests.moe_models import FAMILIES, TRANSPOSED, build_moe_model
 
 CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, moe_models: dict[str, Path]) -> dict[str, Path]:
+    """The parametrized families and the transposed ones (gpt-oss, Llama 4), each saved by transformers."""
+    root = tmp_path_factory.mktemp("transposed")
+    built = {f: build_moe_model(f, root / f, tokenizer_from=tiny_model, seed=7 + i) for i, f in enumerate(TRANSPOSED)}
+    return moe_models | built
 
 
 def backend_for(quant: str):
@@ -46,8 +54,8 @@ def place_dequantized(ours: nn.Module, reference: nn.Module) -> None:
         for wrapped, module in ours.named_modules():
             name = wrapped.replace(".base_layer", "")  # under PEFT's wrapper, the base model's name
             if isinstance(module, QuantizedExperts):
-                state[f"{name}.gate_up_proj"].copy_(torch.stack([weights_of(m) for m in module.gate_up]))
-                state[f"{name}.down_proj"].copy_(torch.stack([weights_of(m) for m in module.down]))
+                for fused in module.fused_names():  # in transformers' layout, transposed where it is
+                    state[f"{name}.{fused}"].copy_(module.fused(fused))
             elif isinstance(module, QuantizedLinear) and ".experts." not in name:
                 state[f"{name}.weight"].copy_(module.dequantize())
 
@@ -61,11 +69,11 @@ def inputs(vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("quant", ["bnb", "hqq", "none"])
-@pytest.mark.parametrize("family", FAMILIES)
-def test_loaded_model_computes_what_transformers_computes(moe_models: dict[str, Path], family: str, quant: str) -> None:
+@pytest.mark.parametrize("family", FAMILIES + TRANSPOSED)
+def test_loaded_model_computes_what_transformers_computes(models: dict[str, Path], family: str, quant: str) -> None:
     """The per-expert checkpoint transformers wrote, loaded through its conversion, quantized expert by expert:
     logits equal transformers' model holding the same (dequantized) weights."""
-    path = moe_models[family]
+    path = models[family]
     skeleton = load_model(
         ModelConfig(model=str(path)), backend=backend_for(quant), device=CPU, param_dtype=torch.float32
     )
@@ -148,13 +156,13 @@ def _adapted(path: Path, quant: str, *, rank: int = 4, seed: int = 1):
     return skeleton, peft_model, keys
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_expert_adapters_are_peft_target_parameters(moe_models: dict[str, Path], family: str) -> None:
+@pytest.mark.parametrize("family", FAMILIES + TRANSPOSED)
+def test_expert_adapters_are_peft_target_parameters(models: dict[str, Path], family: str) -> None:
     """The saved keys are exactly the ones PEFT makes for the config, and PEFT on the transformers model (with
     the dequantized base) computes the training forward's logits."""
     from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 
-    path = moe_models[family]
+    path = models[family]
     skeleton, peft_model, keys = _adapted(path, "bnb")
     experts = [m for m in peft_model.modules() if isinstance(m, ExpertAdapter)]
     assert len(experts) == 2 * 2  # both projections of both layers' experts
@@ -255,16 +263,17 @@ def test_unsupported_layout_is_refused_in_one_line() -> None:
 
 @pytest.mark.distributed
 def test_cli_refuses_an_unsupported_moe_before_reading_weights(tiny_model: Path, tmp_path: Path) -> None:
-    """GPT-OSS keeps its experts transposed with biases: train.py names the class and exits 2 without reading a
-    weight (the checkpoint's tensor data is garbage past its header, which any read would trip over)."""
-    from transformers import AutoModelForCausalLM, GptOssConfig
+    """NemotronH's experts are ungated (up and down projections only): train.py names the class and exits 2 without
+    reading a weight (the checkpoint's tensor data is garbage past its header, which any read would trip over)."""
+    from transformers import AutoModelForCausalLM, NemotronHConfig
 
     vocab = json.loads((tiny_model / "config.json").read_text())["vocab_size"]
-    config = GptOssConfig(
-        vocab_size=vocab, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, layer_types=["full_attention"],
+    config = NemotronHConfig(
+        vocab_size=vocab, hidden_size=32, layers_block_type=["full_attention", "moe"], n_routed_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=32, intermediate_size=32,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
     )  # fmt: skip
-    model_dir = tmp_path / "gpt-oss"
+    model_dir = tmp_path / "nemotron-h"
     AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (model_dir / name).write_bytes((tiny_model / name).read_bytes())
@@ -290,7 +299,7 @@ def test_cli_refuses_an_unsupported_moe_before_reading_weights(tiny_model: Path,
         nproc=0,
     )
     assert result.returncode == 2, result.stderr[-3000:]
-    error = [line for line in result.stderr.splitlines() if "GptOssExperts" in line]
+    error = [line for line in result.stderr.splitlines() if "NemotronHExperts" in line]
     assert len(error) == 1 and "supported:" in error[0], result.stderr[-3000:]
     assert "Traceback" not in result.stderr
 
@@ -304,19 +313,23 @@ def _save_adapter(peft_model: nn.Module, keys: dict, out: Path) -> Path:
     return out
 
 
-@pytest.mark.parametrize("base_weights", ["original", "dequantized"])
-def test_merged_mixtral_loads_in_transformers_and_reproduces_base_plus_adapter(
-    moe_models: dict[str, Path], tmp_path: Path, base_weights: str
+@pytest.mark.parametrize(
+    ("family", "base_weights"),
+    [("mixtral", "original"), ("mixtral", "dequantized"), ("gpt_oss", "dequantized"), ("llama4", "original")],
+)
+def test_merged_moe_loads_in_transformers_and_reproduces_base_plus_adapter(
+    models: dict[str, Path], tmp_path: Path, family: str, base_weights: str
 ) -> None:
-    """The merged directory is a plain transformers Mixtral in the checkpoint's own per-expert layout; its logits
-    equal PEFT's (base + adapter) on the same base weights: the original ones, or the dequantized ones."""
+    """The merged directory is a plain transformers model in the checkpoint's own layout (Mixtral's per-expert
+    tensors; gpt-oss's and Llama 4's transposed fused ones, biases included); its logits equal PEFT's (base +
+    adapter) on the same base weights: the original ones, or the dequantized ones."""
     from peft import PeftModel
     from safetensors import safe_open
 
     from qlora_fsdp.tools.config import MergeConfig
     from qlora_fsdp.tools.export import merge_adapter
 
-    path = moe_models["mixtral"]
+    path = models[family]
     skeleton, peft_model, keys = _adapted(path, "bnb")
     adapter = _save_adapter(peft_model, keys, tmp_path / "adapter")
     options = MergeConfig(
@@ -329,7 +342,7 @@ def test_merged_mixtral_loads_in_transformers_and_reproduces_base_plus_adapter(
         with safe_open(str(shard), "pt") as f:
             names |= set(f.keys())
     with safe_open(str(path / "model.safetensors"), "pt") as f:
-        assert names == set(f.keys())  # block_sparse_moe.experts.N.w1/w2/w3, as transformers saved the base
+        assert names == set(f.keys())  # as transformers saved the base (Mixtral: block_sparse_moe.experts.N.w1...)
     merged = hf_model(merged_dir)
     base = hf_model(path)
     if base_weights == "dequantized":
@@ -343,13 +356,16 @@ def test_merged_mixtral_loads_in_transformers_and_reproduces_base_plus_adapter(
             assert (ours - reference(**batch).logits).abs().max() > 1e-3  # the adapter was merged in
 
 
-def test_generate_applies_the_adapter_to_quantized_experts(moe_models: dict[str, Path], tmp_path: Path) -> None:
+@pytest.mark.parametrize("family", ["qwen2_moe", *TRANSPOSED])
+def test_generate_applies_the_adapter_to_quantized_experts(
+    models: dict[str, Path], tmp_path: Path, family: str
+) -> None:
     """scripts/generate.py's model: the quantized base with the saved adapter, experts included."""
     from qlora_fsdp.config.options import TrainConfig
     from qlora_fsdp.tools.config import GenerateConfig
     from qlora_fsdp.tools.generate import load_for_generation
 
-    path = moe_models["qwen2_moe"]
+    path = models[family]
     _, peft_model, keys = _adapted(path, "hqq")
     adapter = _save_adapter(peft_model, keys, tmp_path / "adapter")
     cfg = TrainConfig()
