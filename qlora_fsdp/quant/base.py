@@ -163,6 +163,24 @@ class QuantizedLinear(nn.Linear):
         return f"{super().extra_repr()}, storage={self.storage_dtype}, state={state}, compute={self.compute_dtype}"
 
 
+class DequantizeMatmul(torch.autograd.Function):
+    """x @ W.T with W dequantized in forward and again in backward, so no dequantized weight is kept for backward.
+
+    Nothing is saved for backward: the layer itself is kept, and its packed weights are read again when backward
+    runs, by which time FSDP has gathered them back. Saving them would hand the whole packed layer to saved-tensor
+    hooks such as --activation_offload's, which would copy it to host memory at every step.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, layer: QuantizedLinear) -> torch.Tensor:  # type: ignore[override]
+        ctx.layer = layer
+        return x @ layer.dequantize().t()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):  # type: ignore[override]
+        return grad @ ctx.layer.dequantize().to(grad.dtype), None
+
+
 class QuantBackend(ABC):
     """One quantization library behind the operations the rest of the program needs."""
 

@@ -11,7 +11,7 @@ from torch import nn
 
 from qlora_fsdp.config.options import QuantConfig
 from qlora_fsdp.parallel.distributed import DistEnv
-from qlora_fsdp.quant.base import QuantBackend, QuantizedLinear, QuantizedWeight
+from qlora_fsdp.quant.base import DequantizeMatmul, QuantBackend, QuantizedLinear, QuantizedWeight
 
 # Groups are packed along dim 0 of the [groups, group_size] matrix; these bit widths pack that many groups into
 # one row, so the group count must be a multiple of it (3-bit packing pads by itself).
@@ -50,7 +50,7 @@ class HqqLinear(QuantizedLinear):
         return state
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = _DequantizeMatmul.apply(x.to(self.compute_dtype), self)
+        out = DequantizeMatmul.apply(x.to(self.compute_dtype), self)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out.to(x.dtype)
@@ -61,24 +61,6 @@ def _dequantize(packed: torch.Tensor, meta: dict[str, Any], rows: int, cols: int
     if tuple(weight.shape) != (rows, cols):
         weight = weight.flatten()[: rows * cols].view(rows, cols)
     return weight
-
-
-class _DequantizeMatmul(torch.autograd.Function):
-    """x @ W.T with W dequantized in forward and again in backward, so no dequantized weight is kept for backward.
-
-    Nothing is saved for backward: the layer itself is kept, and its packed weights are read again when backward
-    runs, by which time FSDP has gathered them back. Saving them would hand the whole packed layer to saved-tensor
-    hooks such as --activation_offload's, which would copy it to host memory at every step.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, layer: HqqLinear) -> torch.Tensor:  # type: ignore[override]
-        ctx.layer = layer
-        return x @ layer.dequantize().t()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor):  # type: ignore[override]
-        return grad @ ctx.layer.dequantize().to(grad.dtype), None
 
 
 class HqqBackend(QuantBackend):
