@@ -2,7 +2,9 @@
 a pre-quantized bitsandbytes 4-bit one by `from_pretrained(..., BitsAndBytesConfig)` then `save_pretrained`, as the
 `*-bnb-4bit` releases are made; an FP8 one with transformers' own FP8 quantizer op (its `Fp8Quantize`, what its
 save path runs), each projection weight of the decoder layers float8 e4m3 with its `weight_scale_inv`, as the
-DeepSeek-V3 and -FP8 releases lay them out."""
+DeepSeek-V3 and -FP8 releases lay them out. transformers' MXFP4 quantizer needs Triton on a GPU, so the gpt-oss
+MXFP4 writer here encodes with transformers' e2m1 table in the release's layout, which transformers' own loading
+then reads back (the tests compare against it)."""
 
 from __future__ import annotations
 
@@ -60,6 +62,35 @@ def fp8_checkpoint(dense: Path, out: Path, *, block: tuple[int, int] | None = (1
     config = json.loads((dense / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
                                      "weight_block_size": None if block is None else list(block)}  # fmt: skip
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    _copy_tokenizer(dense, out)
+    return out
+
+
+def mxfp4_checkpoint(dense: Path, out: Path) -> Path:
+    """A gpt-oss directory with its routed experts as gpt-oss ships them: each fused projection ([experts, in, out]
+    in the model) as `_blocks` [experts, out, in/32, 16] (two e2m1 codes a byte, low nibble first) and `_scales`
+    [experts, out, in/32] (exponents, bias 127), each block's scale the smallest power of two that fits it."""
+    from transformers.integrations.mxfp4 import FP4_VALUES
+
+    table = torch.tensor(FP4_VALUES)
+    out.mkdir(parents=True)
+    for file in sorted(dense.glob("*.safetensors")):
+        tensors = {}
+        for name, tensor in load_file(file).items():
+            if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                tensors[name] = tensor
+                continue
+            linear = tensor.float().transpose(1, 2)  # [experts, out, in]
+            blocks = linear.reshape(*linear.shape[:2], -1, 32)
+            exponent = torch.ceil(torch.log2(blocks.abs().amax(-1, keepdim=True).clamp(min=2**-100) / 6))
+            codes = (blocks / exponent.exp2()).unsqueeze(-1).sub(table).abs().argmin(-1).to(torch.uint8)
+            tensors[f"{name}_blocks"] = (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous()
+            tensors[f"{name}_scales"] = (exponent.squeeze(-1) + 127).to(torch.uint8).contiguous()
+        save_file(tensors, out / file.name, metadata={"format": "pt"})
+    config = json.loads((dense / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}  # fmt: skip
     (out / "config.json").write_text(json.dumps(config, indent=2))
     _copy_tokenizer(dense, out)
     return out

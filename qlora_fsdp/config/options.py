@@ -67,6 +67,9 @@ class QuantConfig:
     """bitsandbytes 4-bit data type: nf4 or fp4."""
     bnb_double_quant: bool = True
     """bitsandbytes: quantize the per-block scales too (saves about 0.4 bits per parameter)."""
+    mxfp4: Literal["keep", "dequantize"] = "keep"
+    """A checkpoint whose experts are MXFP4 (gpt-oss): keep them as released, the frozen base bit for bit at 4.25
+    bits a weight; or dequantize them and quantize with --quant."""
     hqq_bits: Literal[1, 2, 3, 4, 8] = 4
     """HQQ bits per weight: 1, 2, 3, 4 or 8."""
     hqq_group_size: int = 64

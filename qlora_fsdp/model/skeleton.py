@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,6 +21,7 @@ from qlora_fsdp.model.formats import CheckpointFormat, checkpoint_format
 from qlora_fsdp.model.hub import resolve_model_path, shard_files
 from qlora_fsdp.model.vision import auto_model_class, vision_parts
 from qlora_fsdp.quant import QuantBackend
+from qlora_fsdp.quant.base import QuantizedLinear
 from qlora_fsdp.quant.experts import replace_experts, router_gates
 
 log = logging.getLogger(__name__)
@@ -130,9 +131,11 @@ def build_skeleton(
     full_precision_prefixes: tuple[str, ...] = (),
     attention: str = "sdpa",
     adapt_experts: bool = False,
+    kept_experts: Callable[[nn.Linear], nn.Linear] | None = None,
 ) -> Skeleton:
     """The architecture from config.json on meta, with every linear but the head (and `full_precision_prefixes`)
-    replaced by the backend's empty quantized layer. Nothing is read from the checkpoint yet."""
+    replaced by the backend's empty quantized layer, and routed experts by `kept_experts`'s where the checkpoint
+    keeps its own quantization for them (its format's `kept_experts`). Nothing is read from the checkpoint yet."""
     path = path or resolve_model_path(cfg.model)
     files = shard_files(path, allow_pickle=cfg.allow_pickle)
     model = meta_model(path, dtype=param_dtype, trust_remote_code=cfg.trust_remote_code, attention=attention)
@@ -151,11 +154,12 @@ def build_skeleton(
             model,
             should_quantize=lambda n: n != head_name and not n.startswith(full_precision_prefixes) and n not in gates,
         )
-    if backend is not None or adapt_experts:
-        # Routed experts become one layer per expert: quantized like the linears or, unquantized with adapters on
-        # them, plain frozen linears. Full fine-tuning without quantization trains transformers' own fused module.
-        replace_experts(model, backend.make_module if backend is not None else _plain_linear)
-    quantized = [n for n, m in model.named_modules() if backend is not None and backend.is_quantized(m)]
+    if backend is not None or adapt_experts or kept_experts is not None:
+        # Routed experts become one layer per expert: kept in the checkpoint's quantization, quantized like the
+        # linears or, unquantized with adapters on them, plain frozen linears. Full fine-tuning without
+        # quantization trains transformers' own fused module.
+        replace_experts(model, kept_experts or (backend.make_module if backend is not None else _plain_linear))
+    quantized = [n for n, m in model.named_modules() if isinstance(m, QuantizedLinear)]
     # Quantized layers keep the checkpoint's names (weight, bias): their `weight` quantizes what arrives.
     sources = {n: _owner(model, n) for n, _ in model.named_parameters(remove_duplicate=False)}
     sources |= {n: _owner(model, n) for n, _ in model.named_buffers()}

@@ -124,7 +124,7 @@ def stream_weights(
         module, attr = source
         kept = None
         if isinstance(tensor, Prequantized):  # the file's own quantization: kept where the layer's is the same
-            kept = tensor.kept(module) if id(module) in quantized and attr == "weight" else None
+            kept = tensor.kept(module) if attr == "weight" else None
             tensor = tensor.dequantize() if kept is None else tensor
         if kept is not None:
             module.set_quantized(kept.to(device))  # type: ignore[operator]
@@ -161,9 +161,12 @@ def stream_weights(
             module = experts.get(module_name)
             if module is None or fused not in module.fused_names():
                 place(name, converted)
-            else:  # a fused experts tensor: one 2-D weight (or bias) per expert
-                for part, value in module.split(fused, converted).items():
-                    place(f"{module_name}.{part}", value)
+                continue
+            if isinstance(converted, Prequantized):  # one part per expert where the format splits it
+                parts = converted.experts()
+                converted = converted.dequantize() if parts is None else parts
+            for part, value in module.split(fused, converted).items():  # one 2-D weight (or bias) per expert
+                place(f"{module_name}.{part}", value)
     params.materialize(model, device)
 
 
@@ -288,8 +291,9 @@ def load_model(
     device: torch.device,
     param_dtype: torch.dtype,
     path: Path | None = None,
+    kept_experts: Callable[[nn.Linear], nn.Linear] | None = None,
 ) -> Skeleton:
     """The whole model in this process, quantized, unsharded (tools and tests; training streams into shards)."""
-    skeleton = build_skeleton(cfg, backend=backend, param_dtype=param_dtype, path=path)
+    skeleton = build_skeleton(cfg, backend=backend, param_dtype=param_dtype, path=path, kept_experts=kept_experts)
     stream_weights(skeleton, backend=backend, device=device)
     return skeleton

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -195,10 +196,11 @@ class QuantizedExperts(nn.Module):
         attr, kind = (FUSED[fused.removesuffix(BIAS)], "bias") if fused.endswith(BIAS) else (FUSED[fused], "weight")
         return [f"{attr}.{e}.{kind}" for e in range(self.num_experts)]
 
-    def split(self, fused: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The fused tensor `fused` as its per-expert parameters: weights as [out, in], biases as they are."""
-        parts = tensor.unbind(0)
-        if self.layout.transposed and not fused.endswith(BIAS):
+    def split(self, fused: str, tensor: torch.Tensor | list) -> dict[str, Any]:
+        """The fused tensor `fused` as its per-expert parameters: weights as [out, in], biases as they are; a list
+        is already one part per expert in that layout (a checkpoint format's own, kept packed)."""
+        parts = tensor if isinstance(tensor, list) else tensor.unbind(0)
+        if isinstance(tensor, torch.Tensor) and self.layout.transposed and not fused.endswith(BIAS):
             parts = tuple(p.t().contiguous() for p in parts)
         return dict(zip(self.part_names(fused), parts, strict=True))
 

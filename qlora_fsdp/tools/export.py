@@ -34,6 +34,7 @@ from qlora_fsdp.compat import experts_flags, revert_weight_conversion
 from qlora_fsdp.config.options import ModelConfig, QuantConfig
 from qlora_fsdp.data.images import load_image_inputs
 from qlora_fsdp.errors import UserError
+from qlora_fsdp.model.formats import kept_experts_layer
 from qlora_fsdp.model.hub import INDEX_FILE, SINGLE_FILE, resolve_model_path
 from qlora_fsdp.model.skeleton import Skeleton, build_skeleton
 from qlora_fsdp.model.streaming import checkpoint_targets, stream_weights
@@ -377,7 +378,11 @@ def merge_adapter(model_cfg: ModelConfig, quant: QuantConfig, *, precision: str,
         raise UserError("--base_weights dequantized needs the --quant training used (bnb or hqq), not none")
     # The original weights in fp32; dequantized: the other parameters in the dtype training kept them in.
     param_dtype = PRECISIONS[precision].param_dtype if dequantized else torch.float32
-    skeleton = build_skeleton(model_cfg, backend=backend, param_dtype=param_dtype)
+    kept = None
+    if backend is not None:  # the experts as training held them, kept in the checkpoint's MXFP4 by default
+        path = resolve_model_path(model_cfg.model)
+        kept = kept_experts_layer(path, quant, storage_dtype=torch.uint8, compute_dtype=backend.compute_dtype)
+    skeleton = build_skeleton(model_cfg, backend=backend, param_dtype=param_dtype, kept_experts=kept)
     check_adapter(adapter, skeleton.model, model_cfg.model)
     # The original weights are not quantized, so only a dequantized merge has digests to check.
     base = Base(torch.device("cpu"))

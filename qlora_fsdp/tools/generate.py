@@ -24,6 +24,7 @@ from qlora_fsdp.data.formats import format_prompt, missing_prefix, special_prefi
 from qlora_fsdp.data.images import ImageInputs, load_image_inputs, resolve_image
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.model.attention import fix_latent_attention
+from qlora_fsdp.model.formats import kept_experts_layer
 from qlora_fsdp.model.hub import load_tokenizer, resolve_model_path
 from qlora_fsdp.model.lora import load_saved_adapter
 from qlora_fsdp.model.skeleton import build_skeleton
@@ -78,7 +79,11 @@ def load_for_generation(cfg: TrainConfig, options: GenerateConfig) -> tuple[nn.M
         )
     else:
         backend = training_backend(cfg.quant, cfg.fsdp.precision)
-        skeleton = build_skeleton(cfg.model, backend=backend, param_dtype=precision.param_dtype, path=path)
+        dtype = quant_compute_dtype(precision, cfg.quant.compute_dtype)
+        kept = kept_experts_layer(path, cfg.quant, storage_dtype=torch.uint8, compute_dtype=dtype)
+        skeleton = build_skeleton(
+            cfg.model, backend=backend, param_dtype=precision.param_dtype, path=path, kept_experts=kept
+        )
         base = training_base(skeleton, backend, adapter=options.adapter, model_name=cfg.model.model)  # type: ignore[arg-type]
         # Quantized where training quantized (see training_base), then moved to where it generates.
         quantize_on = base.device if base.verify is not None else device

@@ -361,9 +361,17 @@ def _build_model(cfg: TrainConfig, env: DistEnv, model_path: Path, precision: Pr
     """Skeleton on meta, adapters, then stream the checkpoint in, sharding each decoder layer as it completes."""
     compute_dtype = quant_compute_dtype(precision, cfg.quant.compute_dtype)
     adapters = cfg.lora.train_type in ("lora", "dora")
+    # Routed experts the checkpoint keeps in its own quantization (MXFP4) are quantized layers whatever --quant says.
+    keeps_experts = checkpoint_format(model_path).kept_experts(cfg.quant)
+    if keeps_experts is not None and cfg.lora.train_type in ("full", "llama_pro"):
+        raise UserError(
+            f"--train_type {cfg.lora.train_type} trains the base weights, but --mxfp4 keep holds the routed experts "
+            "frozen in the checkpoint's MXFP4: pass --mxfp4 dequantize"
+        )
+    quantizes = cfg.quant.quant != "none" or keeps_experts is not None
     # FSDP1 only: DoRA's forward dequantizes the base layer from its LoRA layer, so the base layer must share its
     # decoder layer's unit instead of a (mixed-precision-ignored) unit of its own.
-    ignore_quantized = cfg.quant.quant != "none" and cfg.lora.train_type != "dora"
+    ignore_quantized = quantizes and cfg.lora.train_type != "dora"
     sharder = make_sharder(
         cfg.fsdp,
         env=env,
@@ -371,12 +379,13 @@ def _build_model(cfg: TrainConfig, env: DistEnv, model_path: Path, precision: Pr
         ignore=(QuantizedLinear,) if ignore_quantized else (),
         adapters_own_units=adapters,
     )
-    backend, layout = None, None
-    if cfg.quant.quant != "none":  # only quantized layers have a packed layout to decide
+    backend, layout, kept_experts = None, None, None
+    if quantizes:  # only quantized layers have a packed layout to decide
         layout = sharder.layout
-        backend = make_backend(
-            cfg.quant, storage_dtype=layout.storage_dtype, compute_dtype=compute_dtype, shard_state=layout.state_sharded
-        )
+        packing = {"storage_dtype": layout.storage_dtype, "compute_dtype": compute_dtype,
+                   "shard_state": layout.state_sharded}  # fmt: skip
+        backend = make_backend(cfg.quant, **packing)
+        kept_experts = None if keeps_experts is None else functools.partial(keeps_experts, **packing)
     new_blocks = expanded_layer_prefixes(model_path) if cfg.lora.train_type == "llama_pro" else ()
     skeleton = build_skeleton(
         cfg.model,
@@ -386,6 +395,7 @@ def _build_model(cfg: TrainConfig, env: DistEnv, model_path: Path, precision: Pr
         full_precision_prefixes=new_blocks,
         attention=attention,
         adapt_experts=adapters and adapts_experts(cfg.lora.lora_target_modules),
+        kept_experts=kept_experts,
     )
     # Rank 0 digests each quantized layer while it is still whole, under its base-model name (before adapters).
     digests = LayerDigests(skeleton.model, skeleton.quantized) if adapters and env.is_main else None

@@ -1,9 +1,10 @@
-"""Quantized checkpoints as the hub ships them (qlora_fsdp/model/formats/): pre-quantized bitsandbytes 4-bit and
-FP8, each written by transformers' own code (tests/quantized_checkpoints.py).
+"""Quantized checkpoints as the hub ships them (qlora_fsdp/model/formats/): pre-quantized bitsandbytes 4-bit, FP8
+and gpt-oss's MXFP4 experts, each written in the hub's layout (tests/quantized_checkpoints.py).
 
 The bar is transformers' own loading of the same files: the first step's loss, adapters fresh, equals the mean
 label loss of `from_pretrained`'s model on the same rows. A pre-quantized 4-bit weight trained with --quant bnb is
-the file's bytes and state, by digest; anything else quantized is refused in one line.
+the file's bytes and state, by digest, and so are kept MXFP4 experts; anything else quantized is refused in one
+line.
 """
 
 from __future__ import annotations
@@ -19,14 +20,15 @@ from safetensors.torch import load_file, save_file
 from qlora_fsdp.checkpoint.manifest import layer_digests, tensor_digest
 from qlora_fsdp.config.options import ModelConfig, QuantConfig, build_config
 from qlora_fsdp.errors import UserError
-from qlora_fsdp.model.formats import checkpoint_format
+from qlora_fsdp.model.formats import checkpoint_format, kept_experts_layer
 from qlora_fsdp.model.streaming import load_model
 from qlora_fsdp.quant import make_backend
 from qlora_fsdp.quant.base import QuantizedLinear
+from qlora_fsdp.quant.experts import QuantizedExperts
 from qlora_fsdp.train.metrics import read_metrics
 from qlora_fsdp.train.trainer import run
 from tests.parity import label_loss_sum, step_batches
-from tests.quantized_checkpoints import bnb_4bit_checkpoint, fp8_checkpoint
+from tests.quantized_checkpoints import bnb_4bit_checkpoint, fp8_checkpoint, mxfp4_checkpoint
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ROWS = 4
@@ -71,6 +73,15 @@ def deepseek_fp8(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> 
     root = tmp_path_factory.mktemp("deepseek")
     dense = build_moe_model("deepseek_v3", root / "dense", tokenizer_from=tiny_model)
     return fp8_checkpoint(dense, root / "fp8", block=(8, 8))
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_mxfp4(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Path:
+    """A tiny gpt-oss whose routed experts are MXFP4 blocks and scales, as gpt-oss ships them."""
+    from tests.moe_models import build_moe_model
+
+    root = tmp_path_factory.mktemp("gpt-oss")
+    return mxfp4_checkpoint(build_moe_model("gpt_oss", root / "dense", tokenizer_from=tiny_model), root / "mxfp4")
 
 
 def transformers_label_loss(model: Path, rows: Path) -> float:
@@ -118,6 +129,38 @@ def test_fp8_experts_of_deepseek_v3_loss_equals_transformers(one_rank: None, dee
     """Each expert's FP8 weight is dequantized with its own scales before transformers' conversion fuses them."""
     ours = first_loss(deepseek_fp8, rows, tmp_path, "none", lora_target_modules="all")
     assert ours == pytest.approx(transformers_label_loss(deepseek_fp8, rows), rel=2e-4)
+
+
+@pytest.mark.parametrize("mode", ["keep", "dequantize"])
+def test_mxfp4_experts_loss_equals_transformers(one_rank: None, gpt_oss_mxfp4: Path, rows: Path, tmp_path: Path,
+                                               mode: str) -> None:  # fmt: skip
+    """Kept, the experts compute from the file's bytes; dequantized, from their exact values: either way what
+    transformers' dequantizing load computes."""
+    ours = first_loss(gpt_oss_mxfp4, rows, tmp_path, "none", mxfp4=mode, lora_target_modules="all")
+    assert ours == pytest.approx(transformers_label_loss(gpt_oss_mxfp4, rows), rel=2e-4)
+
+
+def test_kept_mxfp4_experts_are_the_file_bit_for_bit(gpt_oss_mxfp4: Path) -> None:
+    kept = kept_experts_layer(gpt_oss_mxfp4, QuantConfig(quant="bnb"), storage_dtype=torch.uint8,
+                              compute_dtype=torch.float32)  # fmt: skip
+    backend = make_backend(QuantConfig(quant="bnb"), storage_dtype=torch.uint8, compute_dtype=torch.float32)
+    skeleton = load_model(ModelConfig(model=str(gpt_oss_mxfp4)), backend=backend, device=CPU,
+                          param_dtype=torch.float32, kept_experts=kept)  # fmt: skip
+    tensors = {k: v for f in sorted(gpt_oss_mxfp4.glob("*.safetensors")) for k, v in load_file(f).items()}
+    checked = 0
+    for name, module in skeleton.model.named_modules():
+        if not isinstance(module, QuantizedExperts):
+            continue
+        for fused, layers in (("gate_up_proj", module.gate_up), ("down_proj", module.down)):
+            blocks, scales = tensors[f"{name}.{fused}_blocks"], tensors[f"{name}.{fused}_scales"]
+            for e, layer in enumerate(layers):
+                assert type(layer).__name__ == "Mxfp4Linear"
+                assert layer_digests(layer) == {"packed": tensor_digest(blocks[e].flatten()),
+                                                "scales": tensor_digest(scales[e])}  # fmt: skip
+                checked += 1
+    assert checked == 2 * 2 * 8  # layers x projections x experts
+    attention = skeleton.model.get_submodule("model.layers.0.self_attn.q_proj")
+    assert type(attention).__name__ == "Bnb4bitLinear"  # everything else is quantized with --quant
 
 
 def file_digests(model: Path) -> dict[str, dict[str, str]]:
@@ -206,14 +249,15 @@ INCOMPLETE = [
     ("nf4-double-uint8", "layers.0.mlp.down_proj.weight.absmax", "incomplete: model.layers.0.mlp.down_proj.weight.abs"),
     ("fp4", "layers.1.self_attn.q_proj.weight.quant_state.bitsandbytes__fp4", "weight.absmax has no quant_state"),
     ("fp8-block", "layers.0.mlp.up_proj.weight_scale_inv", "incomplete: model.layers.0.mlp.up_proj.weight has no"),
+    ("mxfp4", "layers.1.mlp.experts.down_proj_scales", "incomplete: model.layers.1.mlp.experts.down_proj_blocks has"),
 ]  # fmt: skip
 """(checkpoint, the tensor removed, what the refusal says)."""
 
 
 @pytest.mark.parametrize(("layout", "drop", "message"), INCOMPLETE)
 def test_an_incomplete_quantized_checkpoint_is_refused_before_loading(
-    checkpoints: dict[str, Path], tmp_path: Path, layout: str, drop: str, message: str
+    checkpoints: dict[str, Path], gpt_oss_mxfp4: Path, tmp_path: Path, layout: str, drop: str, message: str
 ) -> None:
-    model = _copy(checkpoints[layout], tmp_path / "m", drop=drop)
+    model = _copy(checkpoints.get(layout, gpt_oss_mxfp4), tmp_path / "m", drop=drop)
     with pytest.raises(UserError, match=message):
         load_model(ModelConfig(model=str(model)), backend=None, device=CPU, param_dtype=torch.float32)

@@ -8,18 +8,28 @@ and dequantizes otherwise. A new format is one module here and one entry in FORM
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Callable
 from pathlib import Path
 
+import torch
+from torch import nn
+
+from qlora_fsdp.config.options import QuantConfig
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.model.formats.base import CheckpointFormat, Prequantized, Stored
 from qlora_fsdp.model.formats.bnb4bit import Bnb4bitFormat
 from qlora_fsdp.model.formats.dense import DenseFormat
 from qlora_fsdp.model.formats.fp8 import Fp8Format
+from qlora_fsdp.model.formats.mxfp4 import Mxfp4Format
 
-FORMATS: tuple[type[CheckpointFormat], ...] = (Bnb4bitFormat, Fp8Format, DenseFormat)
+FORMATS: tuple[type[CheckpointFormat], ...] = (Bnb4bitFormat, Fp8Format, Mxfp4Format, DenseFormat)
 """Tried in order; the first whose `detect` holds reads the checkpoint, made from its config.json."""
-SUPPORTED = "plain weights, bitsandbytes 4-bit (quant_method bitsandbytes) and FP8 (quant_method fp8)"
+SUPPORTED = (
+    "plain weights, bitsandbytes 4-bit (quant_method bitsandbytes), FP8 (quant_method fp8) and MXFP4 (quant_method "
+    "mxfp4)"
+)
 """What FORMATS reads, for the refusal of anything else."""
 
 
@@ -39,4 +49,13 @@ def checkpoint_format(path: Path) -> CheckpointFormat:
     )
 
 
-__all__ = ["FORMATS", "CheckpointFormat", "Prequantized", "Stored", "checkpoint_format"]
+def kept_experts_layer(
+    path: Path, quant: QuantConfig, *, storage_dtype: torch.dtype, compute_dtype: torch.dtype
+) -> Callable[[nn.Linear], nn.Linear] | None:
+    """The layer the checkpoint at `path` keeps its routed experts in with these flags (`--mxfp4 keep`), bound to
+    one process's packed layout (tools, tests); None where --quant's backend holds them."""
+    make = checkpoint_format(path).kept_experts(quant)
+    return None if make is None else functools.partial(make, storage_dtype=storage_dtype, compute_dtype=compute_dtype)
+
+
+__all__ = ["FORMATS", "CheckpointFormat", "Prequantized", "Stored", "checkpoint_format", "kept_experts_layer"]

@@ -13,7 +13,7 @@ from torch import nn
 
 from qlora_fsdp.config.options import QuantConfig
 from qlora_fsdp.model.formats.files import tensor_names
-from qlora_fsdp.quant.base import QuantizedWeight
+from qlora_fsdp.quant.base import QuantizedLinear, QuantizedWeight
 
 
 class Prequantized(ABC):
@@ -29,6 +29,11 @@ class Prequantized(ABC):
     def kept(self, module: nn.Module) -> QuantizedWeight | None:
         """The packed data as `module` holds it, bit for bit, where `module` quantizes the way the file did;
         None where it does not (the weight is then dequantized and quantized as --quant asks)."""
+        return None
+
+    def experts(self) -> list[Prequantized] | None:
+        """For a fused experts tensor, one part per expert, each an [out, in] weight (the per-expert layers'
+        layout); None where the format cannot split it (it is then dequantized whole)."""
         return None
 
 
@@ -58,6 +63,11 @@ class CheckpointFormat(Protocol):
     def tensors(self, files: list[Path]) -> Iterator[tuple[str, Stored]]:
         """(checkpoint name, tensor or Prequantized) one at a time, in file order, each in fresh memory of its
         own."""
+        ...
+
+    def kept_experts(self, quant: QuantConfig) -> Callable[..., QuantizedLinear] | None:
+        """The layer each routed expert's projection is held in where the format keeps its own quantization for
+        them (called as a backend's `make_module` is, with the packed layout's keywords); None: --quant's."""
         ...
 
     def quant_settings(self, quant: QuantConfig, given: frozenset[str]) -> QuantConfig:

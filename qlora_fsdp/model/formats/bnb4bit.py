@@ -87,6 +87,9 @@ class Bnb4bitFormat:
         stream = (item for file in files for item in read_tensors(file))
         yield from grouped(stream, group_of, Bnb4bitWeight)
 
+    def kept_experts(self, quant: QuantConfig) -> None:
+        return None
+
     def quant_settings(self, quant: QuantConfig, given: frozenset[str]) -> QuantConfig:
         """With --quant bnb the file's type and double quantization are the run's; a flag given against them is
         refused. Other backends dequantize, so their flags stand."""

@@ -31,5 +31,8 @@ class DenseFormat:
         for file in files:
             yield from read_tensors(file)
 
+    def kept_experts(self, quant: QuantConfig) -> None:
+        return None
+
     def quant_settings(self, quant: QuantConfig, given: frozenset[str]) -> QuantConfig:
         return quant

@@ -55,6 +55,9 @@ class Fp8Format:
         )  # fmt: skip
         yield from grouped(stream, group_of, dequantized)
 
+    def kept_experts(self, quant: QuantConfig) -> None:
+        return None
+
     def quant_settings(self, quant: QuantConfig, given: frozenset[str]) -> QuantConfig:
         return quant
 

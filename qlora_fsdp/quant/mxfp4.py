@@ -1,0 +1,62 @@
+"""MXFP4 experts kept as released (gpt-oss): the frozen base of each routed expert is the checkpoint's own packed
+e2m1 values and power-of-two block scales, 4.25 bits a weight, dequantized in torch when the expert runs.
+
+Not a --quant backend: nothing here quantizes. A checkpoint in MXFP4 (qlora_fsdp/model/formats/mxfp4.py) fills these
+layers with its bytes when --mxfp4 keep (the default); every other linear is quantized with --quant as usual.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from qlora_fsdp.quant.base import DequantizeMatmul, QuantizedLinear
+
+BLOCK = 32
+"""Values sharing one scale, along the input dimension: 16 bytes of two e2m1 values each."""
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+"""The value of each 4-bit code (OCP microscaling formats, e2m1)."""
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[..., rows, groups, 16] uint8 codes (low nibble first) and [..., rows, groups] uint8 exponents (bias 127) to
+    [..., rows, groups x 32] values in `dtype`: each code's value times 2^(exponent - 127), exact in any float
+    dtype wide enough for the exponent."""
+    lut = torch.tensor(E2M1, dtype=torch.float32, device=blocks.device)
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).long()
+    values = torch.ldexp(lut[codes].flatten(-2), scales.to(torch.int32).unsqueeze(-1) - 127)
+    return values.flatten(-2).to(dtype)
+
+
+class Mxfp4Linear(QuantizedLinear):
+    """One expert's projection held as the checkpoint's MXFP4 blocks ([out, in/32, 16] bytes) and scales."""
+
+    def _dequantize(self) -> torch.Tensor:
+        groups = self.in_features // BLOCK
+        blocks = self.packed_bytes().view(self.out_features, groups, BLOCK // 2)
+        return dequantize_mxfp4(blocks, self.state_tensor("scales"), self.compute_dtype)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = DequantizeMatmul.apply(x.to(self.compute_dtype), self)
+        if self.bias is not None:
+            out = out + self.bias.to(out.dtype)
+        return out.to(x.dtype)
+
+    def serialized(self) -> dict[str, torch.Tensor]:
+        raise ValueError("an MXFP4 expert has no single-layer format of its own: export the merged model instead")
+
+
+def mxfp4_layer(
+    linear: nn.Linear, *, storage_dtype: torch.dtype, compute_dtype: torch.dtype, shard_state: bool = False
+) -> Mxfp4Linear:
+    """An empty (meta) kept-MXFP4 replacement for one expert's `linear`, in the FSDP version's packed layout."""
+    if linear.in_features % BLOCK:
+        raise ValueError(f"an MXFP4 weight's input dimension is whole blocks of {BLOCK}, not {linear.in_features}")
+    return Mxfp4Linear(
+        linear.in_features,
+        linear.out_features,
+        bias=linear.bias is not None,
+        storage_dtype=storage_dtype,
+        compute_dtype=compute_dtype,
+        shard_state=shard_state,
+    )
