@@ -165,7 +165,7 @@ TWO["compile-hqq"] = {"compile": True, "quant": "hqq"}
 def test_compiled_layers_compute_what_eager_layers_do(two: dict, version: int) -> None:
     """--compile true: dynamo really compiled the layers (from step 2 on), and they train as the eager ones do."""
     if version == 1:
-        pytest.skip("FSDP1 refuses --compile (tests/unit/test_config.py checks the refusal)")
+        pytest.skip("FSDP1 refuses --compile (tests/unit/config/test_options.py checks the refusal)")
     compiled, eager = two["compile-hqq"], two["precision-fp32-hqq"]
     assert compiled["compiled_graphs"] > 0 and eager["compiled_graphs"] == 0
     # Steps 2-5 run compiled code (kernels fused by inductor): equal up to float reassociation.
