@@ -31,16 +31,16 @@ export QLORA_GPU_PYTHON="$PWD/${VENV_GPU_MACHINE:-.venv-gpu-machine}/bin/python"
     "tests/distributed/test_preference.py::test_ranks_times_batch_is_one_rank_with_the_whole_batch[dpo]" \
     "tests/distributed/test_sequence_parallel.py::test_two_ranks_splitting_each_row_train_as_one_rank[bnb]" \
     "tests/distributed/test_preference.py::test_ranks_times_batch_is_one_rank_with_the_whole_batch[ipo]" \
-    tests/unit/test_preference_objectives.py \
+    tests/unit/objectives/test_preference_objectives.py \
     "tests/distributed/test_kto.py::test_ranks_times_batch_is_one_rank_with_the_whole_batch" \
     "tests/distributed/test_grpo.py::test_ranks_times_batch_is_one_rank_with_the_whole_batch[dapo-gathered-2]" \
-    tests/unit/test_sampling.py \
+    tests/unit/objectives/test_sampling.py \
     "tests/distributed/test_elastic_resume.py::test_other_world_size_continues_the_uninterrupted_run[hqq-fsdp1-to-4x1]" \
     "tests/distributed/test_elastic_resume.py::test_other_world_size_continues_the_uninterrupted_run[hqq-fsdp1-to-1x4-fsdp2]" \
     "tests/distributed/test_elastic_resume.py::test_async_save_writes_what_a_synchronous_save_writes" \
     "tests/distributed/test_elastic_resume.py::test_dcp_async_save_writes_the_state_as_it_was_when_called" \
-    tests/unit/test_global_order.py \
-    tests/distributed/test_vlm.py::test_first_step_matches_transformers_with_peft tests/unit/test_vision.py \
+    tests/unit/data/test_global_order.py \
+    tests/distributed/test_vlm.py::test_first_step_matches_transformers_with_peft tests/unit/model/test_vision.py \
     "tests/distributed/test_vlm.py::test_image_rows_first_step_matches_transformers_with_peft[qwen2_vl-hqq-fsdp1]" \
-    tests/unit/test_export.py tests/unit/test_quant.py tests/unit/test_fsdp.py tests/unit/test_moe.py \
+    tests/unit/tools/test_export.py tests/unit/quant/test_backends.py tests/unit/parallel/test_sharding.py tests/unit/model/test_moe.py \
     tests/benchmarks/test_harness.py::test_gpu_script_dry_run "$@"

@@ -19,6 +19,7 @@ from qlora_fsdp.compat import fsdp2_uint8_problem
 from scripts.make_tiny_model import build_tiny_model
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+TESTS = REPO_ROOT / "tests"
 DATASET = REPO_ROOT / "data" / "alpaca_tiny.jsonl"
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 # Whether this torch's FSDP2 shards uint8 parameters (2.12+), as the trainer asks; older ones get the float view by
@@ -28,20 +29,23 @@ UINT8_FSDP2 = fsdp2_uint8_problem() is None
 os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="qlora-test-datasets-"))
 
 
-# The longest test files (several multi-process launches each) first, longest first, as measured in a whole run
-# (tests/unit/test_layout.py checks that each exists): pytest-xdist hands whole files to its workers in collection
-# order, so a long file collected last would run alone at the end while the other worker idles.
+# The longest test files (several multi-process launches each) first, longest first, as measured in a whole run; paths
+# under tests/, since two folders may hold files of the same name (tests/unit/test_layout.py checks that each exists):
+# pytest-xdist hands whole files to its workers in collection order, so a long file collected last would run alone at
+# the end while the other worker idles.
 LONG_FILES = (
-    "test_after_training_bnb.py", "test_options.py", "test_after_training_hqq.py", "test_reliability.py",
-    "test_packing_eval.py", "test_options_fsdp1.py", "test_harness.py", "test_elastic_resume.py",
-    "test_preference_smollm2.py", "test_kto_smollm2.py", "test_vlm.py", "test_data_scale.py", "test_moe_e2e.py",
-    "test_chat_training.py", "test_train_e2e.py", "test_moe_families_e2e.py", "test_grpo.py",
-    "test_sequence_parallel.py", "test_long_context_suite.py",
+    "distributed/test_after_training_bnb.py", "distributed/test_options.py", "distributed/test_after_training_hqq.py",
+    "distributed/test_reliability.py", "distributed/test_packing_eval.py", "distributed/test_options_fsdp1.py",
+    "benchmarks/test_harness.py", "distributed/test_elastic_resume.py", "distributed/test_preference_smollm2.py",
+    "distributed/test_kto_smollm2.py", "distributed/test_vlm.py", "distributed/test_data_scale.py",
+    "distributed/test_moe_e2e.py", "cli/test_chat_training.py", "distributed/test_train_e2e.py",
+    "distributed/test_moe_families_e2e.py", "distributed/test_grpo.py", "distributed/test_sequence_parallel.py",
+    "benchmarks/test_long_context_suite.py",
 )  # fmt: skip
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    gpu_dir = REPO_ROOT / "tests" / "gpu"
+    gpu_dir = TESTS / "gpu"
     stray = [item.nodeid for item in items if item.get_closest_marker("gpu") and gpu_dir not in item.path.parents]
     if stray:  # the GPU tier (benchmarks/gpu.sh) collects tests/gpu alone: a gpu test elsewhere would never run
         raise pytest.UsageError(f"gpu-marked tests outside tests/gpu: {', '.join(stray)}")
@@ -50,7 +54,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.smollm2)
 
     def rank(item: pytest.Item) -> int:
-        name = item.path.name
+        name = item.path.relative_to(TESTS).as_posix() if TESTS in item.path.parents else ""
         return LONG_FILES.index(name) if name in LONG_FILES else len(LONG_FILES)
 
     items.sort(key=rank)  # stable: the order within a file, and of the other files, stays

@@ -1,6 +1,6 @@
-"""What the comparisons of our objectives with TRL's trainers share (tests/unit/test_*_trl.py, test_sampling.py):
-TRL's trainer on the tiny model with a LoRA adapter drawn as if trained, our objective's loss as the training loop
-makes it, and the gradient and metric comparisons."""
+"""What the comparisons of our objectives with TRL's trainers share (tests/unit/objectives/test_*_trl.py and
+test_sampling.py): TRL's trainer on the tiny model with a LoRA adapter drawn as if trained, our objective's loss as
+the training loop makes it, and the gradient and metric comparisons."""
 
 from __future__ import annotations
 

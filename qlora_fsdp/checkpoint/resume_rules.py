@@ -6,8 +6,8 @@
 - MAY_CHANGE: the new value applies from the resumed step on and the log names it (`resumed with --lr a -> b`).
 - NOT_IDENTITY: where results go, how progress is shown, the job's environment: not recorded, never compared.
 
-A unit test (tests/unit/test_resume_rules.py) fails when a flag is in no class or in two, so a new flag cannot
-silently escape the check. A checkpoint records the first three classes; one written before a flag was recorded
+A unit test (tests/unit/checkpoint/test_resume_rules.py) fails when a flag is in no class or in two, so a new flag
+cannot silently escape the check. A checkpoint records the first three classes; one written before a flag was recorded
 does not know it, and the flag is then taken as unchanged (the log lists such must-match flags as unchecked).
 """
 

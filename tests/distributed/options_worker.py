@@ -1,24 +1,27 @@
 """Worker for test_options: many short trainings in one torchrun job (imports and process group paid once).
 
-python options_worker.py MODEL_DIR PRO_MODEL_DIR TIED_MODEL_DIR ODD_MODEL_DIR OUT_DIR SUITE FSDP_VERSION [NAMES]
-(SUITE: two | four; NAMES: comma-separated scenarios to run, default all). Rank 0 writes OUT_DIR/results.json:
-{scenario: {"losses", "grad_norms", ..., "error"}}.
+python options_worker.py SCENARIOS_JSON OUT_DIR. SCENARIOS_JSON holds {name: {"flags": ..., "measure": bool,
+"reference": bool}}, written by test_options.py, which defines each scenario beside the tests that read its result;
+the scenarios run in its order, each in OUT_DIR/NAME. Rank 0 writes OUT_DIR/results.json: {scenario: {"losses",
+"grad_norms", ..., "error"}}.
 
-Besides what each run logs, rank 0 computes a reference for the first step of every fp32 run: the same first
-global batch through the same model built without any sharding, in this one process, with PyTorch's own cross
-entropy and gradient norm. A sharded run must match it: that is what catches a wrong gradient normalisation, a
-broken tie or a misplaced shard, which a falling loss on memorised rows would not.
+For a scenario with "reference", rank 0 computes a reference for its first step: the same first global batch through
+the same model built without any sharding, in this one process, with PyTorch's own cross entropy and gradient norm.
+A sharded run must match it: that is what catches a wrong gradient normalisation, a broken tie or a misplaced shard,
+which a falling loss on memorised rows would not. With "measure", the bytes its forward passes save for backward are
+counted (gradient checkpointing and activation offload must show).
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from qlora_fsdp.config.options import TrainConfig, build_config, choices
+from qlora_fsdp.config.options import TrainConfig, build_config
 from qlora_fsdp.data.loader import Batching, build_loaders
 from qlora_fsdp.model.hub import load_tokenizer
 from qlora_fsdp.model.lora import init_adapters, inject_lora, lora_layers, prepare_full_finetune
@@ -31,72 +34,6 @@ from qlora_fsdp.quant import make_backend
 from qlora_fsdp.train.metrics import read_metrics
 from qlora_fsdp.train.trainer import run
 from tests.distributed.scenarios import run_scenarios
-
-DATASET = str(Path(__file__).resolve().parents[2] / "data" / "alpaca_tiny.jsonl")
-# Two rows per step, the same two every step (batch 1 on each of 2 ranks). Chunks of 2 label tokens: every
-# scenario's loss goes through the head in several chunks, and its reference uses whole logits.
-OVERFIT = {
-    "dataset": DATASET, "dataset_samples": 2, "batch_size": 1, "context_length": 64, "max_steps": 5,
-    "lr": 0.01, "lora_rank": 8, "lora_alpha": 16, "lora_dropout": 0.0, "device": "cpu", "log_to": "stdout",
-    "precision": "fp32", "quant": "bnb", "seed": 1, "loss_chunk_tokens": 2,
-}  # fmt: skip
-# Scenarios whose step-1 activations are counted (gradient checkpointing and activation offload must show).
-MEASURED = ("ckpt-off", "ckpt-nonreentrant", "ckpt-reentrant", "activation-offload")
-
-
-def two_rank_scenarios(model: str, pro_model: str, tied_model: str, odd_model: str, version: int) -> dict[str, dict]:
-    s: dict[str, dict] = {}
-    if version == 2:  # FSDP1 refuses --compile. HQQ: its dequantization is plain PyTorch that inductor fuses (the GPU
-        # suite times bnb too); one compilation costs the suite a minute on 2 cores.
-        s["compile-hqq"] = {"compile": True, "quant": "hqq"}
-    for quant in ("bnb", "hqq"):
-        for precision in choices("precision"):
-            s[f"precision-{precision}-{quant}"] = {"quant": quant, "precision": precision}
-    for strategy in ("full_shard", "shard_grad_op", "no_shard"):
-        s[f"sharding-{strategy}"] = {"sharding_strategy": strategy}
-    s["ckpt-off"] = {"gradient_checkpointing": False}
-    s["ckpt-nonreentrant"] = {"gradient_checkpointing": True, "reentrant_checkpointing": False}
-    s["ckpt-reentrant"] = {"gradient_checkpointing": True, "reentrant_checkpointing": True}
-    s["activation-offload"] = {"activation_offload": True, "gradient_checkpointing": False}
-    s["tiled-mlp"] = {"tiled_mlp": "3"}  # inside the layers' checkpoints: tiles recomputed within a recompute
-    s["accum-2x1"] = {"gradient_accumulation_steps": 2, "dataset_samples": 4}
-    s["accum-1x2"] = {"batch_size": 2, "dataset_samples": 4}
-    # Each optimizer saves its state at step 5, so the test can see which optimizer really ran.
-    s["optimizer-adam"] = {"optimizer": "adam", "save_steps": 5}
-    s["optimizer-sgd"] = {"optimizer": "sgd", "lr": 1.0, "save_steps": 5}
-    s["optimizer-adadelta"] = {"optimizer": "adadelta", "lr": 10.0, "save_steps": 5}
-    s["optimizer-adamw"] = {"optimizer": "adamw", "wd": 0.1, "save_steps": 5}
-    for quant in ("bnb", "hqq"):
-        s[f"dora-{quant}"] = {"train_type": "dora", "quant": quant}
-        # Layer widths of 100: no multiple of HQQ's group size or bnb's block size.
-        s[f"odd-shapes-{quant}"] = {"model": odd_model, "quant": quant}
-    s["full-finetune"] = {"train_type": "full", "quant": "none", "lr": 0.001}
-    s["plain-lora"] = {"quant": "none"}
-    s["llama-pro-hqq"] = {"model": pro_model, "train_type": "llama_pro", "quant": "hqq", "lr": 0.001}
-    s["profile"] = {"profile": True, "profile_steps": "2,3"}
-    s["tied-embeddings"] = {"model": tied_model}
-    s["loss-whole-logits"] = {"loss_chunk_tokens": 0}
-    s["lora-on-head"] = {"lora_target_modules": "q_proj,v_proj,lm_head"}
-    s["optimizer-sgd-clipped"] = {"optimizer": "sgd", "lr": 1.0, "grad_norm": 0.01, "wd": 0.1}
-    s["schedule-cosine"] = {"lr_scheduler": "cosine", "warmup_ratio": 0.2, "cosine_min_lr_ratio": 0.1}
-    s["schedule-linear"] = {"lr_scheduler": "linear", "warmup_ratio": 0.2}
-    s["train-on-inputs"] = {"train_on_inputs": True}
-    for style in ("guanaco", "qna"):
-        s[f"prompt-{style}"] = {"prompt_style": style}
-    s["dummy-dataset"] = {"dataset": "dummy", "dataset_samples": 4}
-    s["fp16-nan-skip"] = {"precision": "fp16_autocast", "lr": 1e30, "nan_policy": "skip"}
-    for name in s:
-        s[name].setdefault("model", model)
-    return s
-
-
-def four_rank_scenarios(model: str) -> dict[str, dict]:
-    base = {"model": model, "dataset_samples": 4}
-    return {
-        "four-full_shard": {**base, "sharding_strategy": "full_shard"},
-        "four-hybrid_shard": {**base, "sharding_strategy": "hybrid_shard", "shard_group_size": 2},
-        "four-hybrid_shard_zero2": {**base, "sharding_strategy": "hybrid_shard_zero2", "shard_group_size": 2},
-    }
 
 
 class SavedBytes:
@@ -168,21 +105,12 @@ def reference_first_step(cfg: TrainConfig, world_size: int) -> dict[str, float]:
 
 
 def main() -> None:
-    model, pro_model, tied_model, odd_model = sys.argv[1:5]
-    out, suite, version = Path(sys.argv[5]), sys.argv[6], int(sys.argv[7])
+    scenarios, out = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])
     env = init_distributed(device="cpu", timeout_s=120)  # a scenario failing on one rank must not hang the rest
-    if suite == "two":
-        scenarios = two_rank_scenarios(model, pro_model, tied_model, odd_model, version)
-    else:
-        scenarios = four_rank_scenarios(model)
-    if len(sys.argv) > 8:
-        names = sys.argv[8].split(",")
-        scenarios = {name: scenarios[name] for name in names}  # a KeyError names a scenario that does not exist
 
     def one(name: str) -> dict:
-        run_dir = out / name
-        cfg = build_config({**OVERFIT, "fsdp_version": version, **scenarios[name], "output_dir": str(run_dir)})
-        cfg = cfg.validate()
+        scenario, run_dir = scenarios[name], out / name
+        cfg = build_config({**scenario["flags"], "output_dir": str(run_dir)}).validate()
         saved = SavedBytes()
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
@@ -197,14 +125,14 @@ def main() -> None:
             "tokens": [r["tokens"] for r in records],
             "param_bytes": records[0]["param_bytes_per_rank"] if records else [],
             "trainable_parameters": records[0]["trainable_parameters"] if records else 0,
-            "saved_bytes_per_step": saved.total / cfg.optim.max_steps if name in MEASURED else None,
+            "saved_bytes_per_step": saved.total / cfg.optim.max_steps if scenario["measure"] else None,
             "files": sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.is_file())
             if env.rank == 0
             else [],
             "output_dir": str(run_dir),
             "compiled_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs,
         }
-        if env.rank == 0 and cfg.fsdp.precision == "fp32" and suite == "two":
+        if env.rank == 0 and scenario["reference"]:
             result["reference"] = reference_first_step(cfg, env.world_size)
         return result
 

@@ -1,9 +1,10 @@
 """Every training option on real 2- and 4-rank CPU jobs (one torchrun job each, many short trainings inside), under
 both FSDP versions.
 
-Each fp32 run's first step is checked against the same step computed without sharding (options_worker's reference):
-loss and gradient norm. Other checks test what the option itself must do: a dtype, a checkpoint's optimizer state,
-fewer saved activations, a count of collectives, which parameters train.
+Each scenario is a set of flags over OVERFIT, defined here beside the tests that read its result (TWO for 2 ranks,
+FOUR for 4); options_worker.py runs them. Each fp32 run's first step is checked against the same step computed
+without sharding (options_worker's reference): loss and gradient norm. Other checks test what the option itself must
+do: a dtype, a checkpoint's optimizer state, fewer saved activations, a count of collectives, which parameters train.
 """
 
 from __future__ import annotations
@@ -22,8 +23,21 @@ from tests.conftest import REPO_ROOT, launch, run_worker
 
 pytestmark = pytest.mark.distributed
 WORKER = Path(__file__).with_name("options_worker.py")
-LORA_RANK = 8  # options_worker's OVERFIT
+# Two rows per step, the same two every step (batch 1 on each of 2 ranks). Chunks of 2 label tokens: every
+# scenario's loss goes through the head in several chunks, and its reference uses whole logits.
+OVERFIT = {
+    "dataset": str(REPO_ROOT / "data" / "alpaca_tiny.jsonl"), "dataset_samples": 2, "batch_size": 1,
+    "context_length": 64, "max_steps": 5, "lr": 0.01, "lora_rank": 8, "lora_alpha": 16, "lora_dropout": 0.0,
+    "device": "cpu", "log_to": "stdout", "precision": "fp32", "quant": "bnb", "seed": 1, "loss_chunk_tokens": 2,
+}  # fmt: skip
+LORA_RANK = OVERFIT["lora_rank"]
 LAYERS = 2  # the tiny models'
+# The scenarios: name -> flags over OVERFIT, run in the order they are defined below. "model" names one of the
+# `models` fixture's models (default "tiny").
+TWO: dict[str, dict] = {}
+FOUR: dict[str, dict] = {}
+MEASURED = ("ckpt-off", "ckpt-nonreentrant", "ckpt-reentrant", "activation-offload")
+"""Scenarios whose step-1 activations are counted (gradient checkpointing and activation offload must show)."""
 
 
 @pytest.fixture(scope="module")
@@ -63,10 +77,21 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("scenario", [s for s in REFERENCED if runs is None or s in runs])
 
 
-def _suite(name: str, nproc: int, models: list[Path], out: Path, version: int,
+def _suite(scenarios: dict[str, dict], nproc: int, models: dict[str, Path], out: Path, version: int,
            names: tuple[str, ...] | None = None) -> dict[str, dict]:  # fmt: skip
-    args = [*map(str, models), str(out), name, str(version), *([",".join(names)] if names else [])]
-    return run_worker(WORKER, args, nproc=nproc, out=out)
+    """Runs `scenarios` (those in `names`, if given) in one job of `nproc` ranks under FSDP `version`."""
+    chosen = {}
+    for name, flags in scenarios.items():
+        if names is not None and name not in names:
+            continue
+        flags = {**OVERFIT, "fsdp_version": version, **flags}
+        flags["model"] = str(models[flags.get("model", "tiny")])
+        reference = nproc == 2 and flags["precision"] == "fp32"
+        chosen[name] = {"flags": flags, "measure": name in MEASURED, "reference": reference}
+    unknown = set(names or ()) - set(chosen)
+    assert not unknown, f"no such scenario: {sorted(unknown)}"
+    (out / "scenarios.json").write_text(json.dumps(chosen, indent=1))
+    return run_worker(WORKER, [str(out / "scenarios.json"), str(out)], nproc=nproc, out=out)
 
 
 @pytest.fixture(scope="module")
@@ -76,21 +101,21 @@ def version() -> int:
 
 
 @pytest.fixture(scope="module")
-def models(tiny_model: Path, pro_model: Path, tied_model: Path, odd_model: Path) -> list[Path]:
-    return [tiny_model, pro_model, tied_model, odd_model]
+def models(tiny_model: Path, pro_model: Path, tied_model: Path, odd_model: Path) -> dict[str, Path]:
+    return {"tiny": tiny_model, "pro": pro_model, "tied": tied_model, "odd": odd_model}
 
 
 @pytest.fixture(scope="module")
 def two(
-    models: list[Path], tmp_path_factory: pytest.TempPathFactory, version: int, request: pytest.FixtureRequest
+    models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory, version: int, request: pytest.FixtureRequest
 ) -> dict[str, dict]:
     out = tmp_path_factory.mktemp(f"options-two-v{version}")
-    return _suite("two", 2, models, out, version, request.module.SCENARIOS)
+    return _suite(TWO, 2, models, out, version, request.module.SCENARIOS)
 
 
 @pytest.fixture(scope="module")
-def four(models: list[Path], tmp_path_factory: pytest.TempPathFactory, version: int) -> dict[str, dict]:
-    return _suite("four", 4, models, tmp_path_factory.mktemp(f"options-four-v{version}"), version)
+def four(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory, version: int) -> dict[str, dict]:
+    return _suite(FOUR, 4, models, tmp_path_factory.mktemp(f"options-four-v{version}"), version)
 
 
 def _checkpoint_tensors(model: Path) -> dict[str, torch.Tensor]:
@@ -121,6 +146,9 @@ def test_first_step_equals_the_unsharded_computation(two: dict, scenario: str) -
     assert r["losses"][-1] != r["losses"][0], "five steps changed nothing"
 
 
+TWO["loss-whole-logits"] = {"loss_chunk_tokens": 0}
+
+
 def test_chunked_loss_equals_whole_logits_on_two_ranks(two: dict) -> None:
     """--loss_chunk_tokens 2 (every scenario) against 0: the same first step to fp32 rounding, not just close."""
     chunked, whole = two["precision-fp32-bnb"], two["loss-whole-logits"]
@@ -129,10 +157,15 @@ def test_chunked_loss_equals_whole_logits_on_two_ranks(two: dict) -> None:
     assert chunked["grad_norms"][0] == pytest.approx(whole["grad_norms"][0], rel=1e-6)
 
 
+# FSDP2 only: FSDP1 refuses --compile (test_options_fsdp1.py's SCENARIOS leave it out). HQQ: its dequantization is
+# plain PyTorch that inductor fuses (the GPU suite times bnb too); one compilation costs the suite a minute on 2 cores.
+TWO["compile-hqq"] = {"compile": True, "quant": "hqq"}
+
+
 def test_compiled_layers_compute_what_eager_layers_do(two: dict, version: int) -> None:
     """--compile true: dynamo really compiled the layers (from step 2 on), and they train as the eager ones do."""
     if version == 1:
-        pytest.skip("FSDP1 refuses --compile (tests/unit/test_config.py checks the refusal)")
+        pytest.skip("FSDP1 refuses --compile (tests/unit/config/test_options.py checks the refusal)")
     compiled, eager = two["compile-hqq"], two["precision-fp32-hqq"]
     assert compiled["compiled_graphs"] > 0 and eager["compiled_graphs"] == 0
     # Steps 2-5 run compiled code (kernels fused by inductor): equal up to float reassociation.
@@ -140,11 +173,17 @@ def test_compiled_layers_compute_what_eager_layers_do(two: dict, version: int) -
     assert compiled["grad_norms"] == pytest.approx(eager["grad_norms"], rel=1e-3)
 
 
+TWO["lora-on-head"] = {"lora_target_modules": "q_proj,v_proj,lm_head"}
+
+
 def test_lora_on_the_head_trains_the_head(two: dict) -> None:
     """The chunked loss's checkpointed path (a head that trains): the head's B, zero at the start, has moved."""
     saved = load_file(Path(two["lora-on-head"]["output_dir"]) / "adapter_model.safetensors")
     (head_b,) = [k for k in saved if "lm_head" in k and "lora_B" in k]
     assert saved[head_b].abs().sum() > 0
+
+
+TWO.update({f"precision-{p}-{q}": {"quant": q, "precision": p} for q in ("bnb", "hqq") for p in choices("precision")})
 
 
 @pytest.mark.parametrize("quant", ["bnb", "hqq"])
@@ -168,6 +207,9 @@ def test_fp16_steps_the_scaler_skips_are_logged_as_skipped(two: dict) -> None:
     assert not r["skipped"][1] and r["losses"][2] != r["losses"][1]
 
 
+TWO["fp16-nan-skip"] = {"precision": "fp16_autocast", "lr": 1e30, "nan_policy": "skip"}
+
+
 def test_fp16_nan_policy_skip_keeps_going(two: dict) -> None:
     r = two["fp16-nan-skip"]
     assert len(r["losses"]) == 5 and any(not math.isfinite(loss) for loss in r["losses"])
@@ -184,6 +226,10 @@ def test_bf16_halves_exactly_the_unquantized_bytes(two: dict, tiny_model: Path) 
         assert fp32[rank] - bf16[rank] == pytest.approx(floats, rel=0.01)
 
 
+TWO.update({f"sharding-{s}": {"sharding_strategy": s} for s in ("full_shard", "shard_grad_op", "no_shard")})
+FOUR["four-full_shard"] = {"dataset_samples": 4, "sharding_strategy": "full_shard"}
+
+
 def test_sharding_strategies_agree_and_full_shard_shrinks_with_world_size(two: dict, four: dict) -> None:
     reference = two["sharding-full_shard"]
     for strategy in ("shard_grad_op", "no_shard"):
@@ -196,6 +242,10 @@ def test_sharding_strategies_agree_and_full_shard_shrinks_with_world_size(two: d
     assert at2 <= whole / 2 * 1.05 and at4 <= whole / 4 * 1.1
 
 
+FOUR["four-hybrid_shard"] = {"dataset_samples": 4, "sharding_strategy": "hybrid_shard", "shard_group_size": 2}
+FOUR["four-hybrid_shard_zero2"] = {**FOUR["four-hybrid_shard"], "sharding_strategy": "hybrid_shard_zero2"}
+
+
 def test_hybrid_sharding_on_four_ranks(four: dict) -> None:
     reference = four["four-full_shard"]
     for name in ("four-hybrid_shard", "four-hybrid_shard_zero2"):
@@ -203,6 +253,12 @@ def test_hybrid_sharding_on_four_ranks(four: dict) -> None:
             assert four[name][key] == pytest.approx(reference[key], rel=1e-3), name
         # 2 groups of 2: each rank holds half the model, twice what full sharding over 4 leaves it.
         assert four[name]["param_bytes"][0] == pytest.approx(2 * reference["param_bytes"][0], rel=0.05)
+
+
+TWO["ckpt-off"] = {"gradient_checkpointing": False}
+TWO["ckpt-nonreentrant"] = {"gradient_checkpointing": True, "reentrant_checkpointing": False}
+TWO["ckpt-reentrant"] = {"gradient_checkpointing": True, "reentrant_checkpointing": True}
+TWO["activation-offload"] = {"activation_offload": True, "gradient_checkpointing": False}
 
 
 def test_memory_savers_save_fewer_activations_and_keep_the_losses(two: dict) -> None:
@@ -216,6 +272,9 @@ def test_memory_savers_save_fewer_activations_and_keep_the_losses(two: dict) -> 
     assert two["activation-offload"]["saved_bytes_per_step"] < 0.1 * off["saved_bytes_per_step"]
 
 
+TWO["tiled-mlp"] = {"tiled_mlp": "3"}  # inside the layers' checkpoints: tiles recomputed within a recompute
+
+
 def test_tiled_mlp_trains_as_the_untiled_mlp(two: dict) -> None:
     """--tiled_mlp 3 against the same flags untiled: every step's loss and gradient norm within 1e-6."""
     tiled, plain = two["tiled-mlp"], two["precision-fp32-bnb"]
@@ -224,9 +283,20 @@ def test_tiled_mlp_trains_as_the_untiled_mlp(two: dict) -> None:
     assert tiled["grad_norms"] == pytest.approx(plain["grad_norms"], rel=1e-6)
 
 
+TWO["accum-2x1"] = {"gradient_accumulation_steps": 2, "dataset_samples": 4}
+TWO["accum-1x2"] = {"batch_size": 2, "dataset_samples": 4}
+
+
 def test_accumulation_matches_larger_batch(two: dict) -> None:
     for key in ("losses", "grad_norms"):
         assert two["accum-2x1"][key] == pytest.approx(two["accum-1x2"][key], rel=1e-3)
+
+
+# Each optimizer saves its state at step 5, so the test can see which optimizer really ran.
+TWO["optimizer-adam"] = {"optimizer": "adam", "save_steps": 5}
+TWO["optimizer-sgd"] = {"optimizer": "sgd", "lr": 1.0, "save_steps": 5}
+TWO["optimizer-adadelta"] = {"optimizer": "adadelta", "lr": 10.0, "save_steps": 5}
+TWO["optimizer-adamw"] = {"optimizer": "adamw", "wd": 0.1, "save_steps": 5}
 
 
 def _optimizer_state(two: dict, name: str, tmp_path: Path) -> dict:
@@ -255,6 +325,9 @@ def test_the_optimizer_asked_for_is_the_one_that_ran(
     assert group["weight_decay"] == (0.1 if optimizer == "adamw" else 0.0)
 
 
+TWO.update({f"dora-{q}": {"train_type": "dora", "quant": q} for q in ("bnb", "hqq")})
+
+
 @pytest.mark.parametrize("quant", ["bnb", "hqq"])
 def test_dora_trains_on_quantized_base(two: dict, quant: str) -> None:
     dora, lora = two[f"dora-{quant}"]["losses"], two[f"precision-fp32-{quant}"]["losses"]
@@ -277,6 +350,10 @@ def test_dora_adapter_loads_in_peft(two: dict, quant: str, tiny_model: Path) -> 
     assert all(torch.equal(loaded[k].to(v.dtype), v) for k, v in saved.items())
 
 
+# Layer widths of 100: no multiple of HQQ's group size or bnb's block size.
+TWO.update({f"odd-shapes-{q}": {"model": "odd", "quant": q} for q in ("bnb", "hqq")})
+
+
 @pytest.mark.parametrize("quant", ["bnb", "hqq"])
 def test_odd_layer_widths_train_and_save_an_adapter_peft_loads(two: dict, quant: str, odd_model: Path) -> None:
     from peft import PeftModel, get_peft_model_state_dict
@@ -287,6 +364,9 @@ def test_odd_layer_widths_train_and_save_an_adapter_peft_loads(two: dict, quant:
     loaded = get_peft_model_state_dict(PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(odd_model), out))
     assert set(loaded) == set(saved) and all(loaded[k].shape == v.shape for k, v in saved.items())
     assert any(torch.count_nonzero(v) for k, v in saved.items() if "lora_B" in k), "nothing trained"
+
+
+TWO["llama-pro-hqq"] = {"model": "pro", "train_type": "llama_pro", "quant": "hqq", "lr": 0.001}
 
 
 def test_llama_pro_trains_only_the_new_block(two: dict, pro_model: Path) -> None:
@@ -303,6 +383,9 @@ def test_llama_pro_trains_only_the_new_block(two: dict, pro_model: Path) -> None
 
 def test_lora_trains_exactly_the_adapters(two: dict, tiny_model: Path) -> None:
     assert two["precision-fp32-bnb"]["trainable_parameters"] == _lora_parameters(tiny_model)
+
+
+TWO["profile"] = {"profile": True, "profile_steps": "2,3"}
 
 
 def _collectives_per_step(trace: Path, steps: int) -> dict[str, float]:
@@ -343,9 +426,15 @@ def test_block_expansion_keeps_outputs(tiny_model: Path, pro_model: Path) -> Non
     assert torch.equal(state["model.layers.2.self_attn.q_proj.weight"], state["model.layers.1.self_attn.q_proj.weight"])
 
 
+TWO["tied-embeddings"] = {"model": "tied"}
+
+
 def test_tied_embeddings_train_and_save(two: dict) -> None:
     """A tied input/output embedding is one tensor with two owners: filled once, sharded once, matched step 1."""
     assert "adapter_model.safetensors" in two["tied-embeddings"]["files"]
+
+
+TWO["optimizer-sgd-clipped"] = {"optimizer": "sgd", "lr": 1.0, "grad_norm": 0.01, "wd": 0.1}
 
 
 def test_gradient_clipping_limits_the_update(two: dict) -> None:
@@ -353,6 +442,10 @@ def test_gradient_clipping_limits_the_update(two: dict) -> None:
     assert clipped[0] == pytest.approx(free[0], rel=1e-6)
     # SGD's step is proportional to the gradient, so clipping its norm to 0.01 must slow the descent.
     assert free[0] - free[-1] > 2 * (clipped[0] - clipped[-1])
+
+
+TWO["schedule-cosine"] = {"lr_scheduler": "cosine", "warmup_ratio": 0.2, "cosine_min_lr_ratio": 0.1}
+TWO["schedule-linear"] = {"lr_scheduler": "linear", "warmup_ratio": 0.2}
 
 
 @pytest.mark.parametrize("schedule", ["cosine", "linear"])
@@ -371,9 +464,15 @@ def test_logged_learning_rates_follow_the_schedule(two: dict, schedule: str) -> 
     assert two[f"schedule-{schedule}"]["lrs"] == pytest.approx(expected, rel=1e-9)
 
 
+TWO["train-on-inputs"] = {"train_on_inputs": True}
+
+
 def test_train_on_inputs_puts_prompt_tokens_in_the_loss(two: dict) -> None:
     base, full = two["precision-fp32-bnb"]["label_tokens"], two["train-on-inputs"]["label_tokens"]
     assert all(f > 2 * b for f, b in zip(full, base, strict=True)), (full, base)
+
+
+TWO.update({f"prompt-{style}": {"prompt_style": style} for style in ("guanaco", "qna")})
 
 
 @pytest.mark.parametrize("style", ["guanaco", "qna"])
@@ -384,9 +483,15 @@ def test_prompt_styles_change_the_prompt(two: dict, style: str) -> None:
     assert r["tokens"] != alpaca["tokens"]
 
 
+TWO["dummy-dataset"] = {"dataset": "dummy", "dataset_samples": 4}
+
+
 def test_dummy_dataset_fills_the_context(two: dict) -> None:
     # 2 rows per step, each long enough to be truncated to the 64-token context: no padding at all.
     assert two["dummy-dataset"]["tokens"] == [2 * 64] * 5
+
+
+TWO["full-finetune"] = {"train_type": "full", "quant": "none", "lr": 0.001}
 
 
 def test_full_finetune_trains_every_weight_and_saves_a_loadable_model(two: dict, tiny_model: Path) -> None:
@@ -398,6 +503,9 @@ def test_full_finetune_trains_every_weight_and_saves_a_loadable_model(two: dict,
     original = AutoModelForCausalLM.from_pretrained(tiny_model)
     changed = [n for n, p in trained.named_parameters() if not torch.equal(p, original.get_parameter(n))]
     assert len(changed) == len(list(original.parameters())), "full fine-tuning left weights untouched"
+
+
+TWO["plain-lora"] = {"quant": "none"}
 
 
 def test_plain_lora_saves_an_adapter(two: dict) -> None:

@@ -1,13 +1,13 @@
 """The shape of the house: no import cycle in qlora_fsdp (every import counted, lazy and TYPE_CHECKING ones too), no
-module over 600 lines, at most ten modules beside the subpackages, each module's docstring, and the test run's file
-order naming files that exist."""
+module over 600 lines, at most ten modules beside the subpackages, each module's docstring, the test run's file order
+naming files that exist, and tests/unit's folders naming the package's subpackages."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-from tests.conftest import LONG_FILES, REPO_ROOT
+from tests.conftest import LONG_FILES, REPO_ROOT, TESTS
 
 PACKAGE = REPO_ROOT / "qlora_fsdp"
 
@@ -112,8 +112,19 @@ def test_no_module_over_600_lines() -> None:
 
 
 def test_long_files_name_test_files_that_exist() -> None:
-    present = {f.name for f in (REPO_ROOT / "tests").rglob("test_*.py")}
+    present = {f.relative_to(TESTS).as_posix() for f in TESTS.rglob("test_*.py")}
     assert set(LONG_FILES) <= present, set(LONG_FILES) - present
+
+
+def test_unit_test_folders_mirror_the_package() -> None:
+    """A module's unit tests are found from its name: tests/unit/<subpackage>/ for qlora_fsdp/<subpackage>/, the top
+    modules' in tests/unit itself. Each folder is a package (two folders may hold files of the same name)."""
+    unit = TESTS / "unit"
+    folders = [d for d in unit.rglob("*") if d.is_dir() and d.name != "__pycache__"]
+    strays = [str(d.relative_to(unit)) for d in folders if not (PACKAGE / d.relative_to(unit) / "__init__.py").exists()]
+    assert not strays, f"tests/unit folders that name no qlora_fsdp subpackage: {strays}"
+    unpackaged = [str(d.relative_to(unit)) for d in [unit, *folders] if not (d / "__init__.py").exists()]
+    assert not unpackaged, f"tests/unit folders without __init__.py: {unpackaged}"
 
 
 def test_the_top_holds_at_most_ten_modules_and_every_module_says_its_concern() -> None:

@@ -14,7 +14,7 @@ from qlora_fsdp.config.options import build_config
 from qlora_fsdp.train.metrics import read_metrics
 from qlora_fsdp.train.trainer import run
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 BASE = {
     "precision": "fp32", "context_length": 64, "batch_size": 2, "max_steps": 3, "lr": 0.01, "lora_rank": 4,
     "lora_alpha": 8, "lora_dropout": 0.0, "device": "cpu", "log_to": "stdout", "seed": 3, "save_model": True,

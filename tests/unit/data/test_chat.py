@@ -27,7 +27,7 @@ from qlora_fsdp.data.sources import read_rows, source_names
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.parallel.distributed import DistEnv
 
-TEMPLATES = Path(__file__).resolve().parents[1] / "data" / "chat_templates"
+TEMPLATES = Path(__file__).resolve().parents[2] / "data" / "chat_templates"
 LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 
 SYSTEM_AND_TWO_TURNS = {

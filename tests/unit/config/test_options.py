@@ -24,7 +24,7 @@ from qlora_fsdp.config.options import (
 )
 from qlora_fsdp.errors import InternalError, UserError
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 def names_flag(message: str, flag: str) -> bool:

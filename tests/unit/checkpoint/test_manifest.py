@@ -1,6 +1,6 @@
 """The manifest beside the adapter: merge, export and generate take their flags from it and check its digests.
 
-The adapters are tests/unit/test_export.py's training-time models, whose manifest is made by the functions
+The adapters are tests/unit/tools/test_export.py's training-time models, whose manifest is made by the functions
 train.py uses, from the same loading; tests/distributed/after_training.py checks the manifest of real training runs.
 """
 
@@ -19,7 +19,7 @@ from qlora_fsdp.quant import make_backend
 from scripts import export_quantized, generate, merge_adapter
 from scripts.make_tiny_model import build_tiny_model
 from tests.cli.test_after_training_bad_input import one_error
-from tests.unit.test_export import PROMPTS, Trained
+from tests.unit.tools.test_export import PROMPTS, Trained
 
 
 def _layer(quant: str, storage_dtype: torch.dtype, weight: torch.Tensor):

@@ -20,7 +20,7 @@ from qlora_fsdp.data.formats import load_examples
 from qlora_fsdp.data.rows import fit_examples
 from qlora_fsdp.errors import UserError
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 ALPACA = REPO_ROOT / "data" / "alpaca_tiny.jsonl"
 
 

@@ -17,7 +17,7 @@ from qlora_fsdp.data.formats import IGNORE_INDEX, Example, encode_examples, load
 from qlora_fsdp.data.rows import fit_examples
 from qlora_fsdp.errors import UserError
 
-TEMPLATES = Path(__file__).resolve().parents[1] / "data" / "chat_templates"
+TEMPLATES = Path(__file__).resolve().parents[2] / "data" / "chat_templates"
 BOS = "<|begin_of_text|>"
 LLAMA3_SPECIALS = [BOS, "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 

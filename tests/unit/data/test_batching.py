@@ -19,7 +19,7 @@ from qlora_fsdp.data.stream import PACK_BUFFER, StreamRows
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.parallel.distributed import DistEnv
 
-DATASET = Path(__file__).resolve().parents[2] / "data" / "alpaca_tiny.jsonl"
+DATASET = Path(__file__).resolve().parents[3] / "data" / "alpaca_tiny.jsonl"
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import yaml
 
 from qlora_fsdp.config.options import FLAGS, SECTIONS, build_config
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 PRESETS = sorted((REPO_ROOT / "configs").glob("*.yaml"))
 GPU_PRESETS = [p for p in PRESETS if p.name != "tiny-cpu.yaml"]
 

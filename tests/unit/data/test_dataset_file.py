@@ -12,7 +12,7 @@ import pytest
 from qlora_fsdp.data.formats import Example, format_prompt, load_examples
 from scripts.make_dataset import generate_rows
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 DATA = REPO_ROOT / "data" / "alpaca_tiny.jsonl"
 
 
