@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from qlora_fsdp.checkpoint.manifest import tensor_digest
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
@@ -93,6 +95,43 @@ def mxfp4_checkpoint(dense: Path, out: Path) -> Path:
         "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}  # fmt: skip
     (out / "config.json").write_text(json.dumps(config, indent=2))
     _copy_tokenizer(dense, out)
+    return out
+
+
+def file_digests(model: Path) -> dict[str, dict[str, str]]:
+    """Each pre-quantized layer's packed bytes and QuantState, digested straight from the file's tensors under the
+    names the quantized layer holds them by."""
+    tensors = {k: v for f in sorted(model.glob("*.safetensors")) for k, v in load_file(f).items()}
+    out = {}
+    for key in tensors:
+        if ".quant_state.bitsandbytes__" not in key:
+            continue
+        weight = key.split(".quant_state.")[0]
+        extra = json.loads(bytes(tensors[key].tolist()).decode())
+        digests = {"packed": tensor_digest(tensors[weight].view(torch.uint8).flatten()),
+                   "absmax": tensor_digest(tensors[f"{weight}.absmax"]),
+                   "code": tensor_digest(tensors[f"{weight}.quant_map"])}  # fmt: skip
+        if f"{weight}.nested_absmax" in tensors:
+            digests |= {"nested_absmax": tensor_digest(tensors[f"{weight}.nested_absmax"]),
+                        "nested_code": tensor_digest(tensors[f"{weight}.nested_quant_map"]),
+                        "offset": tensor_digest(torch.tensor(float(extra["nested_offset"])))}  # fmt: skip
+        out[weight.removesuffix(".weight")] = digests
+    return out
+
+
+def mxfp4_digests(model: Path) -> dict[str, dict[str, str]]:
+    """Each routed expert's MXFP4 blocks and scales, digested straight from the file under the name of the
+    per-expert layer that holds them (`...experts.gate_up.E`)."""
+    tensors = {k: v for f in sorted(model.glob("*.safetensors")) for k, v in load_file(f).items()}
+    out = {}
+    for key, blocks in tensors.items():
+        if key.endswith("_blocks"):
+            fused = key.removesuffix("_blocks")
+            prefix, _, projection = fused.rpartition(".")
+            scales = tensors[f"{fused}_scales"]
+            for e in range(blocks.shape[0]):
+                out[f"{prefix}.{projection.removesuffix('_proj')}.{e}"] = {
+                    "packed": tensor_digest(blocks[e].flatten()), "scales": tensor_digest(scales[e])}  # fmt: skip
     return out
 
 

@@ -76,7 +76,10 @@ def hidden_states_model(lm: nn.Module) -> nn.Module:
     inner = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
     if is_image_text(inner.config):
         return inner.base_model
-    return lm.get_decoder()
+    decoder = lm.get_decoder()
+    # Llama 4's causal LM names its base model `language_model` but holds it as `model`: transformers' lookup then
+    # returns the causal LM itself.
+    return inner.model if decoder is inner and hasattr(inner, "model") else decoder
 
 
 def split_vision_targets(spec: str, parts: VisionParts | None, model: nn.Module) -> tuple[str, list[str], str | None]:

@@ -24,13 +24,18 @@ from qlora_fsdp.model.formats import checkpoint_format, kept_experts_layer
 from qlora_fsdp.model.streaming import load_model
 from qlora_fsdp.quant import make_backend
 from qlora_fsdp.quant.base import QuantizedLinear
-from qlora_fsdp.quant.experts import QuantizedExperts
 from qlora_fsdp.train.metrics import read_metrics
 from qlora_fsdp.train.trainer import run
 from tests.parity import label_loss_sum, step_batches
-from tests.quantized_checkpoints import bnb_4bit_checkpoint, fp8_checkpoint, mxfp4_checkpoint
+from tests.quantized_checkpoints import (
+    bnb_4bit_checkpoint,
+    file_digests,
+    fp8_checkpoint,
+    mxfp4_checkpoint,
+    mxfp4_digests,
+)
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 ROWS = 4
 CONTEXT = 128
 BNB = {
@@ -146,42 +151,11 @@ def test_kept_mxfp4_experts_are_the_file_bit_for_bit(gpt_oss_mxfp4: Path) -> Non
     backend = make_backend(QuantConfig(quant="bnb"), storage_dtype=torch.uint8, compute_dtype=torch.float32)
     skeleton = load_model(ModelConfig(model=str(gpt_oss_mxfp4)), backend=backend, device=CPU,
                           param_dtype=torch.float32, kept_experts=kept)  # fmt: skip
-    tensors = {k: v for f in sorted(gpt_oss_mxfp4.glob("*.safetensors")) for k, v in load_file(f).items()}
-    checked = 0
-    for name, module in skeleton.model.named_modules():
-        if not isinstance(module, QuantizedExperts):
-            continue
-        for fused, layers in (("gate_up_proj", module.gate_up), ("down_proj", module.down)):
-            blocks, scales = tensors[f"{name}.{fused}_blocks"], tensors[f"{name}.{fused}_scales"]
-            for e, layer in enumerate(layers):
-                assert type(layer).__name__ == "Mxfp4Linear"
-                assert layer_digests(layer) == {"packed": tensor_digest(blocks[e].flatten()),
-                                                "scales": tensor_digest(scales[e])}  # fmt: skip
-                checked += 1
-    assert checked == 2 * 2 * 8  # layers x projections x experts
+    experts = {n: layer_digests(m) for n, m in skeleton.model.named_modules() if type(m).__name__ == "Mxfp4Linear"}
+    assert len(experts) == 2 * 2 * 8  # layers x projections x experts
+    assert experts == mxfp4_digests(gpt_oss_mxfp4)
     attention = skeleton.model.get_submodule("model.layers.0.self_attn.q_proj")
     assert type(attention).__name__ == "Bnb4bitLinear"  # everything else is quantized with --quant
-
-
-def file_digests(model: Path) -> dict[str, dict[str, str]]:
-    """Each pre-quantized layer's packed bytes and QuantState, digested straight from the file's tensors under the
-    names the quantized layer holds them by."""
-    tensors = {k: v for f in sorted(model.glob("*.safetensors")) for k, v in load_file(f).items()}
-    out = {}
-    for key in tensors:
-        if ".quant_state.bitsandbytes__" not in key:
-            continue
-        weight = key.split(".quant_state.")[0]
-        extra = json.loads(bytes(tensors[key].tolist()).decode())
-        digests = {"packed": tensor_digest(tensors[weight].view(torch.uint8).flatten()),
-                   "absmax": tensor_digest(tensors[f"{weight}.absmax"]),
-                   "code": tensor_digest(tensors[f"{weight}.quant_map"])}  # fmt: skip
-        if f"{weight}.nested_absmax" in tensors:
-            digests |= {"nested_absmax": tensor_digest(tensors[f"{weight}.nested_absmax"]),
-                        "nested_code": tensor_digest(tensors[f"{weight}.nested_quant_map"]),
-                        "offset": tensor_digest(torch.tensor(float(extra["nested_offset"])))}  # fmt: skip
-        out[weight.removesuffix(".weight")] = digests
-    return out
 
 
 @pytest.mark.parametrize("layout", list(BNB))
