@@ -1,0 +1,79 @@
+"""Regenerate the supported-models table in docs/supported-models.md from what the test suite trains end to end.
+
+Each row is read from the tables the 2-rank end-to-end tests are parametrized by, so the page lists an
+architecture and checkpoint format only where a test trains it through the CLI.
+
+python scripts/update_supported_models.py          # rewrite the table between the markers
+python scripts/update_supported_models.py --check  # exit 1 if docs/supported-models.md is out of date
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "supported-models.md"
+START, END = "<!-- supported:start -->", "<!-- supported:end -->"
+NAMES = {
+    "llama": "Llama", "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE", "phimoe": "PhiMoE",
+    "deepseek_v2": "DeepSeek-V2", "olmoe": "OLMoE", "deepseek_v3": "DeepSeek-V3", "gpt_oss": "gpt-oss",
+    "llama4": "Llama 4 (text)", "qwen2_vl": "Qwen2-VL", "llava": "LLaVA",
+}  # fmt: skip
+FORMATS = {
+    "": "plain safetensors", "fp8": "FP8, block scales", "mxfp4": "MXFP4 experts", "bnb": "bitsandbytes NF4, pre-quantized",
+}  # fmt: skip
+
+
+def trained() -> list[tuple[str, str, str, int, str]]:
+    """(family, checkpoint format, --quant, FSDP version, test file) for every end-to-end run of the suite."""
+    from tests.distributed import (
+        test_moe_e2e,
+        test_moe_families_e2e,
+        test_quantized_checkpoints_e2e,
+        test_train_e2e,
+        test_vlm,
+    )
+
+    runs = [("llama", "", quant, version, test_train_e2e) for quant, version in test_train_e2e.RUNS]
+    runs += [(family, "", quant, version, test_moe_e2e) for family, quant, version in test_moe_e2e.COMBOS]
+    runs += [(family, "", quant, 2, test_moe_families_e2e) for family, quant in test_moe_families_e2e.COMBOS]
+    runs += [(family, "", quant, version, test_vlm) for family, quant, version in test_vlm.COMBOS]
+    for kind, quant, flags in test_quantized_checkpoints_e2e.RUNS.values():
+        family, _, fmt = kind.partition("-")
+        fmt = "bnb" if fmt == "bnb-4bit" else fmt
+        mode = f" ({flags[-1]})" if "--mxfp4" in flags else ""
+        runs.append((family, fmt + mode, quant, 2, test_quantized_checkpoints_e2e))
+    return [(f, fmt, q, v, Path(module.__file__).relative_to(PAGE.parents[1]).as_posix()) for f, fmt, q, v, module in runs]
+
+
+def table() -> str:
+    rows: dict[tuple[str, str], dict[str, set]] = {}
+    for family, fmt, quant, version, test in trained():
+        row = rows.setdefault((family, fmt), {"quant": set(), "fsdp": set(), "tests": set()})
+        row["quant"].add(quant)
+        row["fsdp"].add(f"FSDP{version}")
+        row["tests"].add(f"`{test}`")
+    lines = ["| architecture | checkpoint | --quant | FSDP | trained by |", "|---|---|---|---|---|"]
+    for (family, fmt), row in rows.items():
+        base, _, mode = fmt.partition(" ")
+        checkpoint = FORMATS[base] + (f" {mode}" if mode else "")
+        cells = [NAMES[family], checkpoint, ", ".join(sorted(row["quant"])), ", ".join(sorted(row["fsdp"])),
+                 ", ".join(sorted(row["tests"]))]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def rendered(page: str) -> str:
+    """`page` with the text between the markers replaced by the table generated now."""
+    head, rest = page.split(START, 1)
+    _, tail = rest.split(END, 1)
+    return f"{head}{START}\n{table()}{END}{tail}"
+
+
+if __name__ == "__main__":
+    current = PAGE.read_text()
+    if "--check" in sys.argv[1:]:
+        sys.exit(0 if rendered(current) == current else 1)
+    PAGE.write_text(rendered(current))
