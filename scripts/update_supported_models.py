@@ -22,7 +22,8 @@ NAMES = {
     "llama4": "Llama 4 (text)", "qwen2_vl": "Qwen2-VL", "llava": "LLaVA",
 }  # fmt: skip
 FORMATS = {
-    "": "plain safetensors", "fp8": "FP8, block scales", "mxfp4": "MXFP4 experts", "bnb": "bitsandbytes NF4, pre-quantized",
+    "": "plain safetensors", "fp8": "FP8, block scales", "mxfp4": "MXFP4 experts",
+    "bnb": "bitsandbytes NF4, pre-quantized",
 }  # fmt: skip
 
 
@@ -45,7 +46,8 @@ def trained() -> list[tuple[str, str, str, int, str]]:
         fmt = "bnb" if fmt == "bnb-4bit" else fmt
         mode = f" ({flags[-1]})" if "--mxfp4" in flags else ""
         runs.append((family, fmt + mode, quant, 2, test_quantized_checkpoints_e2e))
-    return [(f, fmt, q, v, Path(module.__file__).relative_to(PAGE.parents[1]).as_posix()) for f, fmt, q, v, module in runs]
+    root = PAGE.parents[1]
+    return [(f, fmt, q, v, Path(module.__file__).relative_to(root).as_posix()) for f, fmt, q, v, module in runs]
 
 
 def table() -> str:

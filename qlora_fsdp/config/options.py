@@ -316,9 +316,13 @@ class TrainConfig:
         whole_layers = self.lora.train_type in ("full", "llama_pro") and self.fsdp.gradient_checkpointing
         return not (whole_layers and self.fsdp.fsdp_version == 1)
 
+    def problems(self) -> list[str]:
+        """Every bad option and combination, each with the flag that fixes it."""
+        return [*check_choices(self), *check_ranges(self), *_check_combinations(self)]
+
     def validate(self) -> TrainConfig:
         """Check every option; raise one ConfigError listing all problems, each with its flag."""
-        problems = [*check_choices(self), *check_ranges(self), *_check_combinations(self)]
+        problems = self.problems()
         if problems:
             raise ConfigError("; ".join(problems))
         return self

@@ -20,8 +20,9 @@ def _looks_like_path(name: str) -> bool:
     return name.startswith(("/", ".", "~")) or name.count("/") != 1 or (os.sep == "\\" and "\\" in name)
 
 
-def resolve_model_path(name: str) -> Path:
-    """A local directory as is; a hub id downloaded (config, tokenizer and safetensors only) to the HF cache."""
+def resolve_model_path(name: str, *, weights: bool = True) -> Path:
+    """A local directory as is; a hub id downloaded (config, tokenizer and safetensors only; without `weights`, its
+    JSON files alone) to the HF cache."""
     path = Path(name).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -32,7 +33,8 @@ def resolve_model_path(name: str) -> Path:
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model"]))
+        patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model"] if weights else ["*.json"]
+        return Path(snapshot_download(name, allow_patterns=patterns))
     except Exception as exc:  # offline, unknown repo, gated: the same advice for each
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise UserError(

@@ -132,12 +132,14 @@ def build_skeleton(
     attention: str = "sdpa",
     adapt_experts: bool = False,
     kept_experts: Callable[[nn.Linear], nn.Linear] | None = None,
+    weights: bool = True,
 ) -> Skeleton:
     """The architecture from config.json on meta, with every linear but the head (and `full_precision_prefixes`)
     replaced by the backend's empty quantized layer, and routed experts by `kept_experts`'s where the checkpoint
-    keeps its own quantization for them (its format's `kept_experts`). Nothing is read from the checkpoint yet."""
+    keeps its own quantization for them (its format's `kept_experts`). Nothing is read from the checkpoint yet;
+    without `weights` (planning a model not downloaded) its weight files are not even looked for."""
     path = path or resolve_model_path(cfg.model)
-    files = shard_files(path, allow_pickle=cfg.allow_pickle)
+    files = shard_files(path, allow_pickle=cfg.allow_pickle) if weights else []
     model = meta_model(path, dtype=param_dtype, trust_remote_code=cfg.trust_remote_code, attention=attention)
     reader = checkpoint_format(path)
     layer_classes = decoder_layer_classes(model)

@@ -23,7 +23,7 @@ from qlora_fsdp.config.options import FSDPConfig
 from qlora_fsdp.model.lora import is_trainable_leaf
 from qlora_fsdp.parallel.distributed import DistEnv
 from qlora_fsdp.parallel.precision import Precision
-from qlora_fsdp.parallel.sharding import PackedLayout, ShardedModel, Sharder, unwrapped
+from qlora_fsdp.parallel.sharding import PackedLayout, ShardedModel, Sharder, ShardPlan, unwrapped
 
 STRATEGIES = {
     "full_shard": ShardingStrategy.FULL_SHARD,
@@ -62,6 +62,53 @@ def _never(module: nn.Module) -> bool:
     return False
 
 
+def packed_layout(cfg: FSDPConfig, precision: Precision) -> PackedLayout:
+    """Packed bytes viewed as the parameter dtype, their state replicated: one float dtype per flat parameter."""
+    return PackedLayout(precision.param_dtype, state_sharded=False, why="FSDP1 flattens one float dtype per unit")
+
+
+def planned_bytes(model: nn.Module, plan: ShardPlan) -> dict[nn.Parameter, int]:
+    """FSDP1 flattens each unit's own parameters (those in no unit inside it) into one tensor, pads it to a multiple
+    of the shard group and keeps one chunk per rank: a rank holds of each parameter what overlaps its chunk, the
+    padding counted with the unit's last parameter. Units: the decoder layers, adapter leaves, and the `ignore`d
+    (quantized) layers where mixed precision wraps them apart (inside a layer) or the root does (outside)."""
+    layers = {id(m) for m in plan.units}
+    units: list[list[nn.Parameter]] = []
+    seen: set[int] = set()
+
+    def own_unit(module: nn.Module, in_layer: bool) -> bool:
+        if id(module) in layers or (plan.adapters_own_units and is_trainable_leaf(module)):
+            return True
+        return isinstance(module, plan.ignore) and (plan.mixed_precision or not in_layer)
+
+    def collect(module: nn.Module, unit: list[nn.Parameter], in_layer: bool) -> None:
+        for param in module.parameters(recurse=False):
+            if id(param) not in seen:
+                seen.add(id(param))
+                unit.append(param)
+        for child in module.children():
+            if own_unit(child, in_layer):
+                units.append([])
+                collect(child, units[-1], in_layer or id(child) in layers)
+            else:
+                collect(child, unit, in_layer)
+
+    units.append([])
+    collect(model, units[0], False)
+    held: dict[nn.Parameter, int] = {}
+    for unit in units:
+        total = sum(p.numel() for p in unit)
+        chunk = -(-total // plan.shards)
+        start, end, offset = plan.index * chunk, (plan.index + 1) * chunk, 0
+        for param in unit:
+            overlap = max(0, min(end, offset + param.numel()) - max(start, offset))
+            held[param] = overlap * param.element_size()
+            offset += param.numel()
+        if unit and end > total:  # the padding of the last chunk(s)
+            held[unit[-1]] += (end - max(start, total)) * unit[-1].element_size()
+    return held
+
+
 class Fsdp1Sharder(Sharder):
     def __init__(
         self,
@@ -91,9 +138,7 @@ class Fsdp1Sharder(Sharder):
 
     @property
     def layout(self) -> PackedLayout:
-        return PackedLayout(
-            self.precision.param_dtype, state_sharded=False, why="FSDP1 flattens one float dtype per unit"
-        )
+        return packed_layout(self.cfg, self.precision)
 
     def _shard(self, unit: nn.Module) -> nn.Module:
         return FSDP(unit, **self.options)

@@ -25,7 +25,7 @@ from qlora_fsdp.config.options import FSDPConfig
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.parallel.distributed import DistEnv
 from qlora_fsdp.parallel.precision import Precision
-from qlora_fsdp.parallel.sharding import PackedLayout, ShardedModel, Sharder
+from qlora_fsdp.parallel.sharding import PackedLayout, ShardedModel, Sharder, ShardPlan
 
 # shard_grad_op keeps gathered parameters from forward to backward (ZeRO-2); no_shard is a shard group of one.
 RESHARD_AFTER_FORWARD = {
@@ -43,6 +43,39 @@ def shard_mesh(cfg: FSDPConfig, env: DistEnv) -> DeviceMesh:
     if cfg.sharding_strategy == "full_shard" or cfg.sharding_strategy == "shard_grad_op":
         return env.mesh.fsdp
     return env.mesh.hybrid
+
+
+def packed_layout(cfg: FSDPConfig, precision: Precision, *, mesh: DeviceMesh | None = None) -> PackedLayout:
+    """uint8 where this torch's FSDP2 shards integer parameters, else viewed as the dtype it gathers in: the
+    mixed-precision parameter dtype, else the parameter dtype. `--packed_layout` forces either. Probed over the
+    run's `mesh`, or over a one-rank world of its own (scripts/plan.py, which has no job)."""
+    mp = precision.mixed_precision
+    gathered = mp[0] if mp is not None else precision.param_dtype
+    if cfg.packed_layout == "float":
+        return PackedLayout(gathered, state_sharded=True, why="--packed_layout float")
+    problem = fsdp2_uint8_problem(mesh)
+    if problem is None:
+        return PackedLayout(torch.uint8, state_sharded=True, why=f"torch {torch.__version__}")
+    if cfg.packed_layout == "uint8":
+        raise UserError(
+            f"--packed_layout uint8: the FSDP2 of torch {torch.__version__} cannot shard uint8 parameters "
+            f"({problem}); use --packed_layout auto, which views them as {str(gathered)[6:]} there"
+        )
+    return PackedLayout(
+        gathered, state_sharded=True, why=f"the FSDP2 of torch {torch.__version__} cannot shard uint8 parameters"
+    )
+
+
+def planned_bytes(model: nn.Module, plan: ShardPlan) -> dict[nn.Parameter, int]:
+    """The bytes of each parameter that rank `plan.index` of a shard group would hold: fully_shard splits every
+    parameter along dim 0 as torch.chunk does (ceil(rows / shards) rows each, the last ranks less or none)."""
+    held = {}
+    for param in model.parameters():
+        rows = param.shape[0] if param.dim() else 1
+        per_rank = -(-rows // plan.shards)
+        mine = max(0, min(rows, (plan.index + 1) * per_rank) - plan.index * per_rank)
+        held[param] = mine * (param.numel() // max(rows, 1)) * param.element_size()
+    return held
 
 
 class Fsdp2Sharder(Sharder):
@@ -69,23 +102,7 @@ class Fsdp2Sharder(Sharder):
 
     @functools.cached_property
     def layout(self) -> PackedLayout:
-        """uint8 where this torch's FSDP2 shards integer parameters, else viewed as the dtype it gathers in: the
-        mixed-precision parameter dtype, else the parameter dtype. `--packed_layout` forces either."""
-        mp = self.precision.mixed_precision
-        gathered = mp[0] if mp is not None else self.precision.param_dtype
-        if self.cfg.packed_layout == "float":
-            return PackedLayout(gathered, state_sharded=True, why="--packed_layout float")
-        problem = fsdp2_uint8_problem(self.options["mesh"])
-        if problem is None:
-            return PackedLayout(torch.uint8, state_sharded=True, why=f"torch {torch.__version__}")
-        if self.cfg.packed_layout == "uint8":
-            raise UserError(
-                f"--packed_layout uint8: the FSDP2 of torch {torch.__version__} cannot shard uint8 parameters "
-                f"({problem}); use --packed_layout auto, which views them as {str(gathered)[6:]} there"
-            )
-        return PackedLayout(
-            gathered, state_sharded=True, why=f"the FSDP2 of torch {torch.__version__} cannot shard uint8 parameters"
-        )
+        return packed_layout(self.cfg, self.precision, mesh=self.options["mesh"])
 
     def _shard(self, unit: nn.Module) -> nn.Module:
         return fully_shard(unit, **self.options)

@@ -49,6 +49,36 @@ class PackedLayout:
         return f"packed weights: {as_what} parameters, quantization state {state} ({self.why})"
 
 
+@dataclass(frozen=True)
+class ShardPlan:
+    """What a sharder would be given, so that a rank's share of each parameter can be counted without sharding
+    (scripts/plan.py): each version's `planned_bytes` follows its own sharding rule."""
+
+    units: tuple[nn.Module, ...]
+    """The decoder layers, each a unit of its own."""
+    ignore: tuple[type[nn.Module], ...]
+    """FSDP1: classes kept out of mixed precision, in units of their own (see make_sharder)."""
+    adapters_own_units: bool
+    """FSDP1: adapter leaves in units of their own."""
+    mixed_precision: bool
+    """Whether the precision mode has an FSDP mixed-precision policy (FSDP1 then wraps `ignore` apart)."""
+    shards: int
+    """Ranks that share each parameter (a shard group)."""
+    index: int
+    """This rank's place in its shard group."""
+
+
+def planned_layout(cfg: FSDPConfig, precision: Precision) -> PackedLayout:
+    """The layout `--fsdp_version`'s sharder would choose in a job on this torch, without a job."""
+    return importlib.import_module(f"qlora_fsdp.parallel.fsdp{cfg.fsdp_version}").packed_layout(cfg, precision)
+
+
+def planned_parameter_bytes(model: nn.Module, plan: ShardPlan, *, version: int) -> dict[nn.Parameter, int]:
+    """Each parameter's bytes that the rank `plan` describes would hold once `model` is sharded by FSDP `version`:
+    what `ShardedModel.local_parameter_bytes` measures, summed."""
+    return importlib.import_module(f"qlora_fsdp.parallel.fsdp{version}").planned_bytes(model, plan)
+
+
 class ShardedModel(ABC):
     """The sharded model and the few operations whose FSDP API differs between versions."""
 

@@ -221,6 +221,11 @@ class QuantBackend(ABC):
         process quantizing the whole weight. A backend that cannot split its work ignores `env`.
         """
 
+    @abstractmethod
+    def planned(self, shape: torch.Size) -> QuantizedWeight:
+        """What `quantize` returns for an [out, in] weight of `shape`, as meta tensors of the same shapes and dtypes:
+        scripts/plan.py sizes a model without its weights from this (the tests hold it to `quantize`)."""
+
     def is_quantized(self, module: nn.Module) -> bool:
         return isinstance(module, self.module_class)
 

@@ -152,6 +152,27 @@ class BnbBackend(QuantBackend):
         }
         return QuantizedWeight(packed, state)
 
+    def planned(self, shape: torch.Size) -> QuantizedWeight:
+        """Half a byte per value, one absmax per 64-value block (a byte, with the double quantization's fp32 scale
+        per 256 of them, its 256-entry code and offset; else fp32) and the 16-entry 4-bit code."""
+        numel, blocks = shape.numel(), -(-shape.numel() // BLOCKSIZE)
+
+        def meta(*size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return torch.empty(size, dtype=dtype, device="meta")
+
+        packed, code = meta((numel + 1) // 2, dtype=torch.uint8), meta(16)
+        if not self.double_quant:
+            return QuantizedWeight(packed, {"absmax": meta(blocks), "code": code})
+        nested = -(-blocks // NESTED_BLOCKSIZE)
+        state = {
+            "absmax": meta(blocks, dtype=torch.uint8),
+            "code": code,
+            "nested_absmax": meta(nested),
+            "nested_code": meta(256),
+            "offset": meta(),
+        }
+        return QuantizedWeight(packed, state)
+
 
 # Values per step of the CPU quantizer: its temporaries then stay in cache.
 CHUNK = 1 << 18

@@ -113,6 +113,18 @@ class HqqBackend(QuantBackend):
         unit = self.group_size * GROUPS_PER_PACKED_ROW[self.nbits]
         return -(-numel // unit) * unit
 
+    def planned(self, shape: torch.Size) -> QuantizedWeight:
+        """The padded weight's groups packed along dim 0 (3 bits: ten to an int32, the rows padded to tens; else
+        8 // bits to a byte) by group_size columns, and a scale and zero per group in compute dtype."""
+        groups = self.padded(shape.numel()) // self.group_size
+        if self.nbits == 3:
+            packed = torch.empty(-(-groups // 10), self.group_size, dtype=torch.int32, device="meta")
+        else:
+            packed = torch.empty(groups * self.nbits // 8, self.group_size, dtype=torch.uint8, device="meta")
+        scale = torch.empty(groups, 1, dtype=self.compute_dtype, device="meta")
+        meta = {"packed_dtype": packed.dtype, "packed_shape": packed.shape}
+        return QuantizedWeight(packed.flatten().view(torch.uint8), {"scale": scale, "zero": scale.clone()}, meta)
+
     def quantize(self, weight: torch.Tensor, *, env: DistEnv | None = None) -> QuantizedWeight:
         # Whole weights only (see whole_weights): `env` is not used.
         w = weight

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from qlora_fsdp.quant.base import DequantizeMatmul, QuantizedLinear
+from qlora_fsdp.quant.base import DequantizeMatmul, QuantizedLinear, QuantizedWeight
 
 BLOCK = 32
 """Values sharing one scale, along the input dimension: 16 bytes of two e2m1 values each."""
@@ -44,6 +44,15 @@ class Mxfp4Linear(QuantizedLinear):
 
     def serialized(self) -> dict[str, torch.Tensor]:
         raise ValueError("an MXFP4 expert has no single-layer format of its own: export the merged model instead")
+
+
+def planned_mxfp4(shape: torch.Size) -> QuantizedWeight:
+    """What a kept expert of `shape` ([out, in]) holds, as meta tensors: half a byte a value and a byte of scale per
+    32 values (scripts/plan.py sizes a model without its weights from this)."""
+    out_features, in_features = shape
+    packed = torch.empty(out_features * in_features // 2, dtype=torch.uint8, device="meta")
+    scales = torch.empty(out_features, in_features // BLOCK, dtype=torch.uint8, device="meta")
+    return QuantizedWeight(packed, {"scales": scales})
 
 
 def mxfp4_layer(

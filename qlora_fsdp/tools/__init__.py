@@ -1,1 +1,1 @@
-"""After training: merge, export and generate, and the options of their scripts."""
+"""Beside training: merge, export and generate after it, plan a run before it, and the options of their scripts."""

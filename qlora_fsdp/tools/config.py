@@ -1,4 +1,5 @@
-"""Options of the after-training scripts (merge_adapter.py, export_quantized.py, generate.py) and how they are built.
+"""Options of the scripts beside train.py (merge_adapter.py, export_quantized.py, generate.py, plan.py) and how
+they are built.
 
 Above `config.py`: the scripts take train.py's build flags with the same names, defaults and checks, and fill the
 ones not given from the adapter's manifest, so given the training run's values they rebuild what it trained.
@@ -117,16 +118,47 @@ class GenerateConfig:
         return [*choice("prompt_style", self.prompt_style, GENERATE_PROMPT_STYLES), *(m for bad, m in checks if bad)]
 
 
+@dataclass
+class PlanConfig:
+    """scripts/plan.py: will a run fit? Each rank's memory, planned from config.json without the weights."""
+
+    config: str = ""
+    """A YAML file of train.py options, read as train.py --config reads it (flags given here override it)."""
+    nproc_per_node: int = 1
+    """Processes (GPUs) per node, as torchrun's --nproc_per_node."""
+    nnodes: int = 1
+    """Nodes, as torchrun's --nnodes."""
+    gpu_memory_gib: float = 0.0
+    """Memory of each GPU in GiB, to say whether the run fits and by how much (0: print the figures only)."""
+
+    def problems(self) -> list[str]:
+        checks = [
+            (self.nproc_per_node < 1, "--nproc_per_node must be >= 1"),
+            (self.nnodes < 1, "--nnodes must be >= 1"),
+            (self.gpu_memory_gib < 0, "--gpu_memory_gib must be >= 0 (0: no verdict)"),
+        ]
+        return [message for bad, message in checks if bad]
+
+
 TOOL_DEFAULTS: dict[type, dict[str, Any]] = {GenerateConfig: {"quant": "none"}}
 """Build flags whose default differs for a script: generate.py loads the model as stored unless told to quantize."""
 
 
+TOOL_TRAIN_FLAGS: dict[type, tuple[str, ...]] = {PlanConfig: tuple(FLAGS)}
+"""The train.py flags a script takes where not just the BUILD_FLAGS: plan.py plans a run, so it takes them all,
+checked as train.py checks them."""
+
+
+def train_flags(tool: type) -> tuple[str, ...]:
+    return TOOL_TRAIN_FLAGS.get(tool, BUILD_FLAGS)
+
+
 def tool_flags(tool: type) -> dict[str, tuple[type, Any, str]]:
-    """{flag: (type, default, help)} of a script: the BUILD_FLAGS, then its own options."""
+    """{flag: (type, default, help)} of a script: its train.py flags (train_flags), then its own options."""
     out: dict[str, tuple[type, Any, str]] = {}
     train_defaults = {flag: default for _, flag, default, _ in option_docs()}
     train_docs = {flag: doc for _, flag, _, doc in option_docs()}
-    for flag in BUILD_FLAGS:
+    for flag in train_flags(tool):
         default = TOOL_DEFAULTS.get(tool, {}).get(flag, train_defaults[flag])
         out[flag] = (FLAGS[flag][1], default, train_docs[flag])
     hints, docs, defaults = get_type_hints(tool), field_docs(tool), tool()
@@ -163,8 +195,8 @@ def build_tool_config(tool: type, values: dict[str, Any]) -> tuple[TrainConfig, 
     Build flags not given come from the --adapter's manifest where it has one (then the script's defaults); one
     that contradicts the manifest is a problem.
     """
-    own = {f.name for f in fields(tool)}
-    unknown = sorted(k for k in values if k not in own and k not in BUILD_FLAGS)
+    own, taken = {f.name for f in fields(tool)}, train_flags(tool)
+    unknown = sorted(k for k in values if k not in own and k not in taken)
     if unknown:
         raise ConfigError("unknown option(s): " + ", ".join(f"--{k}" for k in unknown) + " (--help lists them)")
     options = tool()
@@ -172,10 +204,12 @@ def build_tool_config(tool: type, values: dict[str, Any]) -> tuple[TrainConfig, 
     for name, value in values.items():
         if name in own:
             setattr(options, name, coerce(name, value, hints[name]))
-    given = {k: v for k, v in values.items() if k in BUILD_FLAGS}
+    given = {k: v for k, v in values.items() if k in taken}
     recorded = recorded_flags(getattr(options, "adapter", ""))
-    cfg = build_config({**TOOL_DEFAULTS.get(tool, {}), **recorded, **given})
-    problems = [*_contradictions(given, recorded), *check_choices(cfg), *check_ranges(cfg), *options.problems()]
+    cfg = build_config({**TOOL_DEFAULTS.get(tool, {}), **recorded, **given}, getattr(options, "config", "") or None)
+    # A script taking every train.py flag is checked as train.py is; the others' flags only need to build a model.
+    checks = cfg.problems() if taken is not BUILD_FLAGS else [*check_choices(cfg), *check_ranges(cfg)]
+    problems = [*_contradictions(given, recorded), *checks, *options.problems()]
     if problems:
         raise ConfigError("; ".join(problems))
     return cfg, options

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -54,7 +54,7 @@ from qlora_fsdp.model.lora import (
     lora_layers,
     prepare_full_finetune,
 )
-from qlora_fsdp.model.skeleton import build_skeleton, expanded_layer_prefixes
+from qlora_fsdp.model.skeleton import Skeleton, build_skeleton, expanded_layer_prefixes
 from qlora_fsdp.model.streaming import stream_weights
 from qlora_fsdp.objectives.base import Forward
 from qlora_fsdp.objectives.loss import CausalLMLoss, RouterLoss, router_loss
@@ -64,7 +64,7 @@ from qlora_fsdp.parallel.precision import PRECISIONS, Precision, quant_compute_d
 from qlora_fsdp.parallel.sequence_parallel import check_heads, enable, sequence_groups, split_rows
 from qlora_fsdp.parallel.sharding import PackedLayout, ShardedModel, make_sharder, verify_packed
 from qlora_fsdp.parallel.tiled_mlp import tile_mlps
-from qlora_fsdp.quant import make_backend
+from qlora_fsdp.quant import QuantBackend, make_backend
 from qlora_fsdp.quant.base import QuantizedLinear
 from qlora_fsdp.train.evaluate import evaluate
 from qlora_fsdp.train.loop import Events, Step, TrainResult, make_profiler, preemption_flag, train_loop
@@ -359,54 +359,19 @@ def _run(
 
 def _build_model(cfg: TrainConfig, env: DistEnv, model_path: Path, precision: Precision, *, attention: str) -> _Built:
     """Skeleton on meta, adapters, then stream the checkpoint in, sharding each decoder layer as it completes."""
-    compute_dtype = quant_compute_dtype(precision, cfg.quant.compute_dtype)
     adapters = cfg.lora.train_type in ("lora", "dora")
-    # Routed experts the checkpoint keeps in its own quantization (MXFP4) are quantized layers whatever --quant says.
-    keeps_experts = checkpoint_format(model_path).kept_experts(cfg.quant)
-    if keeps_experts is not None and cfg.lora.train_type in ("full", "llama_pro"):
-        raise UserError(
-            f"--train_type {cfg.lora.train_type} trains the base weights, but --mxfp4 keep holds the routed experts "
-            "frozen in the checkpoint's MXFP4: pass --mxfp4 dequantize"
-        )
-    quantizes = cfg.quant.quant != "none" or keeps_experts is not None
-    # FSDP1 only: DoRA's forward dequantizes the base layer from its LoRA layer, so the base layer must share its
-    # decoder layer's unit instead of a (mixed-precision-ignored) unit of its own.
-    ignore_quantized = quantizes and cfg.lora.train_type != "dora"
-    sharder = make_sharder(
-        cfg.fsdp,
-        env=env,
-        precision=precision,
-        ignore=(QuantizedLinear,) if ignore_quantized else (),
-        adapters_own_units=adapters,
-    )
-    backend, layout, kept_experts = None, None, None
-    if quantizes:  # only quantized layers have a packed layout to decide
-        layout = sharder.layout
-        packing = {"storage_dtype": layout.storage_dtype, "compute_dtype": compute_dtype,
-                   "shard_state": layout.state_sharded}  # fmt: skip
-        backend = make_backend(cfg.quant, **packing)
-        kept_experts = None if keeps_experts is None else functools.partial(keeps_experts, **packing)
-    new_blocks = expanded_layer_prefixes(model_path) if cfg.lora.train_type == "llama_pro" else ()
-    skeleton = build_skeleton(
-        cfg.model,
-        backend=backend,
-        param_dtype=precision.param_dtype,
-        path=model_path,
-        full_precision_prefixes=new_blocks,
-        attention=attention,
-        adapt_experts=adapters and adapts_experts(cfg.lora.lora_target_modules),
-        kept_experts=kept_experts,
-    )
+    sharder = make_sharder(cfg.fsdp, env=env, precision=precision, **unit_options(cfg, model_path))
+    # Only quantized layers have a packed layout to decide.
+    layout = sharder.layout if quantizes(cfg, model_path) else None
+    backend, skeleton, new_blocks = make_skeleton(cfg, model_path, precision, layout, attention=attention)
     # Rank 0 digests each quantized layer while it is still whole, under its base-model name (before adapters).
     digests = LayerDigests(skeleton.model, skeleton.quantized) if adapters and env.is_main else None
+    unwrapped = add_trainables(cfg, skeleton, precision, new_blocks)
     keys: dict[nn.Module, dict[str, str]] = {}
     if adapters:
-        unwrapped = inject_lora(skeleton.model, cfg.lora, dtype=precision.param_dtype)
         keys = adapter_keys(unwrapped)
         if any("" in names.values() for names in keys.values()):
             raise RuntimeError("an adapter parameter has no PEFT key: PEFT's state dict and the model disagree")
-    else:
-        unwrapped = prepare_full_finetune(skeleton.model, only_prefixes=new_blocks)
     blocks = {m: f"{n}." for n, m in skeleton.model.named_modules() if new_blocks and f"{n}." in new_blocks}
     if cfg.fsdp.gradient_checkpointing and cfg.fsdp.reentrant_checkpointing:
         # Reentrant checkpoints only backpropagate into a segment whose inputs require grad.
@@ -452,6 +417,78 @@ def _build_model(cfg: TrainConfig, env: DistEnv, model_path: Path, precision: Pr
         manifest=manifest,
         router=router,
     )
+
+
+def kept_experts(cfg: TrainConfig, model_path: Path) -> Callable[..., QuantizedLinear] | None:
+    """The layer the checkpoint keeps its routed experts in whatever --quant says (MXFP4 with --mxfp4 keep), as
+    its format's `kept_experts`; refuses training those frozen experts' weights."""
+    keeps = checkpoint_format(model_path).kept_experts(cfg.quant)
+    if keeps is not None and cfg.lora.train_type in ("full", "llama_pro"):
+        raise UserError(
+            f"--train_type {cfg.lora.train_type} trains the base weights, but --mxfp4 keep holds the routed experts "
+            "frozen in the checkpoint's MXFP4: pass --mxfp4 dequantize"
+        )
+    return keeps
+
+
+def quantizes(cfg: TrainConfig, model_path: Path) -> bool:
+    """Whether the run holds quantized layers: --quant's, or experts the checkpoint keeps quantized."""
+    return cfg.quant.quant != "none" or kept_experts(cfg, model_path) is not None
+
+
+def unit_options(cfg: TrainConfig, model_path: Path) -> dict[str, Any]:
+    """make_sharder's `ignore` and `adapters_own_units` for this run (they shape FSDP1's units)."""
+    # FSDP1 only: DoRA's forward dequantizes the base layer from its LoRA layer, so the base layer must share its
+    # decoder layer's unit instead of a (mixed-precision-ignored) unit of its own.
+    ignore_quantized = quantizes(cfg, model_path) and cfg.lora.train_type != "dora"
+    return {
+        "ignore": (QuantizedLinear,) if ignore_quantized else (),
+        "adapters_own_units": cfg.lora.train_type in ("lora", "dora"),
+    }
+
+
+def make_skeleton(
+    cfg: TrainConfig,
+    model_path: Path,
+    precision: Precision,
+    layout: PackedLayout | None,
+    *,
+    attention: str = "sdpa",
+    weights: bool = True,
+) -> tuple[QuantBackend | None, Skeleton, tuple[str, ...]]:
+    """The run's backend for `layout` (None: --quant none), the skeleton it builds and the Llama-Pro blocks kept in
+    full precision: what training builds before adapters, and what scripts/plan.py sizes (`weights` False: from
+    config.json alone)."""
+    backend, kept = None, None
+    if layout is not None:
+        packing = {"storage_dtype": layout.storage_dtype, "shard_state": layout.state_sharded,
+                   "compute_dtype": quant_compute_dtype(precision, cfg.quant.compute_dtype)}  # fmt: skip
+        backend = make_backend(cfg.quant, **packing)
+        keeps = kept_experts(cfg, model_path)
+        kept = None if keeps is None else functools.partial(keeps, **packing)
+    new_blocks = expanded_layer_prefixes(model_path) if cfg.lora.train_type == "llama_pro" else ()
+    skeleton = build_skeleton(
+        cfg.model,
+        backend=backend,
+        param_dtype=precision.param_dtype,
+        path=model_path,
+        full_precision_prefixes=new_blocks,
+        attention=attention,
+        adapt_experts=cfg.lora.train_type in ("lora", "dora") and adapts_experts(cfg.lora.lora_target_modules),
+        kept_experts=kept,
+        weights=weights,
+    )
+    return backend, skeleton, new_blocks
+
+
+def add_trainables(
+    cfg: TrainConfig, skeleton: Skeleton, precision: Precision, new_blocks: tuple[str, ...]
+) -> nn.Module:
+    """The model that trains: the skeleton with PEFT's adapters (lora, dora), or with the weights that train marked
+    so (full, llama_pro: only `new_blocks`)."""
+    if cfg.lora.train_type in ("lora", "dora"):
+        return inject_lora(skeleton.model, cfg.lora, dtype=precision.param_dtype)
+    return prepare_full_finetune(skeleton.model, only_prefixes=new_blocks)
 
 
 def _save_final(built: _Built, output_dir: Path, *, env: DistEnv) -> str:
