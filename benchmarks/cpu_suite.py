@@ -81,8 +81,7 @@ def plan(*, quick: bool, threads: int, reps: int | None, idle_wait_s: float | No
 
 def train_cli(runner: Runner, what: str, model: Path, quant: str, *, nproc: int, version: int,
               flags: dict[str, Any] | None = None) -> tuple[list[dict[str, Any]], list[int]]:  # fmt: skip
-    """Our CLI on `--dataset dummy` with the plan's global batch split over `nproc` ranks (equal tokens per step at
-    any world size): metrics.jsonl's records and each rank's peak RSS. `flags` overrides the plan's."""
+    """Our CLI on `--dataset dummy`, the global batch split over ranks: its records, each rank's peak RSS."""
     p = runner.plan
     if p.batch_size % nproc:
         raise ValueError(f"batch {p.batch_size} does not split over {nproc} ranks")
@@ -142,8 +141,7 @@ def _load_args(runner: Runner, model: Path, version: int, quant: str) -> dict[st
 
 
 def _loading(runner: Runner, model: Path, rows: list, details: dict) -> dict[int, list[list[dict[str, Any]]]]:
-    """Section 1: our 2-rank streaming load, FSDP2 and FSDP1, against HF's 4-bit load in one process; returns each
-    version's runs (per repetition, the ranks' records)."""
+    """Section 1: our 2-rank streaming load (FSDP2, FSDP1) against HF's; each version's runs of rank records."""
     ours: dict[int, list[list[dict[str, Any]]]] = {version: [] for version in LOAD_VERSIONS}
     peer = []
     for rep in range(runner.plan.reps):
@@ -186,8 +184,7 @@ def _loading(runner: Runner, model: Path, rows: list, details: dict) -> dict[int
 
 
 def _hqq_split(runner: Runner, model: Path, rows: list) -> None:
-    """Section 1, HQQ: the 2-rank FSDP2 load with the ranks sharing HQQ's whole weights out, against the same code
-    streaming without the job's DistEnv (load_ours `split` false), where every rank quantizes every weight."""
+    """Section 1, HQQ: the ranks sharing whole weights out against every rank quantizing every weight."""
     runs: dict[bool, list[float]] = {True: [], False: []}
     for rep in range(runner.plan.reps):
         for split in (True, False):
@@ -231,8 +228,7 @@ def _world_sizes(runner: Runner, model: Path, loads: dict[int, list], rows: list
 
 
 def _training(runner: Runner, model: Path, rows: list, details: dict) -> None:
-    """Section 3: tokens/s and peak RSS of our CLI (bnb, hqq; 1 process and 2 ranks, FSDP2 and FSDP1) against
-    HF + PEFT."""
+    """Section 3: tokens/s and peak RSS of our CLI (bnb, hqq; 1 and 2 ranks) against HF + PEFT."""
     p, skip = runner.plan, runner.plan.warmup_steps
     peer_tps, peer_rss = [], []
     ours: dict[str, list[float]] = {key: [] for key, *_ in p.train_runs}
@@ -267,8 +263,7 @@ def _training(runner: Runner, model: Path, rows: list, details: dict) -> None:
 
 
 def _packing(runner: Runner, model: Path, rows: list, details: dict) -> None:
-    """--suite cpu-packing: label tokens/s and row efficiency of bnb on 2 ranks on the bundled data, --packing true
-    against false (the same CLI, in the peer's column)."""
+    """--suite cpu-packing: label tokens/s and row efficiency, --packing true against false, 2 ranks."""
     p = runner.plan
     details["parameters"] = harness.parameters(model)
     figures: dict[bool, dict[str, list[float]]] = {k: {"label_tps": [], "efficiency": []} for k in (True, False)}
@@ -294,8 +289,7 @@ def _packing(runner: Runner, model: Path, rows: list, details: dict) -> None:
 
 
 def _loss(runner: Runner, model: Path, cache: Path, rows: list, details: dict) -> None:
-    """--suite cpu-loss: the chunked loss against whole logits (--loss_chunk_tokens 0). Memory: one process's peak
-    RSS on LOSS_MODEL at vocabulary 128256 minus at 512 (what the vocabulary costs); speed on the suite's model."""
+    """--suite cpu-loss: chunked against whole logits; memory is what vocabulary 128256 adds over 512."""
     p = runner.plan
     details["parameters"] = harness.parameters(model)
     peaks: dict[tuple[int, int], list[int]] = {}

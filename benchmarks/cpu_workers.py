@@ -37,8 +37,7 @@ def _tensors_in(obj: Any) -> list[torch.Tensor]:
 
 
 def quant_state_tensors(module: nn.Module) -> list[torch.Tensor]:
-    """Quantization state held outside parameters: a bnb Linear4bit's (ours keeps it on the module, HF on the
-    weight), an HQQLinear's meta, or our layers' under FSDP1 (replicated; under FSDP2 it is parameters)."""
+    """Quantization state outside parameters (bnb's, HQQ's meta, ours under FSDP1, which replicates it)."""
     from qlora_fsdp.quant.base import QuantizedLinear
 
     if isinstance(module, QuantizedLinear):
@@ -56,8 +55,7 @@ def quant_state_tensors(module: nn.Module) -> list[torch.Tensor]:
 
 
 def model_bytes(model: nn.Module, *, exclude: tuple[str, ...] = ()) -> dict[str, int]:
-    """Bytes of parameters (packed storage included), buffers and quantization state, from the tensors themselves
-    (so padding or a cast shows); tied weights once, meta tensors and names under `exclude` skipped."""
+    """Bytes of parameters, buffers and quant state from the tensors themselves (a cast or padding shows)."""
     seen: set[int] = set()
     out = {"params": 0, "buffers": 0, "quant_state": 0}
     for kind, tensors in (("params", model.named_parameters()), ("buffers", model.named_buffers())):
@@ -74,8 +72,7 @@ def model_bytes(model: nn.Module, *, exclude: tuple[str, ...] = ()) -> dict[str,
 
 
 def preimport(model_dir: str | Path) -> None:
-    """Import bitsandbytes and the model's architecture module before timing: both sides would otherwise pay
-    these imports (seconds on a small CPU) inside the timed load."""
+    """Import bitsandbytes and the architecture first, so neither side times these imports."""
     import bitsandbytes  # noqa: F401
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -163,8 +160,7 @@ def load_peer(args: dict[str, Any]) -> None:
 
 
 def measured_peer_load(args: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-    """HF from_pretrained 4-bit of args["model"] onto the CPU in this process, and what the loading cost: seconds,
-    peak RSS and the RSS the imports alone took."""
+    """HF's 4-bit load onto the CPU in this process: the model, seconds, peak RSS, RSS after imports."""
     _quiet()
     from benchmarks.peer import load_peer as hf_load
 
@@ -265,8 +261,7 @@ def _reference_quantize(cfg: Any, w: Any) -> tuple[Any, int]:
 
 
 def moe_peer(args: dict[str, Any]) -> None:
-    """HF from_pretrained 4-bit of an MoE in this one process: the bytes it holds, where they are (the fused experts
-    it leaves unquantized, bitsandbytes#1849; the Linear4bit layers), and peak RSS."""
+    """HF's 4-bit load of an MoE: its bytes, the fused experts it leaves 16-bit (bitsandbytes#1849)."""
     model, record = measured_peer_load(args)
     import bitsandbytes as bnb
 
@@ -282,8 +277,7 @@ def moe_peer(args: dict[str, Any]) -> None:
 
 
 def build_moe(args: dict[str, Any]) -> None:
-    """tests/moe_models.py's Mixtral builder in bf16, written beside `out` and renamed into place, so an interrupted
-    build leaves nothing that looks finished."""
+    """tests/moe_models.py's Mixtral in bf16, renamed into place so a broken build never looks finished."""
     from tests.moe_models import build_moe_model
 
     out = Path(args["out"])

@@ -66,8 +66,7 @@ class DataPlan(Settings):
 
 def plan(*, quick: bool, rows: int | None, threads: int, reps: int | None, idle_wait_s: float | None,
          precision: str | None = None) -> DataPlan:  # fmt: skip
-    """The full suite (1,000,000 rows; items 3-4 on 200,000 against 2,000) or the quick one (2,000 rows; 2,000
-    against 200). No re-measuring on contention (a build takes minutes): every launch's contention is recorded."""
+    """The full suite (1,000,000 rows) or the quick one (2,000); a build takes minutes, so no retry."""
     if quick:
         n = rows or 2_000
         p = DataPlan(n, (min(n, 2_000), max(8, min(n, 2_000) // 10)), build_reps=1, train_reps=1, quick=True,
@@ -84,8 +83,7 @@ def plan(*, quick: bool, rows: int | None, threads: int, reps: int | None, idle_
 
 
 def synthetic_rows(n: int, words: list[str], costs: list[int], *, seed: int):
-    """n alpaca rows: words drawn until the fields hold the row's drawn token count; the first fifth of the words is
-    the instruction, half the rows get an input (the next third of the rest), the remainder is the output."""
+    """n alpaca rows of a drawn token count: a fifth instruction, half with an input, the rest the output."""
     rng = random.Random(seed)
     for _ in range(n):
         target, chosen, total = rng.randint(*FIELD_TOKENS), [], 0
@@ -100,8 +98,7 @@ def synthetic_rows(n: int, words: list[str], costs: list[int], *, seed: int):
 
 
 def ensure_dataset(plan: DataPlan, model: Path, cache: Path, log: Callable[[str], None]) -> tuple[Path, dict]:
-    """The synthetic JSONL, written once under `cache` (the seed, the bundled words and the model's tokenizer decide
-    it), and what its first rows' fields measure in tokens."""
+    """The synthetic JSONL (written once under `cache`) and its first rows' token counts."""
     from tokenizers import Tokenizer  # the Rust library alone: the harness stays without torch and transformers
 
     tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
@@ -185,8 +182,7 @@ def preprocess(runner: Runner, what: str, rows: int, procs: int, cache_dir: Path
 
 def train(runner: Runner, what: str, model: Path, data: Path, *, rows: int, cache_dir: Path, nproc: int, steps: int,
           fresh_cache: bool = False, first_step: bool = False, **flags: Any) -> dict[str, Any]:  # fmt: skip
-    """train.py --quant none --train_type lora on `rows` rows of the file; with `first_step`, under the wrapper that
-    times the launch to the first record."""
+    """train.py --quant none --train_type lora on `rows` rows; `first_step`: under the timing wrapper."""
     p = runner.plan
     f = runner.flags(f"train-{nproc}", model=model, quant="none", train_type="lora", dataset=data,
                      dataset_samples=rows, dataset_cache_dir=cache_dir, context_length=p.context_length,
@@ -246,8 +242,7 @@ def run(p: DataPlan, *, model: Path | None, cache: Path, log: Callable[[str], No
 
 
 def _builds(runner: Runner, model: Path, data: Path, rows: list, details: dict) -> None:
-    """1: scripts/preprocess.py's first build with --dataset_num_proc 1 and 2, each into a fresh directory: the
-    whole command's wall time and the build's own."""
+    """1: scripts/preprocess.py's first build at each --dataset_num_proc: the command's wall and the build's."""
     p = runner.plan
     runs: dict[int, list[dict[str, Any]]] = {n: [] for n in p.build_procs}
     for rep in range(p.build_reps):
@@ -270,8 +265,7 @@ def _builds(runner: Runner, model: Path, data: Path, rows: list, details: dict) 
 
 
 def _first_step(runner: Runner, model: Path, data: Path, rows: list, details: dict) -> Path:
-    """2: time from the launch to the first metrics record of a run that builds the cache and of the run after it;
-    returns the last repetition's cache directory (kept: it holds the cache of every row)."""
+    """2: launch to first record, building run then cached run; returns the cache dir (it holds every row)."""
     p = runner.plan
     runs: dict[str, list[dict[str, Any]]] = {"first": [], "cached": []}
     cache_dir = runner.work / "first-step-0"
@@ -306,8 +300,7 @@ def _throughput(run: dict[str, Any], skip: int) -> tuple[float, float]:
 
 
 def _memory_and_padding(runner: Runner, model: Path, data: Path, shared: Path, rows: list, details: dict) -> None:
-    """3 and 4: 2-rank training on the large and the small slice (caches built beforehand, so the peaks are what
-    training holds), and the large slice again with --pad_to_context true."""
+    """3 and 4: training on the large and small slice (caches prebuilt), and large with --pad_to_context."""
     p = runner.plan
     large, small = p.rss_rows
     for n in (large, small):

@@ -41,8 +41,7 @@ class GenerationPlan(Settings):
 
 def plan(*, quick: bool, threads: int, reps: int | None, idle_wait_s: float | None,
          precision: str | None = None) -> GenerationPlan:  # fmt: skip
-    """The full suite (171M model, 3 repetitions of 4 steps, 8 completions of 64 tokens a rank a step) or the quick
-    one (2-layer model, one repetition of 2 steps, 8 tokens)."""
+    """The full suite (171M model, 3 x 4 steps, 64-token completions) or the quick one (2 layers, 8 tokens)."""
     if quick:
         p = GenerationPlan(dict(harness.QUICK_MODEL), reps=1, steps=2, max_completion_length=8, quick=True)
     else:

@@ -1,10 +1,7 @@
-"""The one harness every suite runs on: the models, process launch and contention, files and RSS, rows (ours beside
-the peer's figure from the same run, medians of their runs, ratio ours / peer), launch settings and the Runner (runs
-of our CLI, the results record). A suite is a plan (a Settings dataclass of sizes) and the sections that turn runs
-into rows.
+"""The one harness every suite runs on: models, launch and contention, RSS, rows (ours / peer), the Runner, results.
 
-Nothing here imports torch: the orchestrator stays light (Linux hands its RSS high-water mark to every child), and
-each measurement runs in fresh processes that import only what they measure.
+Nothing here imports torch: Linux hands the orchestrator's RSS high-water mark to every child, so it stays light and
+each measurement runs in a fresh process that imports only what it measures.
 """
 
 from __future__ import annotations
@@ -72,15 +69,13 @@ def bundled_words() -> list[str]:
 
 
 def write_long_rows(path: Path, *, rows: int, words: int, seed: int) -> Path:
-    """`rows` text rows of `words` random bundled words each (seeded). A word is at least one token, so with `words`
-    above a run's context every row is truncated to exactly the context (unlike `--dataset dummy`'s rows)."""
+    """`rows` rows of `words` random bundled words (seeded): a word is a token or more, so rows fill any context."""
     import random
 
     rng, choices = random.Random(seed), bundled_words()
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps({"text": " ".join(rng.choices(choices, k=words))}) + "\n" for _ in range(rows)))
     return path
-
 
 
 def base_env(threads: int, *, pin_tokenizers: bool = True) -> dict[str, str]:
@@ -169,11 +164,8 @@ class Launch:
 
 def launch(cmds: Sequence[Sequence[str]], envs: Sequence[dict[str, str]], *, timeout_s: float,
            log_chars: int = 6000) -> Launch:  # fmt: skip
-    """Run the commands concurrently (the ranks of one job) and wait for all; kill the lot on timeout.
-
-    Output goes to files, not pipes, so a chatty rank never blocks; each process has a session of its own, so a
-    kill reaches exactly what this call started (torchrun's ranks included).
-    """
+    """Run the ranks of one job and wait for all; output to files (a chatty rank never blocks a pipe), a session
+    each (a kill on timeout reaches exactly what this call started, torchrun's ranks included)."""
     children_before, load, start = _cpu_seconds(resource.RUSAGE_CHILDREN), ForeignLoad(), time.perf_counter()
     procs: list[tuple[subprocess.Popen, Any]] = []
     returncode = 0
@@ -213,7 +205,6 @@ def launch(cmds: Sequence[Sequence[str]], envs: Sequence[dict[str, str]], *, tim
 def shell(cmd: Sequence[str]) -> str:
     """A command line as one would type it (the venv's python shown as `python`)."""
     return " ".join("python" if c == sys.executable else c for c in cmd).replace(str(REPO_ROOT) + "/", "")
-
 
 
 def read_json(path: str | os.PathLike) -> Any:
@@ -289,7 +280,6 @@ def native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-
 def row(section: str, key: str, figure: str, unit: str, better: str, ours_runs: Sequence[float],
         peer_runs: Sequence[float], *, ours_label: str = "", peer_label: str = "", note: str = "") -> dict[str, Any]:
     """One comparison row; every suite reports through these, so results.json has one shape."""
@@ -348,7 +338,6 @@ def model_record(model: Path, sizes: dict[str, Any]) -> dict[str, Any]:
             "sizes": sizes}  # fmt: skip
 
 
-
 @dataclass(kw_only=True)
 class Settings:
     """How a suite launches and waits: what every CPU plan holds besides its sizes."""
@@ -380,8 +369,7 @@ class Settings:
 
 
 def ensure_model(sizes: dict[str, int], cache: Path, plan: Settings) -> Path:
-    """The random Llama of these scripts/make_tiny_model.py sizes, built once under `cache` (deterministic), in a
-    process of its own: the builder holds the fp32 model twice, and this one must stay small."""
+    """The random Llama of these sizes, built once under `cache` in a process of its own (it holds fp32 twice)."""
     path = cache / ("llama-" + "-".join(f"{v}" for v in sizes.values()))
     if not (path / "model.safetensors.index.json").is_file():
         flags = [f"--{k}={v}" for k, v in sizes.items()]
@@ -402,8 +390,7 @@ def launch_conditions(launches: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 class Runner:
-    """Launches measurements in a scratch directory, waits for a quiet machine first, re-measures a launch that
-    failed or met much contention (once each), and logs every launch's conditions."""
+    """Launches in a scratch directory after a quiet wait; re-measures a failed or contended launch once; logs all."""
 
     def __init__(self, plan: Settings, work: Path, log: Callable[[str], None] = print,
                  env: Callable[[int], dict[str, str]] = base_env) -> None:  # fmt: skip
@@ -422,8 +409,7 @@ class Runner:
 
     def go(self, what: str, cmds: list[list[str]], envs: list[dict[str, str]], *,
            reset: Callable[[], None] | None = None, finished: Callable[[], bool] | None = None) -> Launch:  # fmt: skip
-        """Launch and record; `finished` says whether a launch that exited non-zero wrote its whole measurement
-        anyway (kept when it aborted at exit with EXIT_ABORT, not hidden or re-measured)."""
+        """Launch and record; a non-zero exit is kept when `finished()` and the log shows EXIT_ABORT."""
         contention_retries, failure_retries = self.plan.retries, 1
         for attempt in range(1, 10):
             if reset is not None:
@@ -479,12 +465,8 @@ class Runner:
     def train(self, what: str, flags: dict[str, Any], *, nproc: int, steps: int, probe: str = "peak",
               torchrun: bool = False, torchrun_args: Sequence[str] = (), wrap: Sequence[str] = (),
               reset: Callable[[], None] | None = None, done: Callable[[], bool] = lambda: True) -> dict[str, Any]:
-        """Our real CLI, `train.py` (under torchrun for several ranks or with `torchrun`), inside benchmarks/probe.py.
-
-        probe "peak": each rank's VmHWM at exit (`exit_peak_rss_bytes`); "steps": each rank's per-step RSS and,
-        with --profile, the profiled step's tensor peak (`ranks`). `wrap` prefixes the command (a timer); `done`
-        adds to "every step logged" what a finished launch must have left.
-        """
+        """Our real CLI, `train.py` (torchrun for several ranks) inside benchmarks/probe.py: probe "peak" gives each
+        rank's VmHWM at exit, "steps" each rank's per-step RSS and the profiled step's tensor peak (`ranks`)."""
         out = Path(flags["output_dir"])
         args = ["-m", "benchmarks.probe", str(REPO_ROOT / "train.py"), *(f"--{k}={v}" for k, v in flags.items())]
         cmd = [sys.executable, *args]
@@ -541,8 +523,7 @@ def session(plan: Settings, suite: str, log: Callable[[str], None] = print, **kw
 
 
 def step_peaks(run: dict[str, Any], steps: int) -> dict[str, int]:
-    """A `probe="steps"` run's peaks, largest rank: the profiled last step's tensor bytes, and over steps 1 to
-    steps-1 the RSS less the RSS before step 1 and the RSS itself."""
+    """A `probe="steps"` run's peaks, largest rank: the profiled last step's tensors, RSS (growth) of the others."""
     measured = [(s, r) for r in run["ranks"] for s in r["steps"][: steps - 1]]
     return {"tensor_peak_bytes": max(r["tensor_peak_bytes"] for r in run["ranks"]),
             "rss_peak_growth_bytes": max(s["peak_rss_bytes"] - r["baseline_rss_bytes"] for s, r in measured),
@@ -557,8 +538,7 @@ def choose(flag: str, given: tuple[str, ...], allowed: tuple[str, ...]) -> tuple
 
 
 def tensor_peak(trace: Path) -> tuple[int, int]:
-    """(the largest "Total Allocated" of a Chrome trace's CPU memory events, how many there were): the bytes of
-    tensors allocated since the profiler started and not yet freed."""
+    """(largest "Total Allocated" of a Chrome trace's CPU memory events: live tensor bytes, how many events)."""
     events = [e["args"] for e in read_json(trace)["traceEvents"] if e.get("name") == "[memory]"]
     cpu = [a["Total Allocated"] for a in events if a.get("Device Type") == 0]
     if not cpu:

@@ -64,8 +64,7 @@ class LongContextPlan(Settings):
 
 def plan(*, quick: bool, threads: int, reps: int | None, idle_wait_s: float | None,
          precision: str | None = None) -> LongContextPlan:  # fmt: skip
-    """The full suite (4k, 8k, 16k tokens x S = 1, 2, 4 x tiled off/on; hours on 2 cores) or the quick one (1024
-    tokens x S = 1, 2, tiled at S = 1; budget at 512 tokens). No re-measuring on contention: bytes do not move."""
+    """The full suite (4k-16k tokens x S = 1, 2, 4 x tiled; hours) or the quick one (1024 tokens, S = 1, 2)."""
     if quick:
         p = LongContextPlan(dict(QUICK_MODEL), contexts=(1024,), base_context=512, search_step=512, sizes=(1, 2),
                             tiled_sizes=(1,), reps=1, quick=True, launch_timeout_s=180.0)  # fmt: skip
@@ -96,8 +95,7 @@ def check_plan(p: LongContextPlan) -> None:
 
 
 def tiles(p: LongContextPlan, context: int, size: int) -> int:
-    """--tiled_mlp for a rank's slice of `context`: auto's tile per hidden-size tokens, at least MIN_TILES (auto
-    gives one where the slice is no longer than the hidden size, which would repeat the untiled run)."""
+    """--tiled_mlp for a rank's slice: auto's count, at least MIN_TILES (1 would repeat the untiled run)."""
     return max(MIN_TILES, math.ceil(context // size / p.model["hidden_size"]))
 
 
@@ -223,8 +221,7 @@ def _label(size: int, tiled: int) -> str:
 
 def _rows(p: LongContextPlan, runs: dict[Key, list[dict[str, Any]]], search: dict[int, dict[str, Any]], budget: int,
           rows: list) -> dict[str, Any]:  # fmt: skip
-    """The grid's rows against S = 1 untiled at each context, then the acceptance rows; returns the acceptance
-    record, the search and every run's summary."""
+    """The grid's rows against S = 1 untiled, then the acceptance rows; the record behind them."""
     sums = {k: [summary(r, p.steps) for r in v] for k, v in runs.items()}
     for context in p.contexts:
         peer = sums[(context, 1, 0)]

@@ -58,9 +58,7 @@ class PreferencePlan(Settings):
 
 def plan(*, quick: bool, threads: int, reps: int | None, idle_wait_s: float | None, precision: str | None = None,
          objectives: tuple[str, ...] | None = None) -> PreferencePlan:  # fmt: skip
-    """The full suite (hidden 512, 8 layers; 2 ranks x 4 pairs of 384-token sequences, 4 steps; four objectives) or
-    the quick one (the CPU suite's quick model, 2 ranks x 1 pair of 64 tokens, 3 steps, DPO alone). No re-measuring
-    on contention: the peaks are memory, which others' CPU use does not move; every launch's is recorded."""
+    """The full suite (34M model, 4 objectives) or the quick one (DPO alone); peaks are memory: no retry."""
     if quick:
         p = PreferencePlan(dict(QUICK_MODEL), reps=1, pairs_per_rank=1, prompt_tokens=40, reply_tokens=23, steps=3,
                            objectives=("dpo",), quick=True, launch_timeout_s=180.0)  # fmt: skip
@@ -118,8 +116,7 @@ class Texts:
 
 
 def write_datasets(plan: PreferencePlan, model: Path, out: Path) -> dict[str, Any]:
-    """The preference file (prompt/chosen/rejected) and its SFT twin (each side a prompt/completion row, the prompt
-    framed as the trainer frames the pairs' prompts)."""
+    """The preference file and its SFT twin (each side a prompt/completion row, prompts framed alike)."""
     from qlora_fsdp.data.formats import format_prompt  # torch-free: the template the trainer frames prompts with
 
     texts = Texts(model / "tokenizer.json", plan.seed)
@@ -151,8 +148,7 @@ def rss_growth(run: dict[str, Any]) -> list[list[int]]:
 
 
 def summary(run: dict[str, Any], steps: int) -> dict[str, Any]:
-    """A run's figures: resident bytes, the two step peaks (largest rank; RSS of steps 1 to S-1), the step time
-    (median of steps 2 to S-1) and the tokens of every step."""
+    """A run's resident bytes, step peaks, step time (steps 2 to S-1) and every step's tokens."""
     m = run["metrics"]
     return {"param_bytes_per_rank": m[0]["param_bytes_per_rank"], **harness.step_peaks(run, steps),
             "rss_peak_growth_step1_bytes": max(g[0] for g in rss_growth(run)),
