@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import harness, report
-from benchmarks.harness import Settings, alternate, figure_rows, median, session
+from benchmarks.harness import Settings, alternating, figure_rows, median, session
 
 MODES = ("sharded", "gathered")
 """--generation_mode values; gathered is `ours`, sharded (the default) the `peer` column."""
@@ -71,21 +71,21 @@ def summary(run: dict[str, Any]) -> dict[str, float]:
 def run(p: GenerationPlan, *, cache: Path, model: Path | None = None,
         log: Callable[[str], None] = print) -> dict[str, Any]:  # fmt: skip
     """Every run of the generation suite; returns results.json's content."""
-    runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
     with session(p, "generation", log) as runner:
         model_dir = runner.model(p.model, cache)
         log(f"{p.reps} x {len(MODES)} runs of {p.steps} GRPO steps on {p.nproc} ranks")
-        for rep in range(p.reps):
-            for mode in alternate(rep, MODES):
-                flags = runner.flags(
-                    f"train-{mode}", model=model_dir, quant="bnb", fsdp_version=2, dataset=PROMPTS, objective="grpo",
-                    reward_funcs=REWARD, generation_mode=mode, num_generations=p.num_generations,
-                    max_completion_length=p.max_completion_length, context_length=p.max_completion_length + 64,
-                    batch_size=p.prompts_per_rank * p.num_generations, dataset_samples=0,
-                    gradient_checkpointing="false", max_steps=p.steps, seed=0)  # fmt: skip
-                done = runner.train(f"--generation_mode {mode} (rep {rep + 1})", flags, nproc=p.nproc, steps=p.steps)
-                runs[mode].append({"mode": mode, "steps": done["metrics"],
-                                   "peak_rss_bytes": done["exit_peak_rss_bytes"]})  # fmt: skip
+
+        def train(mode: str, rep: int) -> dict[str, Any]:
+            flags = runner.flags(
+                f"train-{mode}", model=model_dir, quant="bnb", fsdp_version=2, dataset=PROMPTS, objective="grpo",
+                reward_funcs=REWARD, generation_mode=mode, num_generations=p.num_generations,
+                max_completion_length=p.max_completion_length, context_length=p.max_completion_length + 64,
+                batch_size=p.prompts_per_rank * p.num_generations, dataset_samples=0,
+                gradient_checkpointing="false", max_steps=p.steps, seed=0)  # fmt: skip
+            done = runner.train(f"--generation_mode {mode} (rep {rep + 1})", flags, nproc=p.nproc, steps=p.steps)
+            return {"mode": mode, "steps": done["metrics"], "peak_rss_bytes": done["exit_peak_rss_bytes"]}
+
+        runs = alternating(p.reps, MODES, train)
         check_same(runs)
         sums = {mode: [summary(r) for r in runs[mode]] for mode in MODES}
         note = (f"{p.nproc} ranks x {p.prompts_per_rank} prompts x {p.num_generations} completions of "

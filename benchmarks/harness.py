@@ -59,6 +59,23 @@ def alternate(rep: int, items: Sequence[Any]) -> list[Any]:
     return list(items) if rep % 2 == 0 else list(reversed(items))
 
 
+def alternating(reps: int, items: Sequence[Any], measure: Callable[[Any, int], Any]) -> dict[Any, list[Any]]:
+    """`measure(item, rep)` of every item in each repetition, the order alternating; each item's results."""
+    runs: dict[Any, list[Any]] = {item: [] for item in items}
+    for rep in range(reps):
+        for item in alternate(rep, items):
+            runs[item].append(measure(item, rep))
+    return runs
+
+
+def check_steps(what: str, metrics: Sequence[dict[str, Any]], want: tuple[int, int, float]) -> None:
+    """Every step trained `want` (tokens, label tokens, packing efficiency): rows that fill, unpadded."""
+    got = [(m["tokens"], m["label_tokens"], m["packing_efficiency"]) for m in metrics]
+    if any(g != want for g in got):
+        raise RuntimeError(f"{what}: (tokens, label tokens, packing efficiency) per step {got}, expected {want} at "
+                           "every step")  # fmt: skip
+
+
 def bundled_words() -> list[str]:
     """The words of data/alpaca_tiny.jsonl, sorted: every tiny model's tokenizer was trained on them."""
     words: set[str] = set()
@@ -333,7 +350,11 @@ def parameters(model: Path) -> int:
     return sum(math.prod(v["shape"]) for v in tensor_headers(model).values())
 
 
-def model_record(model: Path, sizes: dict[str, Any]) -> dict[str, Any]:
+def model_record(model: Path, sizes: dict[str, Any] | None = None) -> dict[str, Any]:
+    """results.json's model: its path, parameters, shards and sizes (by default its config's SIZE_KEYS)."""
+    if sizes is None:
+        config = json.loads((model / "config.json").read_text())
+        sizes = {k: config.get(k) for k in SIZE_KEYS}
     return {"path": str(model), "parameters": parameters(model), "shards": len(list(model.glob("*.safetensors"))),
             "sizes": sizes}  # fmt: skip
 
@@ -368,27 +389,6 @@ class Settings:
                 setattr(self, name, reps)
 
 
-def ensure_model(sizes: dict[str, int], cache: Path, plan: Settings) -> Path:
-    """The random Llama of these sizes, built once under `cache` in a process of its own (it holds fp32 twice)."""
-    path = cache / ("llama-" + "-".join(f"{v}" for v in sizes.values()))
-    if not (path / "model.safetensors.index.json").is_file():
-        flags = [f"--{k}={v}" for k, v in sizes.items()]
-        cmd = [sys.executable, str(REPO_ROOT / "scripts" / "make_tiny_model.py"), f"--output={path}", *flags]
-        launch([cmd], [base_env(plan.threads)], timeout_s=plan.launch_timeout_s).check("building the model")
-    return path
-
-
-def launch_conditions(launches: list[dict[str, Any]]) -> dict[str, Any]:
-    """results.json's record of the conditions of a suite's launches."""
-    foreign = [e["foreign_cores"] for e in launches if not e["discarded"]]
-    return {"launches": launches, "foreign_cores_median": median(foreign) if foreign else 0.0,
-            "foreign_cores_max": max(foreign, default=0.0),
-            "waited_for_idle_s": round(sum(e["waited_for_idle_s"] for e in launches), 1),
-            "discarded_launches": sum(e["discarded"] for e in launches),
-            "aborted_at_exit_after_finishing": sum("aborted_at_exit_after_finishing" in e for e in launches),
-            }  # fmt: skip
-
-
 class Runner:
     """Launches in a scratch directory after a quiet wait; re-measures a failed or contended launch once; logs all."""
 
@@ -401,9 +401,13 @@ class Runner:
         self._n = 0
 
     def model(self, sizes: dict[str, int], cache: Path) -> Path:
-        """ensure_model, its time counted as the suite's model building."""
-        start = time.perf_counter()
-        path = ensure_model(sizes, cache, self.plan)
+        """The random Llama of these sizes, built once under `cache` in a process of its own (it holds fp32 twice)."""
+        start, path = time.perf_counter(), cache / ("llama-" + "-".join(f"{v}" for v in sizes.values()))
+        if not (path / "model.safetensors.index.json").is_file():
+            flags = [f"--{k}={v}" for k, v in sizes.items()]
+            cmd = [sys.executable, str(REPO_ROOT / "scripts" / "make_tiny_model.py"), f"--output={path}", *flags]
+            job = launch([cmd], [base_env(self.plan.threads)], timeout_s=self.plan.launch_timeout_s)
+            job.check("building the model")
         self.build_s += time.perf_counter() - start
         return path
 
@@ -462,6 +466,14 @@ class Runner:
                 "lora_target_modules": "all", "lr": 1e-5, "log_to": "stdout", "save_model": "false",
                 "device": "cpu", "output_dir": self.result_path(stem), **flags}  # fmt: skip
 
+    def profiled(self, what: str, stem: str, *, nproc: int, steps: int, **flags: Any) -> dict[str, Any]:
+        """A torchrun job of bnb LoRA under the step probe, its last step profiled (the log left out)."""
+        flags = self.flags(stem, quant="bnb", dataset_cache_dir=self.work / "tokenized", dataset_num_proc=1,
+                           max_steps=steps, profile="true", profile_steps=f"{steps},{steps}", **flags)  # fmt: skip
+        run = self.train(what, flags, nproc=nproc, steps=steps, probe="steps", torchrun=True)
+        del run["log"]
+        return run
+
     def train(self, what: str, flags: dict[str, Any], *, nproc: int, steps: int, probe: str = "peak",
               torchrun: bool = False, torchrun_args: Sequence[str] = (), wrap: Sequence[str] = (),
               reset: Callable[[], None] | None = None, done: Callable[[], bool] = lambda: True) -> dict[str, Any]:
@@ -509,9 +521,16 @@ class Runner:
     def results(self, suite: str, rows: list[dict[str, Any]], details: dict[str, Any], settings: dict[str, Any],
                 **extra: Any) -> dict[str, Any]:  # fmt: skip
         """results.json's content: the plan and `settings`, rows, details, every launch's conditions."""
+        launches = self.launches
+        foreign = [e["foreign_cores"] for e in launches if not e["discarded"]]
+        conditions = {"build_model_s": round(self.build_s, 1), "launches": launches,
+                      "foreign_cores_median": median(foreign) if foreign else 0.0,
+                      "foreign_cores_max": max(foreign, default=0.0),
+                      "waited_for_idle_s": round(sum(e["waited_for_idle_s"] for e in launches), 1),
+                      "discarded_launches": sum(e["discarded"] for e in launches),
+                      "aborted_at_exit_after_finishing": sum("aborted_at_exit_after_finishing" in e for e in launches)}
         return {"suite": suite, "quick": self.plan.quick, **extra, "settings": {**asdict(self.plan), **settings},
-                "rows": rows, "details": details,
-                "conditions": {"build_model_s": round(self.build_s, 1), **launch_conditions(self.launches)},
+                "rows": rows, "details": details, "conditions": conditions,
                 "wall_time_s": time.perf_counter() - self.started}  # fmt: skip
 
 

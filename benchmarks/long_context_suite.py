@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import harness, report
-from benchmarks.harness import Runner, Settings, alternate, brief, figure_rows, llama, median, row, session
+from benchmarks.harness import Runner, Settings, brief, check_steps, figure_rows, llama, median, row, session
 from benchmarks.report import fmt
 
 SP_PEAK_BAR = 0.6
@@ -110,19 +110,12 @@ def write_rows(p: LongContextPlan, out: Path) -> Path:
 
 
 def train(runner: Runner, what: str, model: Path, data: Path, context: int, size: int, tiled: int) -> dict[str, Any]:
-    """One run on S ranks (torchrun, even for 1) under the step probe, the last step profiled."""
+    """One run on S ranks (torchrun, even for 1) under the step probe; every step must fill the context."""
     p = runner.plan
-    flags = runner.flags(
-        f"train-{context}-s{size}-t{tiled}", model=model, quant="bnb", dataset=data,
-        dataset_cache_dir=runner.work / "tokenized", dataset_num_proc=1, context_length=context, batch_size=1,
-        max_steps=p.steps, seed=p.seed, sequence_parallel_size=size, tiled_mlp=tiled, profile="true",
-        profile_steps=f"{p.steps},{p.steps}")  # fmt: skip
-    run = runner.train(what, flags, nproc=size, steps=p.steps, probe="steps", torchrun=True)
-    del run["log"]
-    got = [(x["tokens"], x["label_tokens"], x["packing_efficiency"]) for x in run["metrics"]]
-    if any(g != (context, context - 1, 1.0) for g in got):
-        raise RuntimeError(f"{what}: (tokens, label tokens, packing efficiency) per step {got}, expected "
-                           f"({context}, {context - 1}, 1.0): the rows did not fill the context")  # fmt: skip
+    run = runner.profiled(what, f"train-{context}-s{size}-t{tiled}", nproc=size, steps=p.steps, model=model,
+                          dataset=data, context_length=context, batch_size=1, seed=p.seed,
+                          sequence_parallel_size=size, tiled_mlp=tiled)  # fmt: skip
+    check_steps(what, run["metrics"], (context, context - 1, 1.0))
     return {"context": context, "size": size, "tiled_mlp": tiled, **run}
 
 
@@ -178,9 +171,7 @@ def run(p: LongContextPlan, *, cache: Path, model: Path | None = None,
         log(f"{p.reps} x {len(grid)} runs of {p.steps} steps: contexts {p.contexts}, S {p.sizes}, tiled at S "
             f"{p.tiled_sizes}; then the longest context within the budget (S = 1 at {p.base_context} tokens + "
             f"{BUDGET_MARGIN:.0%})")  # fmt: skip
-        for rep in range(p.reps):
-            for key in alternate(rep, grid):
-                launch(key, rep)
+        harness.alternating(p.reps, grid, launch)
         base = (p.base_context, 1, 0)
         budget = int(peak(runs[base][0] if base in runs else launch(base, 0)) * (1 + BUDGET_MARGIN))
         search: dict[int, dict[str, Any]] = {}
