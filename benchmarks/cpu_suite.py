@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks import harness, report
+from benchmarks import harness
 from benchmarks.harness import FULL_MODEL, LARGE_MODEL, QUICK_MODEL, Runner, Settings, alternate, median, row, session
 
 PEER_LOAD = "HF from_pretrained 4-bit, 1 process"
@@ -99,7 +99,6 @@ def run(p: CpuPlan, *, model: Path | None, cache: Path, log: Callable[[str], Non
     """Every measurement of the plan's kind; returns results.json's content."""
     with session(p, "cpu", log) as runner:
         model_dir = model or runner.model(p.model, cache)
-        config = json.loads((model_dir / "config.json").read_text())
         rows: list[dict[str, Any]] = []
         details: dict[str, Any] = {}
         if p.kind == "cpu-loss":
@@ -118,7 +117,7 @@ def run(p: CpuPlan, *, model: Path | None, cache: Path, log: Callable[[str], Non
                 log("3/4 training throughput")
                 _training(runner, model_dir, rows, details)
                 log("4/4 quantization quality and size")
-                _quality(runner, model_dir, config, rows, details)
+                _quality(runner, model_dir, rows, details)
         bf16 = "" if p.precision == "bf16" else "; this CPU has no native bf16 matmul (AVX512-BF16/AMX)"
         return runner.results(p.kind, rows, details, {
             "precision": f"{p.precision} parameters, storage and compute (ours --precision {p.precision}; peer dtype "
@@ -129,11 +128,7 @@ def run(p: CpuPlan, *, model: Path | None, cache: Path, log: Callable[[str], Non
             "our_training": "the real CLI: python train.py / torchrun train.py --max_steps, metrics.jsonl tokens_per_s",
             "adapters": f"ours: LoRA weights in {p.precision} (qlora-fsdp stores them in --precision); peer: PEFT "
                         "default fp32",
-        }, model=harness.model_record(model_dir, {k: config.get(k) for k in harness.SIZE_KEYS}))  # fmt: skip
-
-
-def render(results: dict[str, Any]) -> str:
-    return report.render(results)
+        }, model=harness.model_record(model_dir))  # fmt: skip
 
 
 def _load_args(runner: Runner, model: Path, version: int, quant: str) -> dict[str, Any]:
@@ -322,9 +317,9 @@ def _loss(runner: Runner, model: Path, cache: Path, rows: list, details: dict) -
     details["loss"] = {"peak_rss": {f"{v}/{c}": r for (v, c), r in peaks.items()}, "tokens_per_s": speed}
 
 
-def _quality(runner: Runner, model: Path, config: dict[str, Any], rows: list, details: dict) -> None:
+def _quality(runner: Runner, model: Path, rows: list, details: dict) -> None:
     """Section 4: stored bits per parameter and dequantization error per format, on real weight matrices."""
-    n = config["num_hidden_layers"]
+    n = json.loads((model / "config.json").read_text())["num_hidden_layers"]
     layers = sorted({0, n // 2, n - 1})
     record = runner.worker("quantization quality", "quant_quality", {"model": str(model), "layers": layers,
                            "formats": [{"name": name, "config": cfg} for _, name, cfg in FORMATS]})[0]  # fmt: skip

@@ -210,7 +210,6 @@ def run(p: DataPlan, *, model: Path | None, cache: Path, log: Callable[[str], No
     rows: list[dict[str, Any]] = []
     with session(p, "data", log, env=_env) as runner:
         model_dir = model or runner.model(harness.QUICK_MODEL, cache)
-        config = json.loads((model_dir / "config.json").read_text())
         data, info = ensure_dataset(p, model_dir, cache, log)
         details: dict[str, Any] = {"dataset": info}
         log(f"1/4 cache build, {p.rows} rows, --dataset_num_proc {' and '.join(map(str, p.build_procs))}")
@@ -237,8 +236,7 @@ def run(p: DataPlan, *, model: Path | None, cache: Path, log: Callable[[str], No
             "our_training": "the real CLI: python train.py / torchrun train.py, metrics.jsonl; scripts/preprocess.py "
                             "for the builds",
             "shapes": f"batch {p.batch_size} per rank x --context_length {p.context_length}",
-        }, model=harness.model_record(model_dir, {k: config.get(k) for k in harness.SIZE_KEYS}),
-           checks=checks)  # fmt: skip
+        }, model=harness.model_record(model_dir), checks=checks)  # fmt: skip
 
 
 def _builds(runner: Runner, model: Path, data: Path, rows: list, details: dict) -> None:

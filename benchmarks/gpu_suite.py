@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks import harness, report
+from benchmarks import harness
 from benchmarks.harness import llama, row
 
 LLAMA2_7B = llama(4096, 32, 11008, 32, 32, 32000, 7)
@@ -247,10 +247,6 @@ def run(out_dir: Path, *, dry_run: bool, peak_flops: float, budget_s: float | No
         shutil.rmtree(work, ignore_errors=True)
     state.results["wall_time_s"] = time.perf_counter() - state.start
     return state.results
-
-
-def render(results: dict[str, Any]) -> str:
-    return report.render(results)
 
 
 def failure_cause(job: harness.Launch) -> str:
