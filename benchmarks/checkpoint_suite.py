@@ -1,7 +1,5 @@
-"""The checkpoint suite (--suite cpu-checkpoint): training's stall per save with `--async_save true` against a
-synchronous save of the same state, 2 ranks, on a 483M full fine-tune and a LoRA case. The issue's bar: the async
-stall at most 0.3x the synchronous one (full case). Stalls are read from rank 0's log and from metrics.jsonl's step
-times; each pair's last checkpoints are compared tensor by tensor. benchmarks/README.md has the method.
+"""The checkpoint suite (--suite cpu-checkpoint): training's stall per save, `--async_save true` against false, 2
+ranks, a 483M full fine-tune and a LoRA case (bar: async <= 0.3x sync, full case). benchmarks/README.md: the method.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""CPU measurements, each in a fresh process: `python -m benchmarks.cpu_workers NAME JSON_ARGS`.
-
-A worker imports only what it measures, times only the measured work, and writes one JSON file (per rank, for
-jobs) that the orchestrator reads; multi-rank workers join the job through the torchrun variables the Runner sets.
+"""CPU measurements, each in a fresh process that imports and times only what it measures, writing one JSON file (per
+rank, for jobs): `python -m benchmarks.cpu_workers NAME JSON_ARGS`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""The data suite (--suite cpu-data): the tokenized data path at scale, on a synthetic alpaca-like JSONL: (1) the
-first cache build with --dataset_num_proc 1 and 2, (2) the cached start, (3) per-rank peak RSS of 2-rank training on
-many rows against few, (4) per-batch padding against --pad_to_context true. `python -m benchmarks.data_suite
-first-step ...` is the wrapper that times a launch to its first metrics.jsonl record.
+"""The data suite (--suite cpu-data) on a synthetic alpaca JSONL: cache build, cached start, data memory, padding.
+`python -m benchmarks.data_suite first-step ...` times a launch to its first metrics.jsonl record.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""The generation suite (--suite cpu-generation): GRPO's sampling with the weights gathered once per micro-batch
-(`--generation_mode gathered`, ours) against through the sharded model (the default, the peer column), 2 ranks;
-both modes must sample and train the same, checked on every step before anything is reported.
+"""The generation suite (--suite cpu-generation): GRPO sampling, `--generation_mode gathered` (ours) against sharded
+(the default), 2 ranks; both modes must sample and train the same, checked on every step first.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""The GPU suite: the GPU test tier, then a Llama-2-7B-shaped random model, ours against the HF + PEFT + bnb loop,
-in priority order so a run stopped by the machine's time keeps what matters most (NAMES); `--only` picks some items
-for a second run, and results.json and results.md are written again after every job. Each side is a fresh process
-per variant (`python -m benchmarks.gpu_suite NAME JSON`): ours through `qlora_fsdp.cli.main` in-process, so the
-worker reads the CUDA allocator's peaks, reset on both sides once the model is built. `--dry-run` runs exactly this
-on the CPU with tiny shapes, peak RSS standing in for both memory figures.
+"""The GPU suite: the GPU test tier, then a Llama-2-7B-shaped model, ours against the HF + PEFT + bnb loop, in priority
+order (NAMES) within a budget, results saved after every job. Each run is a fresh process (`python -m
+benchmarks.gpu_suite NAME JSON`) that reads the CUDA allocator's peaks; `--dry-run` runs it on the CPU, tiny shapes.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""The long-context suite (--suite cpu-long-context): what --sequence_parallel_size S and --tiled_mlp save per rank.
-(1) A memory grid, every context x S, tiled off and on, beside S = 1 untiled: a step's peak tensor bytes per rank
-(profiled), its RSS growth, tokens/s; (2) the longest context S = 1 and S = 2 train in a fixed per-rank budget. The
-issue's bars: S = 2 / S = 1 <= 0.6x and tiled / untiled <= 0.7x at the largest context, longest S = 2 / S = 1 >=
-1.8x. Every run trains rows that fill its context; benchmarks/README.md has the method and the wall times.
+"""The long-context suite (--suite cpu-long-context): what --sequence_parallel_size S and --tiled_mlp save per rank,
+as a grid of step peaks and the longest context in a fixed budget. benchmarks/README.md: the method and the bars.
 """
 
 from __future__ import annotations

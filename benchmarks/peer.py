@@ -1,9 +1,5 @@
-"""The peer every figure is compared with: Hugging Face 4-bit loading + PEFT LoRA + a plain torch AdamW loop.
-
-This is what most people write by hand (or get from TRL) instead of using qlora-fsdp: one process,
-`from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True, ...))`, `get_peft_model`, and a
-forward/backward/step loop. It is configured like our runs: NF4 with double quantization (our default), bf16
-storage and compute, bf16 unquantized weights, the same LoRA rank, alpha and targets (every linear but the head).
+"""The peer every figure is compared with: what people write instead of qlora-fsdp, Hugging Face 4-bit loading + PEFT
+LoRA + a plain torch AdamW loop in one process, configured like our runs (NF4 + double quant, the same LoRA).
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
     python benchmarks/run.py --suite NAME [--quick] [--out DIR] [--model DIR] [--reps N] [suite options]
     python benchmarks/run.py --suite gpu [--dry-run] [--only tests,bnb,...]   (benchmarks/gpu.sh wraps it)
+    python benchmarks/run.py --render OUT/results.json                          (its results.md, again)
 
 Suites: cpu, cpu-large, cpu-loss, cpu-packing, cpu-data (--rows), cpu-moe (--quants), cpu-preference
 (--objectives), cpu-checkpoint, cpu-long-context, cpu-generation, gpu. benchmarks/README.md says what each measures.
