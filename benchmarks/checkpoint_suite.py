@@ -4,7 +4,6 @@ ranks, a 483M full fine-tune and a LoRA case (bar: async <= 0.3x sync, full case
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 from collections.abc import Callable
@@ -108,15 +107,12 @@ def train(runner: Runner, what: str, model: Path, case: str, *, async_save: bool
     left = sorted(x.name for x in out.glob("checkpoint-*"))
     if left != [final.name]:
         raise RuntimeError(f"{what}: --save_total_limit {p.save_total_limit} left {left}")
-    total = sharded = files = 0
-    for root, _, names in os.walk(final):
-        for name in names:
-            size = (Path(root) / name).stat().st_size
-            total, files = total + size, files + 1
-            sharded += size if Path(root).relative_to(final).parts[:1] == ("sharded",) else 0
+    sizes = {f: f.stat().st_size for f in final.rglob("*") if f.is_file()}
+    sharded = sum(n for f, n in sizes.items() if f.relative_to(final).parts[0] == "sharded")
     return {"case": case, "async_save": async_save, **run,
             "saves": parse_saves(stdout[-1].read_text(), async_save=async_save, expected=p.saves),
-            "checkpoint": {"path": str(final), "bytes": total, "sharded_bytes": sharded, "files": files},
+            "checkpoint": {"path": str(final), "bytes": sum(sizes.values()), "sharded_bytes": sharded,
+                           "files": len(sizes)},
             "output_dir": str(out)}  # fmt: skip
 
 

@@ -196,6 +196,8 @@ def train(runner: Runner, what: str, model: Path, data: Path, *, rows: int, cach
 
     run = runner.train(what, f, nproc=nproc, steps=steps, wrap=wrap, reset=reset)
     run["cache"] = cache_line(run.pop("log"))
+    if run["cache"] is not None and run["cache"]["built"] != fresh_cache:  # a fresh cache is built, any other reused
+        raise RuntimeError(f"{what}: the cache was {'built' if fresh_cache else 'reused'}: {run['cache']}")
     if first_step:
         run.update(harness.read_json(timing))
         if run["first_step_s"] is None:
@@ -273,8 +275,6 @@ def _first_step(runner: Runner, model: Path, data: Path, rows: list, details: di
             what = f"time to first step, {kind} run, {p.rows} rows (rep {rep + 1})"
             run = train(runner, what, model, data, rows=p.rows, cache_dir=cache_dir, nproc=1,
                         steps=p.first_step_steps, fresh_cache=kind == "first", first_step=True)  # fmt: skip
-            if run["cache"] is not None and run["cache"]["built"] != (kind == "first"):
-                raise RuntimeError(f"{what}: the cache was {'reused' if kind == 'first' else 'built'}: {run['cache']}")
             runs[kind].append(run)
     rows.append(row("cached start", "time_to_first_step_s", "time from launch to the end of step 1", "s", "lower",
                     [r["first_step_s"] for r in runs["cached"]], [r["first_step_s"] for r in runs["first"]],
@@ -302,16 +302,14 @@ def _memory_and_padding(runner: Runner, model: Path, data: Path, shared: Path, r
     for n in (large, small):
         if n != p.rows:  # the first-step directory already holds the cache of every row
             preprocess(runner, f"cache for {n} rows (not a figure)", n, 2, shared, data, model, fresh=False)
-    runs: dict[str, list[dict[str, Any]]] = {"large": [], "small": [], "pad_to_context": []}
-    for rep in range(p.train_reps):
-        for n, pad in alternate(rep, [(small, False), (large, False), (large, True)]):
-            padding = "--pad_to_context true" if pad else "per-batch padding"
-            what = f"train x{p.nproc}, {n} rows, {padding} (rep {rep + 1})"
-            run = train(runner, what, model, data, rows=n, cache_dir=shared, nproc=p.nproc, steps=p.steps,
-                        **({"pad_to_context": "true"} if pad else {}))  # fmt: skip
-            if run["cache"] is not None and run["cache"]["built"]:
-                raise RuntimeError(f"{what}: built its cache, which should have existed: {run['cache']}")
-            runs["pad_to_context" if pad else "large" if n == large else "small"].append(run)
+
+    def measure(kind: str, rep: int) -> dict[str, Any]:
+        n, pad = small if kind == "small" else large, kind == "pad_to_context"
+        what = f"train x{p.nproc}, {n} rows, {'--pad_to_context true' if pad else 'per-batch padding'} (rep {rep + 1})"
+        return train(runner, what, model, data, rows=n, cache_dir=shared, nproc=p.nproc, steps=p.steps,
+                     **({"pad_to_context": "true"} if pad else {}))  # fmt: skip
+
+    runs = harness.alternating(p.train_reps, ("small", "large", "pad_to_context"), measure)
     shape = (f"{p.nproc} ranks (torchrun, gloo) x batch {p.batch_size} x --context_length {p.context_length}, "
              f"--quant none --train_type lora, --max_steps {p.steps}")  # fmt: skip
     _memory_rows(p, runs, shape, rows, details)
