@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import harness, report
-from benchmarks.harness import Runner, Settings, alternate, brief, llama, median, row, session
+from benchmarks.harness import Runner, Settings, brief, llama, median, row, session
 from benchmarks.report import fmt
 
 QUANTS = ("bnb", "hqq")
@@ -175,18 +175,13 @@ def _memory(runner: Runner, moe: Path, peer: dict[str, Any], rows: list, details
 def _step_time(runner: Runner, moe: Path, dense: Path, rows: list, details: dict) -> None:
     """2: step time of the MoE against the dense model with its active parameters, the two alternating."""
     p = runner.plan
-    seconds: dict[str, list[float]] = {"moe": [], "dense": []}
-    peaks: dict[str, list[int]] = {"moe": [], "dense": []}
-    runs: dict[str, list[dict[str, Any]]] = {"moe": [], "dense": []}
-    for rep in range(p.reps):
-        for kind in alternate(rep, ("moe", "dense")):
-            run = train(runner, f"step time, {kind} {p.step_quant} x{p.step_nproc} (rep {rep + 1})",
-                        moe if kind == "moe" else dense, p.step_quant, nproc=p.step_nproc, batch_size=p.batch_size,
-                        context_length=p.context_length, steps=p.steps)  # fmt: skip
-            # A record's elapsed_s counts from the start of training: a step's own time is tokens / tokens_per_s.
-            seconds[kind].append(median([m["tokens"] / m["tokens_per_s"] for m in run["metrics"][p.skip_steps :]]))
-            peaks[kind].append(max(run["exit_peak_rss_bytes"]))
-            runs[kind].append(run)
+    runs = harness.alternating(p.reps, ("moe", "dense"), lambda kind, rep: train(
+        runner, f"step time, {kind} {p.step_quant} x{p.step_nproc} (rep {rep + 1})", moe if kind == "moe" else dense,
+        p.step_quant, nproc=p.step_nproc, batch_size=p.batch_size, context_length=p.context_length, steps=p.steps))
+    # A record's elapsed_s counts from the start of training: a step's own time is tokens / tokens_per_s.
+    seconds = {k: [median([m["tokens"] / m["tokens_per_s"] for m in r["metrics"][p.skip_steps :]]) for r in v]
+               for k, v in runs.items()}  # fmt: skip
+    peaks = {k: [max(r["exit_peak_rss_bytes"]) for r in v] for k, v in runs.items()}
     tokens = {k: [[m["tokens"] for m in r["metrics"]] for r in v] for k, v in runs.items()}
     same_tokens = all(t == tokens["moe"][0] for v in tokens.values() for t in v)
     if not same_tokens:
