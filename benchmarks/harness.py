@@ -225,8 +225,7 @@ def shell(cmd: Sequence[str]) -> str:
 
 
 def read_json(path: str | os.PathLike) -> Any:
-    with open(path) as fh:
-        return json.load(fh)
+    return json.loads(Path(path).read_text())
 
 
 def write_json(path: str | os.PathLike, obj: Any) -> None:
@@ -253,11 +252,8 @@ def peak_rss_bytes() -> int:
 
 def reset_peak_rss() -> None:
     """Restart VmHWM from the current RSS (clear_refs "5"); where the kernel refuses, it keeps counting."""
-    try:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")
 
 
 def maxrss_bytes() -> int:
