@@ -524,7 +524,8 @@ class Runner:
                       "foreign_cores_max": max(foreign, default=0.0),
                       "waited_for_idle_s": round(sum(e["waited_for_idle_s"] for e in launches), 1),
                       "discarded_launches": sum(e["discarded"] for e in launches),
-                      "aborted_at_exit_after_finishing": sum("aborted_at_exit_after_finishing" in e for e in launches)}
+                      "aborted_at_exit_after_finishing": sum("aborted_at_exit_after_finishing" in e for e in launches),
+                      }  # fmt: skip
         return {"suite": suite, "quick": self.plan.quick, **extra, "settings": {**asdict(self.plan), **settings},
                 "rows": rows, "details": details, "conditions": conditions,
                 "wall_time_s": time.perf_counter() - self.started}  # fmt: skip

@@ -175,9 +175,13 @@ def _memory(runner: Runner, moe: Path, peer: dict[str, Any], rows: list, details
 def _step_time(runner: Runner, moe: Path, dense: Path, rows: list, details: dict) -> None:
     """2: step time of the MoE against the dense model with its active parameters, the two alternating."""
     p = runner.plan
-    runs = harness.alternating(p.reps, ("moe", "dense"), lambda kind, rep: train(
-        runner, f"step time, {kind} {p.step_quant} x{p.step_nproc} (rep {rep + 1})", moe if kind == "moe" else dense,
-        p.step_quant, nproc=p.step_nproc, batch_size=p.batch_size, context_length=p.context_length, steps=p.steps))
+
+    def measure(kind: str, rep: int) -> dict[str, Any]:
+        what = f"step time, {kind} {p.step_quant} x{p.step_nproc} (rep {rep + 1})"
+        return train(runner, what, moe if kind == "moe" else dense, p.step_quant, nproc=p.step_nproc,
+                     batch_size=p.batch_size, context_length=p.context_length, steps=p.steps)  # fmt: skip
+
+    runs = harness.alternating(p.reps, ("moe", "dense"), measure)
     # A record's elapsed_s counts from the start of training: a step's own time is tokens / tokens_per_s.
     seconds = {k: [median([m["tokens"] / m["tokens_per_s"] for m in r["metrics"][p.skip_steps :]]) for r in v]
                for k, v in runs.items()}  # fmt: skip
