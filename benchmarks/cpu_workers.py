@@ -92,12 +92,8 @@ def _quiet() -> None:
 
 
 def load_ours(args: dict[str, Any]) -> None:
-    """One rank of our loading path: skeleton on meta, stream the checkpoint, quantize (bnb: each rank half of every
-    weight's blocks), shard each decoder layer as it completes (--fsdp_version), then the root. No adapters.
-
-    `split` false streams without the job's DistEnv: every rank quantizes every weight (`_hqq_split`'s baseline).
-    The quantized model's bytes are added up layer by layer before sharding, so every rank knows them.
-    """
+    """One rank of our loading path, no adapters: skeleton on meta, stream, quantize, shard each layer as it is whole,
+    then the root. `split` false streams without the job's DistEnv, so every rank quantizes every weight."""
     _quiet()
     import torch.distributed as dist
 
@@ -186,12 +182,8 @@ def train_peer(args: dict[str, Any]) -> None:
 
 
 def quant_quality(args: dict[str, Any]) -> None:
-    """Stored bits per parameter and dequantization error of each format, ours against the library called directly.
-
-    Ours: `make_backend` + `load_weight` into the module our loader builds, uint8 storage, bf16 compute (as in
-    training). Reference: bitsandbytes' `quantize_4bit` / HQQ's `HQQLinear` with their default integer storage.
-    Both quantize the same real weight matrices of the model; error is |dequantized - original fp32|.
-    """
+    """Stored bits per parameter and |dequantized - fp32| of each format on the model's real weights: our backend (uint8
+    storage, bf16 compute, as in training) against the library called directly (bnb's quantize_4bit, HQQLinear)."""
     _quiet()
     from safetensors import safe_open
 
