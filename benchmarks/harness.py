@@ -474,7 +474,8 @@ class Runner:
               torchrun: bool = False, torchrun_args: Sequence[str] = (), wrap: Sequence[str] = (),
               reset: Callable[[], None] | None = None, done: Callable[[], bool] = lambda: True) -> dict[str, Any]:
         """Our real CLI, `train.py` (torchrun for several ranks) inside benchmarks/probe.py: probe "peak" gives each
-        rank's VmHWM at exit, "steps" each rank's per-step RSS and the profiled step's tensor peak (`ranks`)."""
+        rank's VmHWM at exit, "steps" each rank's per-step RSS and the profiled step's tensor peak (`ranks`). `wrap`
+        prefixes the command (a timer); `done` is what a launch that aborted at exit must leave besides the steps."""
         out = Path(flags["output_dir"])
         args = ["-m", "benchmarks.probe", str(REPO_ROOT / "train.py"), *(f"--{k}={v}" for k, v in flags.items())]
         cmd = [sys.executable, *args]
