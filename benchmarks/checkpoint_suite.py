@@ -1,12 +1,9 @@
-"""The checkpoint suite (--suite cpu-checkpoint): training's stall per save with `--async_save true` against a
-synchronous save of the same state, 2 ranks, on a 483M full fine-tune and a LoRA case. The issue's bar: the async
-stall at most 0.3x the synchronous one (full case). Stalls are read from rank 0's log and from metrics.jsonl's step
-times; each pair's last checkpoints are compared tensor by tensor. benchmarks/README.md has the method.
+"""The checkpoint suite (--suite cpu-checkpoint): training's stall per save, `--async_save true` against false, 2
+ranks, a 483M full fine-tune and a LoRA case (bar: async <= 0.3x sync, full case). benchmarks/README.md: the method.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 from collections.abc import Callable
@@ -62,8 +59,7 @@ class CheckpointPlan(Settings):
 
 def plan(*, quick: bool, threads: int, reps: int | None, idle_wait_s: float | None,
          precision: str | None = None) -> CheckpointPlan:  # fmt: skip
-    """The full suite (the 483M full fine-tune and the 171M LoRA case, 6 steps saving every 2nd) or the quick one
-    (the 1.6M model in both cases). No re-measuring on contention (a full-case run takes minutes)."""
+    """The full suite (483M full, 171M LoRA) or the quick one (1.6M both); a full run is minutes, so no retry."""
     models = (harness.QUICK_MODEL, harness.QUICK_MODEL) if quick else (FULL_MODEL, harness.FULL_MODEL)
     p = CheckpointPlan(*map(dict, models), reps=1, steps=6, save_steps=2, context_length=64, batch_size=1,
                        quick=quick, retries=0)  # fmt: skip
@@ -85,8 +81,7 @@ def check_plan(p: CheckpointPlan) -> None:
 
 
 def train(runner: Runner, what: str, model: Path, case: str, *, async_save: bool) -> dict[str, Any]:
-    """One run under the step probe, rank 0's stdout teed to a file by torchrun: metrics.jsonl, the checkpoint
-    lines, the probe's per-step RSS, the last checkpoint's size."""
+    """One run under the step probe, rank 0's stdout teed by torchrun; its saves and last checkpoint."""
     p = runner.plan
     flags = runner.flags(
         f"{case}-{'async' if async_save else 'sync'}", model=model, dataset="dummy", context_length=p.context_length,
@@ -112,15 +107,12 @@ def train(runner: Runner, what: str, model: Path, case: str, *, async_save: bool
     left = sorted(x.name for x in out.glob("checkpoint-*"))
     if left != [final.name]:
         raise RuntimeError(f"{what}: --save_total_limit {p.save_total_limit} left {left}")
-    total = sharded = files = 0
-    for root, _, names in os.walk(final):
-        for name in names:
-            size = (Path(root) / name).stat().st_size
-            total, files = total + size, files + 1
-            sharded += size if Path(root).relative_to(final).parts[:1] == ("sharded",) else 0
+    sizes = {f: f.stat().st_size for f in final.rglob("*") if f.is_file()}
+    sharded = sum(n for f, n in sizes.items() if f.relative_to(final).parts[0] == "sharded")
     return {"case": case, "async_save": async_save, **run,
             "saves": parse_saves(stdout[-1].read_text(), async_save=async_save, expected=p.saves),
-            "checkpoint": {"path": str(final), "bytes": total, "sharded_bytes": sharded, "files": files},
+            "checkpoint": {"path": str(final), "bytes": sum(sizes.values()), "sharded_bytes": sharded,
+                           "files": len(sizes)},
             "output_dir": str(out)}  # fmt: skip
 
 
@@ -154,8 +146,7 @@ def parse_saves(text: str, *, async_save: bool, expected: list[int]) -> list[dic
 
 
 def analyse(run: dict[str, Any], steps: int) -> dict[str, Any]:
-    """A run's figures: each save's stall both ways and its write time, step times with and without a background
-    write in flight, peak RSS. Boundary b is the time between the end of step b and the start of step b + 1."""
+    """A run's stalls, write times and step times; boundary b lies between step b's end and step b + 1's start."""
     m = {r["step"]: r for r in run["metrics"]}
     own = {s: m[s]["tokens"] / m[s]["tokens_per_s"] for s in m}
     gap = {b: m[b + 1]["elapsed_s"] - m[b]["elapsed_s"] for b in range(1, steps)}

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks import harness, report
-from benchmarks.harness import FULL_MODEL, LARGE_MODEL, QUICK_MODEL, Runner, Settings, alternate, median, row, session
+from benchmarks import harness
+from benchmarks.harness import FULL_MODEL, QUICK_MODEL, Runner, Settings, alternate, figure_rows, median, row
 
 PEER_LOAD = "HF from_pretrained 4-bit, 1 process"
 PEER_TRAIN = "HF 4-bit + PEFT + AdamW, 1 process"
@@ -30,6 +30,15 @@ TRAIN_RUNS = (("bnb_1proc", "bnb", 1, 2), ("hqq_1proc", "hqq", 1, 2), ("bnb_2ran
               ("hqq_2ranks_fsdp2", "hqq", 2, 2), ("bnb_2ranks_fsdp1", "bnb", 2, 1))  # fmt: skip
 """Section 3's runs of ours: (key slug, --quant, ranks, --fsdp_version)."""
 LOAD_VERSIONS = (2, 1)
+LOAD_FIGURES = (
+    ("load_wall_s", "wall time to load + quantize + shard (slowest rank)", "s", "lower"),
+    *(figure for r in range(2) for figure in (
+        (f"load_peak_rss_rank{r}_bytes", f"peak RSS, rank {r} (peer: its one process)", "bytes", "lower"),
+        (f"load_rss_growth_rank{r}_bytes", f"peak RSS minus RSS after imports, rank {r}", "bytes", "lower"))),
+    ("load_peak_rss_sum_bytes", "sum of peak RSS over ranks", "bytes", "lower"),
+    ("load_rss_sum_over_model", "sum of peak RSS over ranks / quantized model bytes", "x", "lower"),
+)  # fmt: skip
+"""Section 1's figures of each FSDP version: (key, figure, unit, better)."""
 WORLD_COMBOS = ((2, "bnb"), (2, "hqq"), (1, "bnb"))
 
 
@@ -66,7 +75,8 @@ def plan(*, quick: bool, threads: int, reps: int | None, idle_wait_s: float | No
     elif kind == "cpu-loss":  # speed on the suite's model, memory on LOSS_MODEL at LOSS_SHAPE
         p = CpuPlan(model=model, reps=n, batch_size=4, context_length=256, warmup_steps=2, measured_steps=3)
     elif kind == "cpu-large":
-        p = CpuPlan(model=LARGE_MODEL, reps=1, batch_size=1, context_length=64, warmup_steps=0, measured_steps=0)
+        p = CpuPlan(model=harness.LARGE_MODEL, reps=1, batch_size=1, context_length=64, warmup_steps=0,
+                    measured_steps=0)  # fmt: skip
     elif quick:
         # 4 ranks on 2 cores show nothing 2 do not; one process and one torchrun job cover both launch paths.
         p = CpuPlan(model=model, reps=1, batch_size=2, context_length=64, warmup_steps=1, measured_steps=2,
@@ -81,8 +91,7 @@ def plan(*, quick: bool, threads: int, reps: int | None, idle_wait_s: float | No
 
 def train_cli(runner: Runner, what: str, model: Path, quant: str, *, nproc: int, version: int,
               flags: dict[str, Any] | None = None) -> tuple[list[dict[str, Any]], list[int]]:  # fmt: skip
-    """Our CLI on `--dataset dummy` with the plan's global batch split over `nproc` ranks (equal tokens per step at
-    any world size): metrics.jsonl's records and each rank's peak RSS. `flags` overrides the plan's."""
+    """Our CLI on `--dataset dummy`, the global batch split over ranks: its records, each rank's peak RSS."""
     p = runner.plan
     if p.batch_size % nproc:
         raise ValueError(f"batch {p.batch_size} does not split over {nproc} ranks")
@@ -98,9 +107,8 @@ def train_cli(runner: Runner, what: str, model: Path, quant: str, *, nproc: int,
 
 def run(p: CpuPlan, *, model: Path | None, cache: Path, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Every measurement of the plan's kind; returns results.json's content."""
-    with session(p, "cpu", log) as runner:
+    with harness.session(p, "cpu", log) as runner:
         model_dir = model or runner.model(p.model, cache)
-        config = json.loads((model_dir / "config.json").read_text())
         rows: list[dict[str, Any]] = []
         details: dict[str, Any] = {}
         if p.kind == "cpu-loss":
@@ -119,7 +127,7 @@ def run(p: CpuPlan, *, model: Path | None, cache: Path, log: Callable[[str], Non
                 log("3/4 training throughput")
                 _training(runner, model_dir, rows, details)
                 log("4/4 quantization quality and size")
-                _quality(runner, model_dir, config, rows, details)
+                _quality(runner, model_dir, rows, details)
         bf16 = "" if p.precision == "bf16" else "; this CPU has no native bf16 matmul (AVX512-BF16/AMX)"
         return runner.results(p.kind, rows, details, {
             "precision": f"{p.precision} parameters, storage and compute (ours --precision {p.precision}; peer dtype "
@@ -130,20 +138,27 @@ def run(p: CpuPlan, *, model: Path | None, cache: Path, log: Callable[[str], Non
             "our_training": "the real CLI: python train.py / torchrun train.py --max_steps, metrics.jsonl tokens_per_s",
             "adapters": f"ours: LoRA weights in {p.precision} (qlora-fsdp stores them in --precision); peer: PEFT "
                         "default fp32",
-        }, model=harness.model_record(model_dir, {k: config.get(k) for k in harness.SIZE_KEYS}))  # fmt: skip
-
-
-def render(results: dict[str, Any]) -> str:
-    return report.render(results)
+        }, model=harness.model_record(model_dir))  # fmt: skip
 
 
 def _load_args(runner: Runner, model: Path, version: int, quant: str) -> dict[str, Any]:
     return {"model": str(model), "fsdp_version": version, "quant": quant, "precision": runner.plan.precision}
 
 
+def _load_summary(ranks: list[dict[str, Any]], model_bytes: int, wall: str = "total_s") -> dict[str, float]:
+    """A load's LOAD_FIGURES from its ranks' records (the peer's one process stands for both ranks)."""
+    peaks = [r["peak_rss_bytes"] for r in ranks]
+    out = {"load_wall_s": max(r[wall] for r in ranks), "load_peak_rss_sum_bytes": sum(peaks),
+           "load_rss_sum_over_model": sum(peaks) / model_bytes}  # fmt: skip
+    for i in range(2):
+        r = ranks[min(i, len(ranks) - 1)]
+        out[f"load_peak_rss_rank{i}_bytes"] = r["peak_rss_bytes"]
+        out[f"load_rss_growth_rank{i}_bytes"] = r["peak_rss_bytes"] - r["rss_after_imports_bytes"]
+    return out
+
+
 def _loading(runner: Runner, model: Path, rows: list, details: dict) -> dict[int, list[list[dict[str, Any]]]]:
-    """Section 1: our 2-rank streaming load, FSDP2 and FSDP1, against HF's 4-bit load in one process; returns each
-    version's runs (per repetition, the ranks' records)."""
+    """Section 1: our 2-rank streaming load (FSDP2, FSDP1) against HF's; each version's runs of rank records."""
     ours: dict[int, list[list[dict[str, Any]]]] = {version: [] for version in LOAD_VERSIONS}
     peer = []
     for rep in range(runner.plan.reps):
@@ -155,29 +170,11 @@ def _loading(runner: Runner, model: Path, rows: list, details: dict) -> dict[int
     ours_model, peer_model = ours[LOAD_VERSIONS[0]][0][0]["quantized_model_bytes"], peer[0]["quantized_model_bytes"]
     details["parameters"] = harness.parameters(model)
     details["quantized_model_bytes"] = {"ours": ours_model, "peer": peer_model}
-    peer_peak = [x["peak_rss_bytes"] for x in peer]
+    peer_sums = [_load_summary([x], peer_model["total"], wall="load_s") for x in peer]
     for version, runs in ours.items():
-        v, f = f"_fsdp{version}", f"FSDP{version}: "
-        kw = {"ours_label": f"qlora-fsdp FSDP{version}, 2 ranks (gloo), streaming", "peer_label": PEER_LOAD}
-        sums = [sum(r["peak_rss_bytes"] for r in ranks) for ranks in runs]
-        rows.append(row("loading", f"load_wall_s{v}", f"{f}wall time to load + quantize + shard (slowest rank)", "s",
-                        "lower", [max(r["total_s"] for r in ranks) for ranks in runs], [x["load_s"] for x in peer],
-                        **kw))  # fmt: skip
-        for rank in range(2):
-            rows += [
-                row("loading", f"load_peak_rss_rank{rank}_bytes{v}", f"{f}peak RSS, rank {rank} (peer: its one "
-                    "process)", "bytes", "lower", [ranks[rank]["peak_rss_bytes"] for ranks in runs], peer_peak, **kw),
-                row("loading", f"load_rss_growth_rank{rank}_bytes{v}", f"{f}peak RSS minus RSS after imports, rank "
-                    f"{rank}", "bytes", "lower",
-                    [r[rank]["peak_rss_bytes"] - r[rank]["rss_after_imports_bytes"] for r in runs],
-                    [x["peak_rss_bytes"] - x["rss_after_imports_bytes"] for x in peer], **kw),
-            ]  # fmt: skip
-        rows += [
-            row("loading", f"load_peak_rss_sum_bytes{v}", f"{f}sum of peak RSS over ranks", "bytes", "lower", sums,
-                peer_peak, **kw),
-            row("loading", f"load_rss_sum_over_model{v}", f"{f}sum of peak RSS over ranks / quantized model bytes",
-                "x", "lower", [t / ours_model for t in sums], [x / peer_model["total"] for x in peer_peak], **kw),
-        ]  # fmt: skip
+        rows += figure_rows("loading", LOAD_FIGURES, [_load_summary(r, ours_model) for r in runs], peer_sums,
+                            suffix=f"_fsdp{version}", prefix=f"FSDP{version}: ", peer_label=PEER_LOAD,
+                            ours_label=f"qlora-fsdp FSDP{version}, 2 ranks (gloo), streaming")  # fmt: skip
     rows.append(row("loading", "quantized_model_bytes",
                     "quantized model bytes (packed + quant state + unquantized weights)", "bytes", "lower",
                     [ours_model], [peer_model["total"]],
@@ -186,8 +183,7 @@ def _loading(runner: Runner, model: Path, rows: list, details: dict) -> dict[int
 
 
 def _hqq_split(runner: Runner, model: Path, rows: list) -> None:
-    """Section 1, HQQ: the 2-rank FSDP2 load with the ranks sharing HQQ's whole weights out, against the same code
-    streaming without the job's DistEnv (load_ours `split` false), where every rank quantizes every weight."""
+    """Section 1, HQQ: the ranks sharing whole weights out against every rank quantizing every weight."""
     runs: dict[bool, list[float]] = {True: [], False: []}
     for rep in range(runner.plan.reps):
         for split in (True, False):
@@ -231,8 +227,7 @@ def _world_sizes(runner: Runner, model: Path, loads: dict[int, list], rows: list
 
 
 def _training(runner: Runner, model: Path, rows: list, details: dict) -> None:
-    """Section 3: tokens/s and peak RSS of our CLI (bnb, hqq; 1 process and 2 ranks, FSDP2 and FSDP1) against
-    HF + PEFT."""
+    """Section 3: tokens/s and peak RSS of our CLI (bnb, hqq; 1 and 2 ranks) against HF + PEFT."""
     p, skip = runner.plan, runner.plan.warmup_steps
     peer_tps, peer_rss = [], []
     ours: dict[str, list[float]] = {key: [] for key, *_ in p.train_runs}
@@ -267,8 +262,7 @@ def _training(runner: Runner, model: Path, rows: list, details: dict) -> None:
 
 
 def _packing(runner: Runner, model: Path, rows: list, details: dict) -> None:
-    """--suite cpu-packing: label tokens/s and row efficiency of bnb on 2 ranks on the bundled data, --packing true
-    against false (the same CLI, in the peer's column)."""
+    """--suite cpu-packing: label tokens/s and row efficiency, --packing true against false, 2 ranks."""
     p = runner.plan
     details["parameters"] = harness.parameters(model)
     figures: dict[bool, dict[str, list[float]]] = {k: {"label_tps": [], "efficiency": []} for k in (True, False)}
@@ -294,8 +288,7 @@ def _packing(runner: Runner, model: Path, rows: list, details: dict) -> None:
 
 
 def _loss(runner: Runner, model: Path, cache: Path, rows: list, details: dict) -> None:
-    """--suite cpu-loss: the chunked loss against whole logits (--loss_chunk_tokens 0). Memory: one process's peak
-    RSS on LOSS_MODEL at vocabulary 128256 minus at 512 (what the vocabulary costs); speed on the suite's model."""
+    """--suite cpu-loss: chunked against whole logits; memory is what vocabulary 128256 adds over 512."""
     p = runner.plan
     details["parameters"] = harness.parameters(model)
     peaks: dict[tuple[int, int], list[int]] = {}
@@ -328,9 +321,9 @@ def _loss(runner: Runner, model: Path, cache: Path, rows: list, details: dict) -
     details["loss"] = {"peak_rss": {f"{v}/{c}": r for (v, c), r in peaks.items()}, "tokens_per_s": speed}
 
 
-def _quality(runner: Runner, model: Path, config: dict[str, Any], rows: list, details: dict) -> None:
+def _quality(runner: Runner, model: Path, rows: list, details: dict) -> None:
     """Section 4: stored bits per parameter and dequantization error per format, on real weight matrices."""
-    n = config["num_hidden_layers"]
+    n = json.loads((model / "config.json").read_text())["num_hidden_layers"]
     layers = sorted({0, n // 2, n - 1})
     record = runner.worker("quantization quality", "quant_quality", {"model": str(model), "layers": layers,
                            "formats": [{"name": name, "config": cfg} for _, name, cfg in FORMATS]})[0]  # fmt: skip

@@ -1,7 +1,5 @@
-"""CPU measurements, each in a fresh process: `python -m benchmarks.cpu_workers NAME JSON_ARGS`.
-
-A worker imports only what it measures, times only the measured work, and writes one JSON file (per rank, for
-jobs) that the orchestrator reads; multi-rank workers join the job through the torchrun variables the Runner sets.
+"""CPU measurements, each in a fresh process that imports and times only what it measures, writing one JSON file (per
+rank, for jobs): `python -m benchmarks.cpu_workers NAME JSON_ARGS`.
 """
 
 from __future__ import annotations
@@ -37,8 +35,7 @@ def _tensors_in(obj: Any) -> list[torch.Tensor]:
 
 
 def quant_state_tensors(module: nn.Module) -> list[torch.Tensor]:
-    """Quantization state held outside parameters: a bnb Linear4bit's (ours keeps it on the module, HF on the
-    weight), an HQQLinear's meta, or our layers' under FSDP1 (replicated; under FSDP2 it is parameters)."""
+    """Quantization state outside parameters (bnb's, HQQ's meta, ours under FSDP1, which replicates it)."""
     from qlora_fsdp.quant.base import QuantizedLinear
 
     if isinstance(module, QuantizedLinear):
@@ -56,8 +53,7 @@ def quant_state_tensors(module: nn.Module) -> list[torch.Tensor]:
 
 
 def model_bytes(model: nn.Module, *, exclude: tuple[str, ...] = ()) -> dict[str, int]:
-    """Bytes of parameters (packed storage included), buffers and quantization state, from the tensors themselves
-    (so padding or a cast shows); tied weights once, meta tensors and names under `exclude` skipped."""
+    """Bytes of parameters, buffers and quant state from the tensors themselves (a cast or padding shows)."""
     seen: set[int] = set()
     out = {"params": 0, "buffers": 0, "quant_state": 0}
     for kind, tensors in (("params", model.named_parameters()), ("buffers", model.named_buffers())):
@@ -74,8 +70,7 @@ def model_bytes(model: nn.Module, *, exclude: tuple[str, ...] = ()) -> dict[str,
 
 
 def preimport(model_dir: str | Path) -> None:
-    """Import bitsandbytes and the model's architecture module before timing: both sides would otherwise pay
-    these imports (seconds on a small CPU) inside the timed load."""
+    """Import bitsandbytes and the architecture first, so neither side times these imports."""
     import bitsandbytes  # noqa: F401
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -97,12 +92,8 @@ def _quiet() -> None:
 
 
 def load_ours(args: dict[str, Any]) -> None:
-    """One rank of our loading path: skeleton on meta, stream the checkpoint, quantize (bnb: each rank half of every
-    weight's blocks), shard each decoder layer as it completes (--fsdp_version), then the root. No adapters.
-
-    `split` false streams without the job's DistEnv: every rank quantizes every weight (`_hqq_split`'s baseline).
-    The quantized model's bytes are added up layer by layer before sharding, so every rank knows them.
-    """
+    """One rank of our loading path, no adapters: skeleton on meta, stream, quantize, shard each layer as it is whole,
+    then the root. `split` false streams without the job's DistEnv, so every rank quantizes every weight."""
     _quiet()
     import torch.distributed as dist
 
@@ -163,8 +154,7 @@ def load_peer(args: dict[str, Any]) -> None:
 
 
 def measured_peer_load(args: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-    """HF from_pretrained 4-bit of args["model"] onto the CPU in this process, and what the loading cost: seconds,
-    peak RSS and the RSS the imports alone took."""
+    """HF's 4-bit load onto the CPU in this process: the model, seconds, peak RSS, RSS after imports."""
     _quiet()
     from benchmarks.peer import load_peer as hf_load
 
@@ -192,12 +182,8 @@ def train_peer(args: dict[str, Any]) -> None:
 
 
 def quant_quality(args: dict[str, Any]) -> None:
-    """Stored bits per parameter and dequantization error of each format, ours against the library called directly.
-
-    Ours: `make_backend` + `load_weight` into the module our loader builds, uint8 storage, bf16 compute (as in
-    training). Reference: bitsandbytes' `quantize_4bit` / HQQ's `HQQLinear` with their default integer storage.
-    Both quantize the same real weight matrices of the model; error is |dequantized - original fp32|.
-    """
+    """Stored bits per parameter and |dequantized - fp32| of each format on the model's real weights: our backend (uint8
+    storage, bf16 compute, as in training) against the library called directly (bnb's quantize_4bit, HQQLinear)."""
     _quiet()
     from safetensors import safe_open
 
@@ -265,8 +251,7 @@ def _reference_quantize(cfg: Any, w: Any) -> tuple[Any, int]:
 
 
 def moe_peer(args: dict[str, Any]) -> None:
-    """HF from_pretrained 4-bit of an MoE in this one process: the bytes it holds, where they are (the fused experts
-    it leaves unquantized, bitsandbytes#1849; the Linear4bit layers), and peak RSS."""
+    """HF's 4-bit load of an MoE: its bytes, the fused experts it leaves 16-bit (bitsandbytes#1849)."""
     model, record = measured_peer_load(args)
     import bitsandbytes as bnb
 
@@ -282,8 +267,7 @@ def moe_peer(args: dict[str, Any]) -> None:
 
 
 def build_moe(args: dict[str, Any]) -> None:
-    """tests/moe_models.py's Mixtral builder in bf16, written beside `out` and renamed into place, so an interrupted
-    build leaves nothing that looks finished."""
+    """tests/moe_models.py's Mixtral in bf16, renamed into place so a broken build never looks finished."""
     from tests.moe_models import build_moe_model
 
     out = Path(args["out"])

@@ -1,7 +1,5 @@
-"""The data suite (--suite cpu-data): the tokenized data path at scale, on a synthetic alpaca-like JSONL: (1) the
-first cache build with --dataset_num_proc 1 and 2, (2) the cached start, (3) per-rank peak RSS of 2-rank training on
-many rows against few, (4) per-batch padding against --pad_to_context true. `python -m benchmarks.data_suite
-first-step ...` is the wrapper that times a launch to its first metrics.jsonl record.
+"""The data suite (--suite cpu-data) on a synthetic alpaca JSONL: cache build, cached start, data memory, padding.
+`python -m benchmarks.data_suite first-step ...` times a launch to its first metrics.jsonl record.
 """
 
 from __future__ import annotations
@@ -66,8 +64,7 @@ class DataPlan(Settings):
 
 def plan(*, quick: bool, rows: int | None, threads: int, reps: int | None, idle_wait_s: float | None,
          precision: str | None = None) -> DataPlan:  # fmt: skip
-    """The full suite (1,000,000 rows; items 3-4 on 200,000 against 2,000) or the quick one (2,000 rows; 2,000
-    against 200). No re-measuring on contention (a build takes minutes): every launch's contention is recorded."""
+    """The full suite (1,000,000 rows) or the quick one (2,000); a build takes minutes, so no retry."""
     if quick:
         n = rows or 2_000
         p = DataPlan(n, (min(n, 2_000), max(8, min(n, 2_000) // 10)), build_reps=1, train_reps=1, quick=True,
@@ -84,8 +81,7 @@ def plan(*, quick: bool, rows: int | None, threads: int, reps: int | None, idle_
 
 
 def synthetic_rows(n: int, words: list[str], costs: list[int], *, seed: int):
-    """n alpaca rows: words drawn until the fields hold the row's drawn token count; the first fifth of the words is
-    the instruction, half the rows get an input (the next third of the rest), the remainder is the output."""
+    """n alpaca rows of a drawn token count: a fifth instruction, half with an input, the rest the output."""
     rng = random.Random(seed)
     for _ in range(n):
         target, chosen, total = rng.randint(*FIELD_TOKENS), [], 0
@@ -100,8 +96,7 @@ def synthetic_rows(n: int, words: list[str], costs: list[int], *, seed: int):
 
 
 def ensure_dataset(plan: DataPlan, model: Path, cache: Path, log: Callable[[str], None]) -> tuple[Path, dict]:
-    """The synthetic JSONL, written once under `cache` (the seed, the bundled words and the model's tokenizer decide
-    it), and what its first rows' fields measure in tokens."""
+    """The synthetic JSONL (written once under `cache`) and its first rows' token counts."""
     from tokenizers import Tokenizer  # the Rust library alone: the harness stays without torch and transformers
 
     tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
@@ -185,8 +180,7 @@ def preprocess(runner: Runner, what: str, rows: int, procs: int, cache_dir: Path
 
 def train(runner: Runner, what: str, model: Path, data: Path, *, rows: int, cache_dir: Path, nproc: int, steps: int,
           fresh_cache: bool = False, first_step: bool = False, **flags: Any) -> dict[str, Any]:  # fmt: skip
-    """train.py --quant none --train_type lora on `rows` rows of the file; with `first_step`, under the wrapper that
-    times the launch to the first record."""
+    """train.py --quant none --train_type lora on `rows` rows; `first_step`: under the timing wrapper."""
     p = runner.plan
     f = runner.flags(f"train-{nproc}", model=model, quant="none", train_type="lora", dataset=data,
                      dataset_samples=rows, dataset_cache_dir=cache_dir, context_length=p.context_length,
@@ -202,6 +196,8 @@ def train(runner: Runner, what: str, model: Path, data: Path, *, rows: int, cach
 
     run = runner.train(what, f, nproc=nproc, steps=steps, wrap=wrap, reset=reset)
     run["cache"] = cache_line(run.pop("log"))
+    if run["cache"] is not None and run["cache"]["built"] != fresh_cache:  # a fresh cache is built, any other reused
+        raise RuntimeError(f"{what}: the cache was {'built' if fresh_cache else 'reused'}: {run['cache']}")
     if first_step:
         run.update(harness.read_json(timing))
         if run["first_step_s"] is None:
@@ -214,7 +210,6 @@ def run(p: DataPlan, *, model: Path | None, cache: Path, log: Callable[[str], No
     rows: list[dict[str, Any]] = []
     with session(p, "data", log, env=_env) as runner:
         model_dir = model or runner.model(harness.QUICK_MODEL, cache)
-        config = json.loads((model_dir / "config.json").read_text())
         data, info = ensure_dataset(p, model_dir, cache, log)
         details: dict[str, Any] = {"dataset": info}
         log(f"1/4 cache build, {p.rows} rows, --dataset_num_proc {' and '.join(map(str, p.build_procs))}")
@@ -241,13 +236,11 @@ def run(p: DataPlan, *, model: Path | None, cache: Path, log: Callable[[str], No
             "our_training": "the real CLI: python train.py / torchrun train.py, metrics.jsonl; scripts/preprocess.py "
                             "for the builds",
             "shapes": f"batch {p.batch_size} per rank x --context_length {p.context_length}",
-        }, model=harness.model_record(model_dir, {k: config.get(k) for k in harness.SIZE_KEYS}),
-           checks=checks)  # fmt: skip
+        }, model=harness.model_record(model_dir), checks=checks)  # fmt: skip
 
 
 def _builds(runner: Runner, model: Path, data: Path, rows: list, details: dict) -> None:
-    """1: scripts/preprocess.py's first build with --dataset_num_proc 1 and 2, each into a fresh directory: the
-    whole command's wall time and the build's own."""
+    """1: scripts/preprocess.py's first build at each --dataset_num_proc: the command's wall and the build's."""
     p = runner.plan
     runs: dict[int, list[dict[str, Any]]] = {n: [] for n in p.build_procs}
     for rep in range(p.build_reps):
@@ -270,8 +263,7 @@ def _builds(runner: Runner, model: Path, data: Path, rows: list, details: dict) 
 
 
 def _first_step(runner: Runner, model: Path, data: Path, rows: list, details: dict) -> Path:
-    """2: time from the launch to the first metrics record of a run that builds the cache and of the run after it;
-    returns the last repetition's cache directory (kept: it holds the cache of every row)."""
+    """2: launch to first record, building run then cached run; returns the cache dir (it holds every row)."""
     p = runner.plan
     runs: dict[str, list[dict[str, Any]]] = {"first": [], "cached": []}
     cache_dir = runner.work / "first-step-0"
@@ -283,8 +275,6 @@ def _first_step(runner: Runner, model: Path, data: Path, rows: list, details: di
             what = f"time to first step, {kind} run, {p.rows} rows (rep {rep + 1})"
             run = train(runner, what, model, data, rows=p.rows, cache_dir=cache_dir, nproc=1,
                         steps=p.first_step_steps, fresh_cache=kind == "first", first_step=True)  # fmt: skip
-            if run["cache"] is not None and run["cache"]["built"] != (kind == "first"):
-                raise RuntimeError(f"{what}: the cache was {'reused' if kind == 'first' else 'built'}: {run['cache']}")
             runs[kind].append(run)
     rows.append(row("cached start", "time_to_first_step_s", "time from launch to the end of step 1", "s", "lower",
                     [r["first_step_s"] for r in runs["cached"]], [r["first_step_s"] for r in runs["first"]],
@@ -306,23 +296,20 @@ def _throughput(run: dict[str, Any], skip: int) -> tuple[float, float]:
 
 
 def _memory_and_padding(runner: Runner, model: Path, data: Path, shared: Path, rows: list, details: dict) -> None:
-    """3 and 4: 2-rank training on the large and the small slice (caches built beforehand, so the peaks are what
-    training holds), and the large slice again with --pad_to_context true."""
+    """3 and 4: training on the large and small slice (caches prebuilt), and large with --pad_to_context."""
     p = runner.plan
     large, small = p.rss_rows
     for n in (large, small):
         if n != p.rows:  # the first-step directory already holds the cache of every row
             preprocess(runner, f"cache for {n} rows (not a figure)", n, 2, shared, data, model, fresh=False)
-    runs: dict[str, list[dict[str, Any]]] = {"large": [], "small": [], "pad_to_context": []}
-    for rep in range(p.train_reps):
-        for n, pad in alternate(rep, [(small, False), (large, False), (large, True)]):
-            padding = "--pad_to_context true" if pad else "per-batch padding"
-            what = f"train x{p.nproc}, {n} rows, {padding} (rep {rep + 1})"
-            run = train(runner, what, model, data, rows=n, cache_dir=shared, nproc=p.nproc, steps=p.steps,
-                        **({"pad_to_context": "true"} if pad else {}))  # fmt: skip
-            if run["cache"] is not None and run["cache"]["built"]:
-                raise RuntimeError(f"{what}: built its cache, which should have existed: {run['cache']}")
-            runs["pad_to_context" if pad else "large" if n == large else "small"].append(run)
+
+    def measure(kind: str, rep: int) -> dict[str, Any]:
+        n, pad = small if kind == "small" else large, kind == "pad_to_context"
+        what = f"train x{p.nproc}, {n} rows, {'--pad_to_context true' if pad else 'per-batch padding'} (rep {rep + 1})"
+        return train(runner, what, model, data, rows=n, cache_dir=shared, nproc=p.nproc, steps=p.steps,
+                     **({"pad_to_context": "true"} if pad else {}))  # fmt: skip
+
+    runs = harness.alternating(p.train_reps, ("small", "large", "pad_to_context"), measure)
     shape = (f"{p.nproc} ranks (torchrun, gloo) x batch {p.batch_size} x --context_length {p.context_length}, "
              f"--quant none --train_type lora, --max_steps {p.steps}")  # fmt: skip
     _memory_rows(p, runs, shape, rows, details)

@@ -1,6 +1,5 @@
-"""The generation suite (--suite cpu-generation): GRPO's sampling with the weights gathered once per micro-batch
-(`--generation_mode gathered`, ours) against through the sharded model (the default, the peer column), 2 ranks;
-both modes must sample and train the same, checked on every step before anything is reported.
+"""The generation suite (--suite cpu-generation): GRPO sampling, `--generation_mode gathered` (ours) against sharded
+(the default), 2 ranks; both modes must sample and train the same, checked on every step first.
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import harness, report
-from benchmarks.harness import Settings, alternate, figure_rows, median, session
+from benchmarks.harness import Settings, alternating, figure_rows, median, session
 
 MODES = ("sharded", "gathered")
 """--generation_mode values; gathered is `ours`, sharded (the default) the `peer` column."""
@@ -41,8 +40,7 @@ class GenerationPlan(Settings):
 
 def plan(*, quick: bool, threads: int, reps: int | None, idle_wait_s: float | None,
          precision: str | None = None) -> GenerationPlan:  # fmt: skip
-    """The full suite (171M model, 3 repetitions of 4 steps, 8 completions of 64 tokens a rank a step) or the quick
-    one (2-layer model, one repetition of 2 steps, 8 tokens)."""
+    """The full suite (171M model, 3 x 4 steps, 64-token completions) or the quick one (2 layers, 8 tokens)."""
     if quick:
         p = GenerationPlan(dict(harness.QUICK_MODEL), reps=1, steps=2, max_completion_length=8, quick=True)
     else:
@@ -72,21 +70,21 @@ def summary(run: dict[str, Any]) -> dict[str, float]:
 def run(p: GenerationPlan, *, cache: Path, model: Path | None = None,
         log: Callable[[str], None] = print) -> dict[str, Any]:  # fmt: skip
     """Every run of the generation suite; returns results.json's content."""
-    runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
     with session(p, "generation", log) as runner:
         model_dir = runner.model(p.model, cache)
         log(f"{p.reps} x {len(MODES)} runs of {p.steps} GRPO steps on {p.nproc} ranks")
-        for rep in range(p.reps):
-            for mode in alternate(rep, MODES):
-                flags = runner.flags(
-                    f"train-{mode}", model=model_dir, quant="bnb", fsdp_version=2, dataset=PROMPTS, objective="grpo",
-                    reward_funcs=REWARD, generation_mode=mode, num_generations=p.num_generations,
-                    max_completion_length=p.max_completion_length, context_length=p.max_completion_length + 64,
-                    batch_size=p.prompts_per_rank * p.num_generations, dataset_samples=0,
-                    gradient_checkpointing="false", max_steps=p.steps, seed=0)  # fmt: skip
-                done = runner.train(f"--generation_mode {mode} (rep {rep + 1})", flags, nproc=p.nproc, steps=p.steps)
-                runs[mode].append({"mode": mode, "steps": done["metrics"],
-                                   "peak_rss_bytes": done["exit_peak_rss_bytes"]})  # fmt: skip
+
+        def train(mode: str, rep: int) -> dict[str, Any]:
+            flags = runner.flags(
+                f"train-{mode}", model=model_dir, quant="bnb", fsdp_version=2, dataset=PROMPTS, objective="grpo",
+                reward_funcs=REWARD, generation_mode=mode, num_generations=p.num_generations,
+                max_completion_length=p.max_completion_length, context_length=p.max_completion_length + 64,
+                batch_size=p.prompts_per_rank * p.num_generations, dataset_samples=0,
+                gradient_checkpointing="false", max_steps=p.steps, seed=0)  # fmt: skip
+            done = runner.train(f"--generation_mode {mode} (rep {rep + 1})", flags, nproc=p.nproc, steps=p.steps)
+            return {"mode": mode, "steps": done["metrics"], "peak_rss_bytes": done["exit_peak_rss_bytes"]}
+
+        runs = alternating(p.reps, MODES, train)
         check_same(runs)
         sums = {mode: [summary(r) for r in runs[mode]] for mode in MODES}
         note = (f"{p.nproc} ranks x {p.prompts_per_rank} prompts x {p.num_generations} completions of "

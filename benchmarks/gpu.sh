@@ -1,11 +1,9 @@
 #!/usr/bin/env bash
 # GPU suite: bash benchmarks/gpu.sh OUT_DIR [--dry-run] [--only NAME,...] [more benchmarks/run.py flags]
 #
-# One run of at most 9 minutes wall (tests, bnb, hqq, compile, whole-logits, fsdp1, bnb-1x512, long-context, in
-# priority order; benchmarks/README.md, "GPU suite"), results written again after every item. --dry-run runs the same
-# code on the CPU with tiny shapes. The wheels of .whl/ (bash benchmarks/gpu_wheels.sh, on a networked machine) go
-# into a private directory first on PYTHONPATH, never into the Python environment. PYTHON picks the interpreter
-# (default: .venv/bin/python for --dry-run if present, else python3).
+# At most 9 minutes wall, items in priority order (benchmarks/README.md, "GPU suite"); --dry-run: on the CPU, tiny
+# shapes. .whl/ (benchmarks/gpu_wheels.sh) goes into a private directory first on PYTHONPATH, never into the Python
+# environment. PYTHON picks the interpreter (default: .venv/bin/python for --dry-run if present, else python3).
 set -euo pipefail
 
 if [[ $# -lt 1 || $1 == -* ]]; then
@@ -44,8 +42,7 @@ export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if [[ $DRY_RUN == 0 ]]; then
     "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else "no CUDA GPU visible; use --dry-run")'
 fi
-# The Python side keeps to its own budget (--budget_s, default 500 s; dry run 1100 s) and kills a job that outlasts
-# it; this is the hard stop behind it, inside the 9 minutes with the install above.
+# The hard stop behind the Python side's own budget (--budget_s: 500 s, dry run 1100 s), inside the 9 minutes.
 LIMIT_S=$((DRY_RUN ? 1150 : 525))
 status=0
 timeout --kill-after=10 "$LIMIT_S" "$PY" benchmarks/run.py --suite gpu --out "$OUT" "$@" || status=$?

@@ -1,9 +1,6 @@
-"""The GPU suite: the GPU test tier, then a Llama-2-7B-shaped random model, ours against the HF + PEFT + bnb loop,
-in priority order so a run stopped by the machine's time keeps what matters most (NAMES); `--only` picks some items
-for a second run, and results.json and results.md are written again after every job. Each side is a fresh process
-per variant (`python -m benchmarks.gpu_suite NAME JSON`): ours through `qlora_fsdp.cli.main` in-process, so the
-worker reads the CUDA allocator's peaks, reset on both sides once the model is built. `--dry-run` runs exactly this
-on the CPU with tiny shapes, peak RSS standing in for both memory figures.
+"""The GPU suite: the GPU test tier, then a Llama-2-7B-shaped model, ours against the HF + PEFT + bnb loop, in priority
+order (NAMES) within a budget, results saved after every job. Each run is a fresh process (`python -m
+benchmarks.gpu_suite NAME JSON`) that reads the CUDA allocator's peaks; `--dry-run` runs it on the CPU, tiny shapes.
 """
 
 from __future__ import annotations
@@ -22,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks import harness, report
+from benchmarks import harness
 from benchmarks.harness import llama, row
 
 LLAMA2_7B = llama(4096, 32, 11008, 32, 32, 32000, 7)
@@ -117,8 +114,7 @@ def _settings(p: dict[str, Any], dry_run: bool, peak_flops: float, budget: float
 
 
 def _jobs(p: dict[str, Any], variants: list[Variant], only: tuple[str, ...], work: Path) -> list[tuple[str, str, dict]]:
-    """(key, worker, args) of every job the selection needs, in order: the model, the peer, the variants, then the
-    long-context item's contexts (each setting at each, ascending)."""
+    """(key, worker, args) of each job, in order: the model, the peer, the variants, the long contexts."""
     model = work / "model"
     common = {"model": str(model), "warmup": p["warmup"], "measured": p["measured"], "device": p["device"]}
     jobs: list[tuple[str, str, dict[str, Any]]] = []
@@ -201,8 +197,7 @@ class GpuRun:
         self.done(TESTS, job, missing=[TESTS] if tier["causes"] else [])
 
     def jobs(self, jobs: list[tuple[str, str, dict[str, Any]]], work: Path) -> None:
-        """Each job in turn: a long-context setting stops at its first out-of-memory context (a measurement, not an
-        error), and nothing that needs a failed job (the model, or for the variants the peer) runs."""
+        """Each job in turn; out of memory ends a long-context setting, a failed model or peer what needs it."""
         out_of_memory: set[str] = set()
         unrun: set[str] = set()
         for i, (key, worker, args) in enumerate(jobs):
@@ -249,10 +244,6 @@ def run(out_dir: Path, *, dry_run: bool, peak_flops: float, budget_s: float | No
         shutil.rmtree(work, ignore_errors=True)
     state.results["wall_time_s"] = time.perf_counter() - state.start
     return state.results
-
-
-def render(results: dict[str, Any]) -> str:
-    return report.render(results)
 
 
 def failure_cause(job: harness.Launch) -> str:
@@ -302,9 +293,7 @@ def _test_tier(work: Path, *, timeout_s: float) -> tuple[harness.Launch, dict[st
 
 
 def palm_flops_per_token(non_embedding_parameters: int, *, layers: int, hidden: int, sequence: int) -> int:
-    """Training FLOPs a token costs by the PaLM paper's MFU convention (its appendix B): 6 per non-embedding
-    parameter (forward and backward matmuls) plus 12 x layers x hidden x sequence for attention's score and value
-    matmuls. Model FLOPs, not hardware FLOPs: recomputation is not counted, so MFU compares across checkpointing."""
+    """PaLM's training FLOPs a token (appendix B): model FLOPs, so recomputation is not counted."""
     return 6 * non_embedding_parameters + 12 * layers * hidden * sequence
 
 
@@ -313,8 +302,7 @@ def long_key(setting: str, context: int) -> str:
 
 
 def longest_fits(records: dict[str, dict[str, Any]], contexts: tuple[int, ...]) -> dict[str, Any]:
-    """Per long-context setting: the contexts that trained, the first that ran out of memory, and the longest that
-    trained below it (None when nothing did). A context neither trained nor refused was not measured."""
+    """Per long-context setting: contexts trained, the first out of memory, the longest trained below it."""
     out: dict[str, Any] = {}
     for name, _, _ in LONG_SETTINGS:
         trained = [c for c in contexts if "tps" in records.get(long_key(name, c), {})]
@@ -325,8 +313,7 @@ def longest_fits(records: dict[str, dict[str, Any]], contexts: tuple[int, ...]) 
 
 
 def long_rows(records: dict[str, dict[str, Any]], contexts: tuple[int, ...]) -> list[dict[str, Any]]:
-    """Tiled MLP + activation offload against checkpointing alone, at each context both trained, and the longest
-    context each trained when both have one."""
+    """Tiled MLP + offload against checkpointing alone at each context both trained, and the longest."""
     (ours, ours_label, _), (base, base_label, _) = LONG_SETTINGS
     kw = {"ours_label": f"qlora-fsdp CLI code, {ours_label}, 1 process",
           "peer_label": f"qlora-fsdp CLI code, {base_label}, 1 process"}  # fmt: skip

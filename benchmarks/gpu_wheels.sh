@@ -3,14 +3,10 @@
 #
 #   bash benchmarks/gpu_wheels.sh        (no arguments, from the repository root; needs the network)
 #
-# That machine has Python 3.12 (x86-64), torch 2.11, transformers 5.17, accelerate, safetensors, tokenizers,
-# pyyaml, tqdm, numpy and packaging, no network, and takes at most 64 MiB per call, the repository included.
-# So only what the suite imports travels: bitsandbytes (a py3-none manylinux wheel), hqq (published as a source
-# archive only: built here as a pure-Python wheel, its CUDA extension disabled with DISABLE_CUDA=1, since it then
-# uses its PyTorch backend), termcolor (hqq imports it), the peft we test (that machine's version is unknown) and
-# pytest with the two packages it needs that the image may lack (pluggy, iniconfig) for the GPU test tier.
-# bitsandbytes, hqq and peft are the versions of constraints-cpu.txt. Fails if the wheels and the repository
-# together exceed 60 MiB.
+# That machine (Python 3.12, torch 2.11, transformers 5.17; no network) takes at most 64 MiB a call, the repository
+# included, so only what the suite imports travels, at constraints-cpu.txt's versions: bitsandbytes, peft, hqq (a
+# source archive only: built here pure-Python, DISABLE_CUDA=1, so it runs its PyTorch backend), termcolor (hqq's),
+# and pytest, pluggy, iniconfig for the GPU test tier. Fails above 60 MiB with the repository.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

@@ -1,10 +1,7 @@
-"""The one harness every suite runs on: the models, process launch and contention, files and RSS, rows (ours beside
-the peer's figure from the same run, medians of their runs, ratio ours / peer), launch settings and the Runner (runs
-of our CLI, the results record). A suite is a plan (a Settings dataclass of sizes) and the sections that turn runs
-into rows.
+"""The one harness every suite runs on: models, launch and contention, RSS, rows (ours / peer), the Runner, results.
 
-Nothing here imports torch: the orchestrator stays light (Linux hands its RSS high-water mark to every child), and
-each measurement runs in fresh processes that import only what they measure.
+Nothing here imports torch: Linux hands the orchestrator's RSS high-water mark to every child, so it stays light and
+each measurement runs in a fresh process that imports only what it measures.
 """
 
 from __future__ import annotations
@@ -62,6 +59,23 @@ def alternate(rep: int, items: Sequence[Any]) -> list[Any]:
     return list(items) if rep % 2 == 0 else list(reversed(items))
 
 
+def alternating(reps: int, items: Sequence[Any], measure: Callable[[Any, int], Any]) -> dict[Any, list[Any]]:
+    """`measure(item, rep)` of every item in each repetition, the order alternating; each item's results."""
+    runs: dict[Any, list[Any]] = {item: [] for item in items}
+    for rep in range(reps):
+        for item in alternate(rep, items):
+            runs[item].append(measure(item, rep))
+    return runs
+
+
+def check_steps(what: str, metrics: Sequence[dict[str, Any]], want: tuple[int, int, float]) -> None:
+    """Every step trained `want` (tokens, label tokens, packing efficiency): rows that fill, unpadded."""
+    got = [(m["tokens"], m["label_tokens"], m["packing_efficiency"]) for m in metrics]
+    if any(g != want for g in got):
+        raise RuntimeError(f"{what}: (tokens, label tokens, packing efficiency) per step {got}, expected {want} at "
+                           "every step")  # fmt: skip
+
+
 def bundled_words() -> list[str]:
     """The words of data/alpaca_tiny.jsonl, sorted: every tiny model's tokenizer was trained on them."""
     words: set[str] = set()
@@ -72,15 +86,13 @@ def bundled_words() -> list[str]:
 
 
 def write_long_rows(path: Path, *, rows: int, words: int, seed: int) -> Path:
-    """`rows` text rows of `words` random bundled words each (seeded). A word is at least one token, so with `words`
-    above a run's context every row is truncated to exactly the context (unlike `--dataset dummy`'s rows)."""
+    """`rows` rows of `words` random bundled words (seeded): a word is a token or more, so rows fill any context."""
     import random
 
     rng, choices = random.Random(seed), bundled_words()
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps({"text": " ".join(rng.choices(choices, k=words))}) + "\n" for _ in range(rows)))
     return path
-
 
 
 def base_env(threads: int, *, pin_tokenizers: bool = True) -> dict[str, str]:
@@ -169,11 +181,8 @@ class Launch:
 
 def launch(cmds: Sequence[Sequence[str]], envs: Sequence[dict[str, str]], *, timeout_s: float,
            log_chars: int = 6000) -> Launch:  # fmt: skip
-    """Run the commands concurrently (the ranks of one job) and wait for all; kill the lot on timeout.
-
-    Output goes to files, not pipes, so a chatty rank never blocks; each process has a session of its own, so a
-    kill reaches exactly what this call started (torchrun's ranks included).
-    """
+    """Run the ranks of one job and wait for all; output to files (a chatty rank never blocks a pipe), a session
+    each (a kill on timeout reaches exactly what this call started, torchrun's ranks included)."""
     children_before, load, start = _cpu_seconds(resource.RUSAGE_CHILDREN), ForeignLoad(), time.perf_counter()
     procs: list[tuple[subprocess.Popen, Any]] = []
     returncode = 0
@@ -215,10 +224,8 @@ def shell(cmd: Sequence[str]) -> str:
     return " ".join("python" if c == sys.executable else c for c in cmd).replace(str(REPO_ROOT) + "/", "")
 
 
-
 def read_json(path: str | os.PathLike) -> Any:
-    with open(path) as fh:
-        return json.load(fh)
+    return json.loads(Path(path).read_text())
 
 
 def write_json(path: str | os.PathLike, obj: Any) -> None:
@@ -245,11 +252,8 @@ def peak_rss_bytes() -> int:
 
 def reset_peak_rss() -> None:
     """Restart VmHWM from the current RSS (clear_refs "5"); where the kernel refuses, it keeps counting."""
-    try:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")
 
 
 def maxrss_bytes() -> int:
@@ -287,7 +291,6 @@ def native_bf16() -> bool:
     cpuinfo = Path("/proc/cpuinfo")
     flags = cpuinfo.read_text() if cpuinfo.is_file() else ""
     return "avx512_bf16" in flags or "amx_bf16" in flags
-
 
 
 def row(section: str, key: str, figure: str, unit: str, better: str, ours_runs: Sequence[float],
@@ -343,10 +346,13 @@ def parameters(model: Path) -> int:
     return sum(math.prod(v["shape"]) for v in tensor_headers(model).values())
 
 
-def model_record(model: Path, sizes: dict[str, Any]) -> dict[str, Any]:
+def model_record(model: Path, sizes: dict[str, Any] | None = None) -> dict[str, Any]:
+    """results.json's model: its path, parameters, shards and sizes (by default its config's SIZE_KEYS)."""
+    if sizes is None:
+        config = json.loads((model / "config.json").read_text())
+        sizes = {k: config.get(k) for k in SIZE_KEYS}
     return {"path": str(model), "parameters": parameters(model), "shards": len(list(model.glob("*.safetensors"))),
             "sizes": sizes}  # fmt: skip
-
 
 
 @dataclass(kw_only=True)
@@ -379,31 +385,8 @@ class Settings:
                 setattr(self, name, reps)
 
 
-def ensure_model(sizes: dict[str, int], cache: Path, plan: Settings) -> Path:
-    """The random Llama of these scripts/make_tiny_model.py sizes, built once under `cache` (deterministic), in a
-    process of its own: the builder holds the fp32 model twice, and this one must stay small."""
-    path = cache / ("llama-" + "-".join(f"{v}" for v in sizes.values()))
-    if not (path / "model.safetensors.index.json").is_file():
-        flags = [f"--{k}={v}" for k, v in sizes.items()]
-        cmd = [sys.executable, str(REPO_ROOT / "scripts" / "make_tiny_model.py"), f"--output={path}", *flags]
-        launch([cmd], [base_env(plan.threads)], timeout_s=plan.launch_timeout_s).check("building the model")
-    return path
-
-
-def launch_conditions(launches: list[dict[str, Any]]) -> dict[str, Any]:
-    """results.json's record of the conditions of a suite's launches."""
-    foreign = [e["foreign_cores"] for e in launches if not e["discarded"]]
-    return {"launches": launches, "foreign_cores_median": median(foreign) if foreign else 0.0,
-            "foreign_cores_max": max(foreign, default=0.0),
-            "waited_for_idle_s": round(sum(e["waited_for_idle_s"] for e in launches), 1),
-            "discarded_launches": sum(e["discarded"] for e in launches),
-            "aborted_at_exit_after_finishing": sum("aborted_at_exit_after_finishing" in e for e in launches),
-            }  # fmt: skip
-
-
 class Runner:
-    """Launches measurements in a scratch directory, waits for a quiet machine first, re-measures a launch that
-    failed or met much contention (once each), and logs every launch's conditions."""
+    """Launches in a scratch directory after a quiet wait; re-measures a failed or contended launch once; logs all."""
 
     def __init__(self, plan: Settings, work: Path, log: Callable[[str], None] = print,
                  env: Callable[[int], dict[str, str]] = base_env) -> None:  # fmt: skip
@@ -414,16 +397,19 @@ class Runner:
         self._n = 0
 
     def model(self, sizes: dict[str, int], cache: Path) -> Path:
-        """ensure_model, its time counted as the suite's model building."""
-        start = time.perf_counter()
-        path = ensure_model(sizes, cache, self.plan)
+        """The random Llama of these sizes, built once under `cache` in a process of its own (it holds fp32 twice)."""
+        start, path = time.perf_counter(), cache / ("llama-" + "-".join(f"{v}" for v in sizes.values()))
+        if not (path / "model.safetensors.index.json").is_file():
+            flags = [f"--{k}={v}" for k, v in sizes.items()]
+            cmd = [sys.executable, str(REPO_ROOT / "scripts" / "make_tiny_model.py"), f"--output={path}", *flags]
+            job = launch([cmd], [base_env(self.plan.threads)], timeout_s=self.plan.launch_timeout_s)
+            job.check("building the model")
         self.build_s += time.perf_counter() - start
         return path
 
     def go(self, what: str, cmds: list[list[str]], envs: list[dict[str, str]], *,
            reset: Callable[[], None] | None = None, finished: Callable[[], bool] | None = None) -> Launch:  # fmt: skip
-        """Launch and record; `finished` says whether a launch that exited non-zero wrote its whole measurement
-        anyway (kept when it aborted at exit with EXIT_ABORT, not hidden or re-measured)."""
+        """Launch and record; a non-zero exit is kept when `finished()` and the log shows EXIT_ABORT."""
         contention_retries, failure_retries = self.plan.retries, 1
         for attempt in range(1, 10):
             if reset is not None:
@@ -476,15 +462,20 @@ class Runner:
                 "lora_target_modules": "all", "lr": 1e-5, "log_to": "stdout", "save_model": "false",
                 "device": "cpu", "output_dir": self.result_path(stem), **flags}  # fmt: skip
 
+    def profiled(self, what: str, stem: str, *, nproc: int, steps: int, **flags: Any) -> dict[str, Any]:
+        """A torchrun job of bnb LoRA under the step probe, its last step profiled (the log left out)."""
+        flags = self.flags(stem, quant="bnb", dataset_cache_dir=self.work / "tokenized", dataset_num_proc=1,
+                           max_steps=steps, profile="true", profile_steps=f"{steps},{steps}", **flags)  # fmt: skip
+        run = self.train(what, flags, nproc=nproc, steps=steps, probe="steps", torchrun=True)
+        del run["log"]
+        return run
+
     def train(self, what: str, flags: dict[str, Any], *, nproc: int, steps: int, probe: str = "peak",
               torchrun: bool = False, torchrun_args: Sequence[str] = (), wrap: Sequence[str] = (),
               reset: Callable[[], None] | None = None, done: Callable[[], bool] = lambda: True) -> dict[str, Any]:
-        """Our real CLI, `train.py` (under torchrun for several ranks or with `torchrun`), inside benchmarks/probe.py.
-
-        probe "peak": each rank's VmHWM at exit (`exit_peak_rss_bytes`); "steps": each rank's per-step RSS and,
-        with --profile, the profiled step's tensor peak (`ranks`). `wrap` prefixes the command (a timer); `done`
-        adds to "every step logged" what a finished launch must have left.
-        """
+        """Our real CLI, `train.py` (torchrun for several ranks) inside benchmarks/probe.py: probe "peak" gives each
+        rank's VmHWM at exit, "steps" each rank's per-step RSS and the profiled step's tensor peak (`ranks`). `wrap`
+        prefixes the command (a timer); `done` is what a launch that aborted at exit must leave besides the steps."""
         out = Path(flags["output_dir"])
         args = ["-m", "benchmarks.probe", str(REPO_ROOT / "train.py"), *(f"--{k}={v}" for k, v in flags.items())]
         cmd = [sys.executable, *args]
@@ -527,9 +518,17 @@ class Runner:
     def results(self, suite: str, rows: list[dict[str, Any]], details: dict[str, Any], settings: dict[str, Any],
                 **extra: Any) -> dict[str, Any]:  # fmt: skip
         """results.json's content: the plan and `settings`, rows, details, every launch's conditions."""
+        launches = self.launches
+        foreign = [e["foreign_cores"] for e in launches if not e["discarded"]]
+        conditions = {"build_model_s": round(self.build_s, 1), "launches": launches,
+                      "foreign_cores_median": median(foreign) if foreign else 0.0,
+                      "foreign_cores_max": max(foreign, default=0.0),
+                      "waited_for_idle_s": round(sum(e["waited_for_idle_s"] for e in launches), 1),
+                      "discarded_launches": sum(e["discarded"] for e in launches),
+                      "aborted_at_exit_after_finishing": sum("aborted_at_exit_after_finishing" in e for e in launches),
+                      }  # fmt: skip
         return {"suite": suite, "quick": self.plan.quick, **extra, "settings": {**asdict(self.plan), **settings},
-                "rows": rows, "details": details,
-                "conditions": {"build_model_s": round(self.build_s, 1), **launch_conditions(self.launches)},
+                "rows": rows, "details": details, "conditions": conditions,
                 "wall_time_s": time.perf_counter() - self.started}  # fmt: skip
 
 
@@ -541,8 +540,7 @@ def session(plan: Settings, suite: str, log: Callable[[str], None] = print, **kw
 
 
 def step_peaks(run: dict[str, Any], steps: int) -> dict[str, int]:
-    """A `probe="steps"` run's peaks, largest rank: the profiled last step's tensor bytes, and over steps 1 to
-    steps-1 the RSS less the RSS before step 1 and the RSS itself."""
+    """A `probe="steps"` run's peaks, largest rank: the profiled last step's tensors, RSS (growth) of the others."""
     measured = [(s, r) for r in run["ranks"] for s in r["steps"][: steps - 1]]
     return {"tensor_peak_bytes": max(r["tensor_peak_bytes"] for r in run["ranks"]),
             "rss_peak_growth_bytes": max(s["peak_rss_bytes"] - r["baseline_rss_bytes"] for s, r in measured),
@@ -557,8 +555,7 @@ def choose(flag: str, given: tuple[str, ...], allowed: tuple[str, ...]) -> tuple
 
 
 def tensor_peak(trace: Path) -> tuple[int, int]:
-    """(the largest "Total Allocated" of a Chrome trace's CPU memory events, how many there were): the bytes of
-    tensors allocated since the profiler started and not yet freed."""
+    """(largest "Total Allocated" of a Chrome trace's CPU memory events: live tensor bytes, how many events)."""
     events = [e["args"] for e in read_json(trace)["traceEvents"] if e.get("name") == "[memory]"]
     cpu = [a["Total Allocated"] for a in events if a.get("Device Type") == 0]
     if not cpu:

@@ -1,8 +1,5 @@
-"""The long-context suite (--suite cpu-long-context): what --sequence_parallel_size S and --tiled_mlp save per rank.
-(1) A memory grid, every context x S, tiled off and on, beside S = 1 untiled: a step's peak tensor bytes per rank
-(profiled), its RSS growth, tokens/s; (2) the longest context S = 1 and S = 2 train in a fixed per-rank budget. The
-issue's bars: S = 2 / S = 1 <= 0.6x and tiled / untiled <= 0.7x at the largest context, longest S = 2 / S = 1 >=
-1.8x. Every run trains rows that fill its context; benchmarks/README.md has the method and the wall times.
+"""The long-context suite (--suite cpu-long-context): what --sequence_parallel_size S and --tiled_mlp save per rank,
+as a grid of step peaks and the longest context in a fixed budget. benchmarks/README.md: the method and the bars.
 """
 
 from __future__ import annotations
@@ -14,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import harness, report
-from benchmarks.harness import Runner, Settings, alternate, brief, figure_rows, llama, median, row, session
+from benchmarks.harness import Runner, Settings, brief, check_steps, figure_rows, llama, median, row, session
 from benchmarks.report import fmt
 
 SP_PEAK_BAR = 0.6
@@ -64,8 +61,7 @@ class LongContextPlan(Settings):
 
 def plan(*, quick: bool, threads: int, reps: int | None, idle_wait_s: float | None,
          precision: str | None = None) -> LongContextPlan:  # fmt: skip
-    """The full suite (4k, 8k, 16k tokens x S = 1, 2, 4 x tiled off/on; hours on 2 cores) or the quick one (1024
-    tokens x S = 1, 2, tiled at S = 1; budget at 512 tokens). No re-measuring on contention: bytes do not move."""
+    """The full suite (4k-16k tokens x S = 1, 2, 4 x tiled; hours) or the quick one (1024 tokens, S = 1, 2)."""
     if quick:
         p = LongContextPlan(dict(QUICK_MODEL), contexts=(1024,), base_context=512, search_step=512, sizes=(1, 2),
                             tiled_sizes=(1,), reps=1, quick=True, launch_timeout_s=180.0)  # fmt: skip
@@ -96,8 +92,7 @@ def check_plan(p: LongContextPlan) -> None:
 
 
 def tiles(p: LongContextPlan, context: int, size: int) -> int:
-    """--tiled_mlp for a rank's slice of `context`: auto's tile per hidden-size tokens, at least MIN_TILES (auto
-    gives one where the slice is no longer than the hidden size, which would repeat the untiled run)."""
+    """--tiled_mlp for a rank's slice: auto's count, at least MIN_TILES (1 would repeat the untiled run)."""
     return max(MIN_TILES, math.ceil(context // size / p.model["hidden_size"]))
 
 
@@ -112,19 +107,12 @@ def write_rows(p: LongContextPlan, out: Path) -> Path:
 
 
 def train(runner: Runner, what: str, model: Path, data: Path, context: int, size: int, tiled: int) -> dict[str, Any]:
-    """One run on S ranks (torchrun, even for 1) under the step probe, the last step profiled."""
+    """One run on S ranks (torchrun, even for 1) under the step probe; every step must fill the context."""
     p = runner.plan
-    flags = runner.flags(
-        f"train-{context}-s{size}-t{tiled}", model=model, quant="bnb", dataset=data,
-        dataset_cache_dir=runner.work / "tokenized", dataset_num_proc=1, context_length=context, batch_size=1,
-        max_steps=p.steps, seed=p.seed, sequence_parallel_size=size, tiled_mlp=tiled, profile="true",
-        profile_steps=f"{p.steps},{p.steps}")  # fmt: skip
-    run = runner.train(what, flags, nproc=size, steps=p.steps, probe="steps", torchrun=True)
-    del run["log"]
-    got = [(x["tokens"], x["label_tokens"], x["packing_efficiency"]) for x in run["metrics"]]
-    if any(g != (context, context - 1, 1.0) for g in got):
-        raise RuntimeError(f"{what}: (tokens, label tokens, packing efficiency) per step {got}, expected "
-                           f"({context}, {context - 1}, 1.0): the rows did not fill the context")  # fmt: skip
+    run = runner.profiled(what, f"train-{context}-s{size}-t{tiled}", nproc=size, steps=p.steps, model=model,
+                          dataset=data, context_length=context, batch_size=1, seed=p.seed,
+                          sequence_parallel_size=size, tiled_mlp=tiled)  # fmt: skip
+    check_steps(what, run["metrics"], (context, context - 1, 1.0))
     return {"context": context, "size": size, "tiled_mlp": tiled, **run}
 
 
@@ -180,9 +168,7 @@ def run(p: LongContextPlan, *, cache: Path, model: Path | None = None,
         log(f"{p.reps} x {len(grid)} runs of {p.steps} steps: contexts {p.contexts}, S {p.sizes}, tiled at S "
             f"{p.tiled_sizes}; then the longest context within the budget (S = 1 at {p.base_context} tokens + "
             f"{BUDGET_MARGIN:.0%})")  # fmt: skip
-        for rep in range(p.reps):
-            for key in alternate(rep, grid):
-                launch(key, rep)
+        harness.alternating(p.reps, grid, launch)
         base = (p.base_context, 1, 0)
         budget = int(peak(runs[base][0] if base in runs else launch(base, 0)) * (1 + BUDGET_MARGIN))
         search: dict[int, dict[str, Any]] = {}
@@ -223,8 +209,7 @@ def _label(size: int, tiled: int) -> str:
 
 def _rows(p: LongContextPlan, runs: dict[Key, list[dict[str, Any]]], search: dict[int, dict[str, Any]], budget: int,
           rows: list) -> dict[str, Any]:  # fmt: skip
-    """The grid's rows against S = 1 untiled at each context, then the acceptance rows; returns the acceptance
-    record, the search and every run's summary."""
+    """The grid's rows against S = 1 untiled, then the acceptance rows; the record behind them."""
     sums = {k: [summary(r, p.steps) for r in v] for k, v in runs.items()}
     for context in p.contexts:
         peer = sums[(context, 1, 0)]

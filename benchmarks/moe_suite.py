@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import harness, report
-from benchmarks.harness import Runner, Settings, alternate, brief, llama, median, row, session
+from benchmarks.harness import Runner, Settings, brief, llama, median, row, session
 from benchmarks.report import fmt
 
 QUANTS = ("bnb", "hqq")
@@ -57,8 +57,7 @@ class MoePlan(Settings):
 
 def plan(*, quick: bool, threads: int, reps: int | None, idle_wait_s: float | None, precision: str | None = None,
          quants: tuple[str, ...] | None = None) -> MoePlan:  # fmt: skip
-    """The full suite (hidden 1024, 4 layers, 8 experts, bnb alone) or the quick one (hidden 128, 2 layers, 4
-    experts; 1 and 2 ranks, bnb and HQQ). No re-measuring on contention: results.md lists every launch's."""
+    """The full suite (hidden 1024, 8 experts, bnb) or the quick one (hidden 128, 4 experts, bnb and HQQ)."""
     if quick:
         p = MoePlan(dict(QUICK_MOE), 512, reps=1, world_sizes=(1, 2), quants=QUANTS, batch_size=1, context_length=64,
                     steps=3, quick=True, launch_timeout_s=180.0)  # fmt: skip
@@ -77,8 +76,7 @@ def dense_sizes(moe: dict[str, int], vocab_size: int) -> dict[str, int]:
 
 
 def describe(model: Path, *, experts: int = 0, top_k: int = 0) -> dict[str, Any]:
-    """Parameters and on-disk bytes from the safetensors headers; for an MoE, its routed experts' share and the
-    parameters a token uses."""
+    """Parameters and bytes on disk from the headers; for an MoE its experts' share and active parameters."""
     tensors = harness.tensor_headers(model)
     config = json.loads((model / "config.json").read_text())
     total = sum(math.prod(t["shape"]) for t in tensors.values())
@@ -98,8 +96,7 @@ def describe(model: Path, *, experts: int = 0, top_k: int = 0) -> dict[str, Any]
 
 
 def ensure_models(runner: Runner, cache: Path) -> tuple[Path, Path]:
-    """The MoE and its dense twin, each built once under `cache` in a process of its own; the MoE reads the dense
-    model's tokenizer, so both read the same token ids."""
+    """The MoE and its dense twin (built once; the MoE takes the dense tokenizer, so the same token ids)."""
     p = runner.plan
     dense = runner.model(dense_sizes(p.moe, p.vocab_size), cache)
     name = "mixtral-" + "-".join(f"{k[0]}{v}" for k, v in p.moe.items()) + f"-v{p.vocab_size}-s{p.seed}-bf16"
@@ -178,18 +175,17 @@ def _memory(runner: Runner, moe: Path, peer: dict[str, Any], rows: list, details
 def _step_time(runner: Runner, moe: Path, dense: Path, rows: list, details: dict) -> None:
     """2: step time of the MoE against the dense model with its active parameters, the two alternating."""
     p = runner.plan
-    seconds: dict[str, list[float]] = {"moe": [], "dense": []}
-    peaks: dict[str, list[int]] = {"moe": [], "dense": []}
-    runs: dict[str, list[dict[str, Any]]] = {"moe": [], "dense": []}
-    for rep in range(p.reps):
-        for kind in alternate(rep, ("moe", "dense")):
-            run = train(runner, f"step time, {kind} {p.step_quant} x{p.step_nproc} (rep {rep + 1})",
-                        moe if kind == "moe" else dense, p.step_quant, nproc=p.step_nproc, batch_size=p.batch_size,
-                        context_length=p.context_length, steps=p.steps)  # fmt: skip
-            # A record's elapsed_s counts from the start of training: a step's own time is tokens / tokens_per_s.
-            seconds[kind].append(median([m["tokens"] / m["tokens_per_s"] for m in run["metrics"][p.skip_steps :]]))
-            peaks[kind].append(max(run["exit_peak_rss_bytes"]))
-            runs[kind].append(run)
+
+    def measure(kind: str, rep: int) -> dict[str, Any]:
+        what = f"step time, {kind} {p.step_quant} x{p.step_nproc} (rep {rep + 1})"
+        return train(runner, what, moe if kind == "moe" else dense, p.step_quant, nproc=p.step_nproc,
+                     batch_size=p.batch_size, context_length=p.context_length, steps=p.steps)  # fmt: skip
+
+    runs = harness.alternating(p.reps, ("moe", "dense"), measure)
+    # A record's elapsed_s counts from the start of training: a step's own time is tokens / tokens_per_s.
+    seconds = {k: [median([m["tokens"] / m["tokens_per_s"] for m in r["metrics"][p.skip_steps :]]) for r in v]
+               for k, v in runs.items()}  # fmt: skip
+    peaks = {k: [max(r["exit_peak_rss_bytes"]) for r in v] for k, v in runs.items()}
     tokens = {k: [[m["tokens"] for m in r["metrics"]] for r in v] for k, v in runs.items()}
     same_tokens = all(t == tokens["moe"][0] for v in tokens.values() for t in v)
     if not same_tokens:

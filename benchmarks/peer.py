@@ -1,9 +1,5 @@
-"""The peer every figure is compared with: Hugging Face 4-bit loading + PEFT LoRA + a plain torch AdamW loop.
-
-This is what most people write by hand (or get from TRL) instead of using qlora-fsdp: one process,
-`from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True, ...))`, `get_peft_model`, and a
-forward/backward/step loop. It is configured like our runs: NF4 with double quantization (our default), bf16
-storage and compute, bf16 unquantized weights, the same LoRA rank, alpha and targets (every linear but the head).
+"""The peer every figure is compared with: what people write instead of qlora-fsdp, Hugging Face 4-bit loading + PEFT
+LoRA + a plain torch AdamW loop in one process, configured like our runs (NF4 + double quant, the same LoRA).
 """
 
 from __future__ import annotations
@@ -21,8 +17,7 @@ LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
 
 
 def bnb_config(*, quant_type: str = "nf4", double_quant: bool = True, dtype: torch.dtype = torch.bfloat16):
-    """The issue's peer configuration, plus double quantization so both sides store the same bytes; `dtype` is the
-    storage and compute dtype (bf16, or fp32 on a CPU without native bf16 matmuls)."""
+    """The issue's peer config plus double quant (both sides store the same bytes); `dtype` stores and computes."""
     from transformers import BitsAndBytesConfig
 
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_storage=dtype, bnb_4bit_quant_type=quant_type,
@@ -67,10 +62,7 @@ def dummy_batches(path: str | Path, *, batch_size: int, context_length: int, cou
 
 def train_steps(model: nn.Module, batches: list[dict], *, device: torch.device, lr: float = 1e-5,
                 grad_norm: float = 0.3) -> Iterator[tuple[int, float]]:  # fmt: skip
-    """One optimizer step per batch, as a plain loop does it; yields (input tokens, seconds) per step.
-
-    Clipping matches ours (`--grad_norm 0.3`); the time covers the whole step, synchronised on GPU.
-    """
+    """One step per batch, clipped as ours (--grad_norm 0.3), synchronised; yields (tokens, seconds)."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=0.0)
     model.train()

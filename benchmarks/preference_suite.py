@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import harness, report
-from benchmarks.harness import QUICK_MODEL, Runner, Settings, alternate, brief, llama, median, row, session
+from benchmarks.harness import QUICK_MODEL, Runner, Settings, alternating, brief, check_steps, llama, median, row
 from benchmarks.report import fmt
 
 OBJECTIVES = ("dpo", "ipo", "orpo", "simpo")
@@ -58,9 +58,7 @@ class PreferencePlan(Settings):
 
 def plan(*, quick: bool, threads: int, reps: int | None, idle_wait_s: float | None, precision: str | None = None,
          objectives: tuple[str, ...] | None = None) -> PreferencePlan:  # fmt: skip
-    """The full suite (hidden 512, 8 layers; 2 ranks x 4 pairs of 384-token sequences, 4 steps; four objectives) or
-    the quick one (the CPU suite's quick model, 2 ranks x 1 pair of 64 tokens, 3 steps, DPO alone). No re-measuring
-    on contention: the peaks are memory, which others' CPU use does not move; every launch's is recorded."""
+    """The full suite (34M model, 4 objectives) or the quick one (DPO alone); peaks are memory: no retry."""
     if quick:
         p = PreferencePlan(dict(QUICK_MODEL), reps=1, pairs_per_rank=1, prompt_tokens=40, reply_tokens=23, steps=3,
                            objectives=("dpo",), quick=True, launch_timeout_s=180.0)  # fmt: skip
@@ -118,8 +116,7 @@ class Texts:
 
 
 def write_datasets(plan: PreferencePlan, model: Path, out: Path) -> dict[str, Any]:
-    """The preference file (prompt/chosen/rejected) and its SFT twin (each side a prompt/completion row, the prompt
-    framed as the trainer frames the pairs' prompts)."""
+    """The preference file and its SFT twin (each side a prompt/completion row, prompts framed alike)."""
     from qlora_fsdp.data.formats import format_prompt  # torch-free: the template the trainer frames prompts with
 
     texts = Texts(model / "tokenizer.json", plan.seed)
@@ -151,8 +148,7 @@ def rss_growth(run: dict[str, Any]) -> list[list[int]]:
 
 
 def summary(run: dict[str, Any], steps: int) -> dict[str, Any]:
-    """A run's figures: resident bytes, the two step peaks (largest rank; RSS of steps 1 to S-1), the step time
-    (median of steps 2 to S-1) and the tokens of every step."""
+    """A run's resident bytes, step peaks, step time (steps 2 to S-1) and every step's tokens."""
     m = run["metrics"]
     return {"param_bytes_per_rank": m[0]["param_bytes_per_rank"], **harness.step_peaks(run, steps),
             "rss_peak_growth_step1_bytes": max(g[0] for g in rss_growth(run)),
@@ -161,47 +157,28 @@ def summary(run: dict[str, Any], steps: int) -> dict[str, Any]:
             "tokens": [x["tokens"] for x in m], "label_tokens": [x["label_tokens"] for x in m]}  # fmt: skip
 
 
-def check_tokens(p: PreferencePlan, runs: dict[str, dict[str, Any]]) -> None:
-    """Every run trained the same tokens at every step, unpadded: 2B sequences of sequence_tokens per rank."""
-    want = (p.nproc * 2 * p.pairs_per_rank * p.sequence_tokens, p.nproc * 2 * p.pairs_per_rank * (p.reply_tokens + 1),
-            1.0)  # fmt: skip
-    for name, run in runs.items():
-        got = [(x["tokens"], x["label_tokens"], x["packing_efficiency"]) for x in run["metrics"]]
-        if any(g != want for g in got):
-            raise RuntimeError(f"{name}: (tokens, label tokens, packing efficiency) per step {got}, expected "
-                               f"{want} at every step")  # fmt: skip
-
-
-def train(runner: Runner, what: str, model: Path, objective: str, dataset: Path, batch_size: int) -> dict[str, Any]:
-    """One 2-rank run under the step probe, the last step profiled."""
-    p = runner.plan
-    flags = runner.flags(
-        f"train-{objective}", model=model, quant="bnb", objective=objective, dataset=dataset,
-        dataset_cache_dir=runner.work / "tokenized", dataset_num_proc=1, context_length=p.sequence_tokens,
-        batch_size=batch_size, max_steps=p.steps, seed=p.seed, profile="true",
-        profile_steps=f"{p.steps},{p.steps}")  # fmt: skip
-    run = runner.train(what, flags, nproc=p.nproc, steps=p.steps, probe="steps", torchrun=True)
-    del run["log"]
-    return {"objective": objective, "batch_size": batch_size, **run}
+def train(runner: Runner, model: Path, name: str, data: dict[str, Any], rep: int) -> dict[str, Any]:
+    """One 2-rank run of an objective (SFT: the same sequences as rows); every step checked full and unpadded."""
+    p, sft = runner.plan, name == "sft"
+    batch = 2 * p.pairs_per_rank if sft else p.pairs_per_rank
+    what = f"{name} x{p.nproc} ranks, batch {batch} {'rows' if sft else 'pairs'} (rep {rep + 1})"
+    run = runner.profiled(what, f"train-{name}", nproc=p.nproc, steps=p.steps, model=model, objective=name,
+                          dataset=data["files"]["sft" if sft else "pairs"], context_length=p.sequence_tokens,
+                          batch_size=batch, seed=p.seed)  # fmt: skip
+    sequences = p.nproc * 2 * p.pairs_per_rank
+    check_steps(what, run["metrics"], (sequences * p.sequence_tokens, sequences * (p.reply_tokens + 1), 1.0))
+    return {"objective": name, "batch_size": batch, **run}
 
 
 def run(p: PreferencePlan, *, cache: Path, model: Path | None = None,
         log: Callable[[str], None] = print) -> dict[str, Any]:  # fmt: skip
     """Every run of the preference suite; returns results.json's content."""
-    runs: dict[str, list[dict[str, Any]]] = {k: [] for k in ("sft", *p.objectives)}
-    with session(p, "pref", log) as runner:
+    with harness.session(p, "pref", log) as runner:
         model_dir = runner.model(p.model, cache)
         data = write_datasets(p, model_dir, runner.work / "data")
         log(f"{p.reps} x SFT and {', '.join(p.objectives)}: {p.nproc} ranks x {p.pairs_per_rank} pairs "
             f"({2 * p.pairs_per_rank} sequences) of {p.sequence_tokens} tokens, {p.steps} steps")  # fmt: skip
-        for rep in range(p.reps):
-            for name in alternate(rep, ("sft", *p.objectives)):
-                sft = name == "sft"
-                batch = 2 * p.pairs_per_rank if sft else p.pairs_per_rank
-                what = f"{name} x{p.nproc} ranks, batch {batch} {'rows' if sft else 'pairs'} (rep {rep + 1})"
-                runs[name].append(train(runner, what, model_dir, name, Path(data["files"]["sft" if sft else "pairs"]),
-                                        batch))  # fmt: skip
-            check_tokens(p, {name: r[rep] for name, r in runs.items()})
+        runs = alternating(p.reps, ("sft", *p.objectives), lambda name, rep: train(runner, model_dir, name, data, rep))
         rows: list[dict[str, Any]] = []
         details = _rows(p, runs, rows)
         details["runs"] = {k: [{**brief(r, KEEP), "rss_growth_bytes_per_rank_step": rss_growth(r)} for r in v]

@@ -1,13 +1,10 @@
-"""Run a script exactly as `python SCRIPT ARGS` would (`python -m benchmarks.probe train.py --flags`, or the same under
-`torchrun -m`), recording memory the CLI's own figures cannot give.
+"""Run a script as `python SCRIPT ARGS` would (`python -m benchmarks.probe train.py --flags`, or under `torchrun -m`),
+recording memory the CLI's own figures cannot give (its peak_memory_bytes is ru_maxrss, which counts the launcher's).
 
-- `$BENCH_PEAK_RSS_FILE`: each rank writes its VmHWM at exit to `FILE.rankR` (the CLI's peak_memory_bytes is
-  ru_maxrss, which on Linux also counts the launcher's high-water mark).
-- `$BENCH_STEP_RSS_FILE`: each rank writes `FILE.rankR`, JSON, with the RSS of every step alone: VmHWM is reset just
-  before the first step (the baseline) and after each step's reading, by wrapping (never editing)
-  `qlora_fsdp.train.trainer.train_loop` and `qlora_fsdp.train.loop.peak_memory_bytes`, so metrics.jsonl's
-  peak_memory_bytes is that per-step peak too. It also wraps COLLECTIVES to yield until gloo's worker thread has let
-  their tensors go, so the training thread frees them where the profiler (`--profile true`) sees the free.
+- `$BENCH_PEAK_RSS_FILE`: each rank writes its VmHWM at exit to `FILE.rankR`.
+- `$BENCH_STEP_RSS_FILE`: each rank writes `FILE.rankR`, JSON, the RSS of every step alone: VmHWM is reset before step
+  1 and after each step's reading, by wrapping the trainer's train_loop and the loop's peak_memory_bytes. COLLECTIVES
+  wait until gloo's thread lets their tensors go, so the profiler (`--profile true`) sees the free where it happens.
 """
 
 from __future__ import annotations

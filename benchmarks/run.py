@@ -2,6 +2,7 @@
 
     python benchmarks/run.py --suite NAME [--quick] [--out DIR] [--model DIR] [--reps N] [suite options]
     python benchmarks/run.py --suite gpu [--dry-run] [--only tests,bnb,...]   (benchmarks/gpu.sh wraps it)
+    python benchmarks/run.py --render OUT/results.json                          (its results.md, again)
 
 Suites: cpu, cpu-large, cpu-loss, cpu-packing, cpu-data (--rows), cpu-moe (--quants), cpu-preference
 (--objectives), cpu-checkpoint, cpu-long-context, cpu-generation, gpu. benchmarks/README.md says what each measures.
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib
+import json
 import os
 import signal
 import sys
@@ -27,7 +29,7 @@ SUITES = {"cpu": "cpu_suite", "cpu-large": "cpu_suite", "cpu-loss": "cpu_suite",
           "cpu-data": "data_suite", "cpu-moe": "moe_suite", "cpu-preference": "preference_suite",
           "cpu-checkpoint": "checkpoint_suite", "cpu-long-context": "long_context_suite",
           "cpu-generation": "generation_suite", "gpu": "gpu_suite"}  # fmt: skip
-"""Each suite's module: `plan(...)`, `run(plan, model=, cache=)` and `render(results)`."""
+"""Each suite's module: `plan(...)`, `run(plan, model=, cache=)` and, beside report.render's tables, `render`."""
 OWN_MODEL = {
     "cpu-preference": "its own model (its size sets how much of a step is activations)",
     "cpu-long-context": "its own model (its size sets how much of a step is activations)",
@@ -87,6 +89,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def render(results: dict[str, Any]) -> str:
+    """results.md of a results.json: the suite's own render, else the common tables."""
+    from benchmarks import report
+
+    return getattr(importlib.import_module(f"benchmarks.{SUITES[results['suite']]}"), "render", report.render)(results)
+
+
 def main(argv: list[str] | None = None) -> int:
     from benchmarks.harness import machine_info, write_json
 
@@ -99,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     def save(results: dict[str, Any]) -> None:
         results.update(date=started, command=command)
         write_json(args.out / "results.json", results)
-        (args.out / "results.md").write_text(suite.render(results))
+        (args.out / "results.md").write_text(render(results))
 
     if args.suite == "gpu":
         # gpu.sh's hard stop sends SIGTERM: as an exception it lets the launcher kill the running worker, which has
@@ -124,4 +133,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--render"]:  # python benchmarks/run.py --render RESULTS_JSON: its results.md, again
+        sys.stdout.write(render(json.loads(Path(sys.argv[2]).read_text())))
+        sys.exit(0)
     sys.exit(main())
