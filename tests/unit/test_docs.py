@@ -100,6 +100,14 @@ def test_options_page_is_generated_from_config() -> None:
     assert rendered(current) == current, "run: python scripts/update_readme_options.py"
 
 
+def test_supported_models_page_is_generated_from_the_tests() -> None:
+    """docs/supported-models.md lists exactly the architectures and formats the end-to-end tests train."""
+    from scripts.update_supported_models import PAGE, rendered
+
+    current = PAGE.read_text()
+    assert rendered(current) == current, "run: python scripts/update_supported_models.py"
+
+
 def test_github_slug_control() -> None:
     """The slug rule against anchors GitHub gives these headings."""
     assert github_slug("Checkpoints, resume and preemption") == "checkpoints-resume-and-preemption"
