@@ -113,6 +113,7 @@ def load_ours(args: dict[str, Any]) -> None:
     baseline = current_rss_bytes()
     precision = PRECISIONS[args["precision"]]
     dist.barrier()
+    read_before = read_bytes()
     start = time.perf_counter()
     fsdp = FSDPConfig(fsdp_version=args["fsdp_version"], sharding_strategy="full_shard", gradient_checkpointing=False)
     sharder = make_sharder(fsdp, env=env, precision=precision, ignore=(QuantizedLinear,), adapters_own_units=False)
@@ -141,10 +142,35 @@ def load_ours(args: dict[str, Any]) -> None:
         "ru_maxrss_bytes": maxrss_bytes(), "rss_after_imports_bytes": baseline, "param_shard_bytes": params,
         "replicated_state_bytes": held["quant_state"], "buffer_bytes": held["buffers"],
         "resident_bytes": params + held["quant_state"] + held["buffers"],
-        "quantized_model_bytes": layers_bytes[0] + root_bytes,
+        "quantized_model_bytes": layers_bytes[0] + root_bytes, "read_bytes": read_bytes() - read_before,
     })  # fmt: skip
     dist.barrier()
     dist.destroy_process_group()
+
+
+def read_bytes() -> int:
+    """Bytes this process has read through read(2) and its kin (/proc/self/io rchar): what a load reads from its
+    files, whether the page cache or the disk serves them."""
+    return int(next(line for line in Path("/proc/self/io").read_text().splitlines() if line.startswith("rchar:"))
+               .split()[1])  # fmt: skip
+
+
+def write_formats(args: dict[str, Any]) -> None:
+    """The dense fp32 model at `model` as the releases ship it: bf16, pre-quantized bnb NF4 (transformers' own
+    4-bit save) and FP8 with 128 x 128 block scales, under `out`."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.quantized_checkpoints import bnb_4bit_checkpoint, fp8_checkpoint
+
+    dense, out = Path(args["model"]), Path(args["out"])
+    bf16 = out / "bf16"
+    AutoModelForCausalLM.from_pretrained(dense, dtype=torch.bfloat16).save_pretrained(bf16)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (dense / name).is_file():
+            shutil.copy(dense / name, bf16 / name)
+    bnb_4bit_checkpoint(bf16, out / "bnb-4bit", dtype=torch.bfloat16)
+    fp8_checkpoint(bf16, out / "fp8", block=(128, 128))
+    write_json(args["result"], {"written": ["bf16", "bnb-4bit", "fp8"]})
 
 
 def load_peer(args: dict[str, Any]) -> None:
@@ -318,5 +344,5 @@ def compare(args: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    worker_main({f.__name__: f for f in (load_ours, load_peer, train_peer, quant_quality, moe_peer, build_moe,
-                                         compare)})  # fmt: skip
+    worker_main({f.__name__: f for f in (load_ours, write_formats, load_peer, train_peer, quant_quality, moe_peer,
+                                         build_moe, compare)})  # fmt: skip

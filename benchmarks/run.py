@@ -28,7 +28,7 @@ if str(REPO_ROOT) not in sys.path:
 SUITES = {"cpu": "cpu_suite", "cpu-large": "cpu_suite", "cpu-loss": "cpu_suite", "cpu-packing": "cpu_suite",
           "cpu-data": "data_suite", "cpu-moe": "moe_suite", "cpu-preference": "preference_suite",
           "cpu-checkpoint": "checkpoint_suite", "cpu-long-context": "long_context_suite",
-          "cpu-generation": "generation_suite", "gpu": "gpu_suite"}  # fmt: skip
+          "cpu-generation": "generation_suite", "cpu-formats": "formats_suite", "gpu": "gpu_suite"}  # fmt: skip
 """Each suite's module: `plan(...)`, `run(plan, model=, cache=)` and, beside report.render's tables, `render`."""
 OWN_MODEL = {
     "cpu-preference": "its own model (its size sets how much of a step is activations)",

@@ -21,15 +21,15 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def bnb_4bit_checkpoint(dense: Path, out: Path, *, quant_type: str = "nf4", double_quant: bool = True,
-                        storage: torch.dtype = torch.uint8) -> Path:  # fmt: skip
-    """`dense` loaded in 4-bit by transformers and saved by it (fp32 compute, so its loss is exact to compare)."""
+                        storage: torch.dtype = torch.uint8, dtype: torch.dtype = torch.float32) -> Path:  # fmt: skip
+    """`dense` loaded in 4-bit by transformers and saved by it, the other weights and the compute in `dtype` (fp32
+    by default, so its loss is exact to compare; the hub's releases: bf16)."""
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant_type,
                                 bnb_4bit_use_double_quant=double_quant, bnb_4bit_quant_storage=storage,
-                                bnb_4bit_compute_dtype=torch.float32)  # fmt: skip
-    model = AutoModelForCausalLM.from_pretrained(dense, quantization_config=config, device_map="cpu",
-                                                 dtype=torch.float32)  # fmt: skip
+                                bnb_4bit_compute_dtype=dtype)  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(dense, quantization_config=config, device_map="cpu", dtype=dtype)
     model.save_pretrained(out)
     _copy_tokenizer(dense, out)
     return out
