@@ -163,6 +163,7 @@ def write_formats(args: dict[str, Any]) -> None:
     from tests.quantized_checkpoints import bnb_4bit_checkpoint, fp8_checkpoint
 
     dense, out = Path(args["model"]), Path(args["out"])
+    shutil.rmtree(out, ignore_errors=True)  # a launch measured again writes them again
     bf16 = out / "bf16"
     AutoModelForCausalLM.from_pretrained(dense, dtype=torch.bfloat16).save_pretrained(bf16)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):

@@ -18,7 +18,7 @@ from qlora_fsdp.config.options import ModelConfig
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.model.attention import fix_latent_attention
 from qlora_fsdp.model.formats import CheckpointFormat, checkpoint_format
-from qlora_fsdp.model.hub import resolve_model_path, shard_files
+from qlora_fsdp.model.hub import resolve_model_path
 from qlora_fsdp.model.vision import auto_model_class, vision_parts
 from qlora_fsdp.quant import QuantBackend
 from qlora_fsdp.quant.base import QuantizedLinear
@@ -139,9 +139,9 @@ def build_skeleton(
     keeps its own quantization for them (its format's `kept_experts`). Nothing is read from the checkpoint yet;
     without `weights` (planning a model not downloaded) its weight files are not even looked for."""
     path = path or resolve_model_path(cfg.model)
-    files = shard_files(path, allow_pickle=cfg.allow_pickle) if weights else []
-    model = meta_model(path, dtype=param_dtype, trust_remote_code=cfg.trust_remote_code, attention=attention)
     reader = checkpoint_format(path)
+    files = reader.files(path, allow_pickle=cfg.allow_pickle) if weights else []
+    model = meta_model(path, dtype=param_dtype, trust_remote_code=cfg.trust_remote_code, attention=attention)
     layer_classes = decoder_layer_classes(model)
     head = model.get_output_embeddings()
     head_name = next((n for n, m in model.named_modules() if m is head), None)

@@ -32,7 +32,7 @@ class HqqLinear(QuantizedLinear):
         return {**self.meta, "scale": self.state_tensor("scale"), "zero": self.state_tensor("zero")}
 
     def _dequantize(self) -> torch.Tensor:
-        return _dequantize(self._packed_ints(), self._hqq_meta(), self.out_features, self.in_features)
+        return dequantize_hqq(self._packed_ints(), self._hqq_meta(), self.out_features, self.in_features)
 
     def serialized(self) -> dict[str, Any]:
         """What HQQ's own `HQQLinear.state_dict()` holds (unencoded), which `HQQLinear.load_state_dict` and
@@ -56,7 +56,8 @@ class HqqLinear(QuantizedLinear):
         return out.to(x.dtype)
 
 
-def _dequantize(packed: torch.Tensor, meta: dict[str, Any], rows: int, cols: int) -> torch.Tensor:
+def dequantize_hqq(packed: torch.Tensor, meta: dict[str, Any], rows: int, cols: int) -> torch.Tensor:
+    """HQQ's own dequantization of packed ints with their meta (scale and zero in it), cut to [rows, cols]."""
     weight = Quantizer.dequantize(packed, meta)
     if tuple(weight.shape) != (rows, cols):
         weight = weight.flatten()[: rows * cols].view(rows, cols)

@@ -57,20 +57,22 @@ def load_for_generation(cfg: TrainConfig, options: GenerateConfig) -> tuple[nn.M
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     exported = _export_kind(path)
     manifest = read_manifest(options.adapter) if options.adapter else None
-    if exported and manifest is not None and EXPORT_KINDS.get(exported) != manifest.flags["quant"]:
+    # An export of ours (or a pre-quantized bnb release) is the base as it was trained; FP8 and MXFP4 releases are
+    # read through the checkpoint formats like any base.
+    if exported in EXPORT_KINDS and manifest is not None and EXPORT_KINDS[exported] != manifest.flags["quant"]:
         raise UserError(
             f"--model {path} is quantized ({exported}) but the adapter was trained on a --quant "
             f"{manifest.flags['quant']} base; export that base with scripts/export_quantized.py --adapter "
             f"{options.adapter}, or pass the base model itself"
         )
-    if exported and manifest is None and cfg.quant.quant != "none":
+    if exported in EXPORT_KINDS and manifest is None and cfg.quant.quant != "none":
         raise UserError(f"--model {path} is already quantized ({exported}); drop --quant {cfg.quant.quant}")
     if exported == "hqq":
         from hqq.models.hf.base import AutoHQQHFModel
 
         dtype = quant_compute_dtype(precision, cfg.quant.compute_dtype)
         model = AutoHQQHFModel.from_quantized(str(path), compute_dtype=dtype, device=str(device))
-    elif exported or cfg.quant.quant == "none":
+    elif exported in EXPORT_KINDS or cfg.quant.quant == "none":
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)

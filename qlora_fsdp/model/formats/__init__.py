@@ -22,13 +22,14 @@ from qlora_fsdp.model.formats.base import CheckpointFormat, Prequantized, Stored
 from qlora_fsdp.model.formats.bnb4bit import Bnb4bitFormat
 from qlora_fsdp.model.formats.dense import DenseFormat
 from qlora_fsdp.model.formats.fp8 import Fp8Format
+from qlora_fsdp.model.formats.hqq_export import HqqExportFormat
 from qlora_fsdp.model.formats.mxfp4 import Mxfp4Format
 
-FORMATS: tuple[type[CheckpointFormat], ...] = (Bnb4bitFormat, Fp8Format, Mxfp4Format, DenseFormat)
+FORMATS: tuple[type[CheckpointFormat], ...] = (HqqExportFormat, Bnb4bitFormat, Fp8Format, Mxfp4Format, DenseFormat)
 """Tried in order; the first whose `detect` holds reads the checkpoint, made from its config.json."""
 SUPPORTED = (
-    "plain weights, bitsandbytes 4-bit (quant_method bitsandbytes), FP8 (quant_method fp8) and MXFP4 (quant_method "
-    "mxfp4)"
+    "plain weights, bitsandbytes 4-bit (quant_method bitsandbytes), FP8 (quant_method fp8), MXFP4 (quant_method "
+    "mxfp4) and HQQ's qmodel.pt"
 )
 """What FORMATS reads, for the refusal of anything else."""
 
@@ -40,8 +41,8 @@ def checkpoint_format(path: Path) -> CheckpointFormat:
     quant = config.get("quantization_config") or {}
     method = "bitsandbytes 8-bit" if quant.get("load_in_8bit") else quant.get("quant_method")
     for fmt in FORMATS:
-        if fmt.detect(config):
-            return fmt(config)
+        if fmt.detect(config, path):
+            return fmt(config, path)
     raise UserError(
         f"--model {path}: the checkpoint is quantized with {method!r} (config.json quantization_config), which "
         f"this loader cannot read; it reads {SUPPORTED}. Use the model's unquantized release, or dequantize it with "

@@ -13,6 +13,7 @@ from torch import nn
 
 from qlora_fsdp.config.options import QuantConfig
 from qlora_fsdp.model.formats.files import tensor_names
+from qlora_fsdp.model.hub import shard_files
 from qlora_fsdp.quant.base import QuantizedLinear, QuantizedWeight
 
 
@@ -44,14 +45,19 @@ Stored = torch.Tensor | Prequantized
 class CheckpointFormat(Protocol):
     """What loading asks of a checkpoint format."""
 
-    def __init__(self, config: dict[str, Any]) -> None:
-        """The format of a checkpoint whose config.json is `config` (its quantization settings, if any)."""
+    def __init__(self, config: dict[str, Any], path: Path) -> None:
+        """The format of the checkpoint in `path`, whose config.json is `config` (its quantization settings, if
+        any)."""
         ...
 
     @staticmethod
-    def detect(config: dict[str, Any]) -> bool:
+    def detect(config: dict[str, Any], path: Path) -> bool:
         """Whether a model whose config.json is `config` stores its weights this way (a quantized checkpoint names
         its method in `quantization_config.quant_method`)."""
+        ...
+
+    def files(self, path: Path, *, allow_pickle: bool) -> list[Path]:
+        """The weight files of the model directory `path`, in the order they are read."""
         ...
 
     def names(self, files: list[Path]) -> list[str]:
@@ -98,6 +104,13 @@ def grouped(
         if len(parts) == size[group]:
             del waiting[group]
             yield group, combine(group, parts)
+
+
+class ShardedFiles:
+    """Weight files as transformers writes them: safetensors shards with their index (pickle only if allowed)."""
+
+    def files(self, path: Path, *, allow_pickle: bool) -> list[Path]:
+        return shard_files(path, allow_pickle=allow_pickle)
 
 
 def weight_names(files: list[Path]) -> list[str]:

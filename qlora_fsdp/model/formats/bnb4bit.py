@@ -22,7 +22,7 @@ from torch import nn
 
 from qlora_fsdp.config.options import QuantConfig
 from qlora_fsdp.errors import UserError
-from qlora_fsdp.model.formats.base import Prequantized, Stored, grouped, weight_names
+from qlora_fsdp.model.formats.base import Prequantized, ShardedFiles, Stored, grouped, weight_names
 from qlora_fsdp.model.formats.files import read_tensors
 from qlora_fsdp.quant.base import QuantizedWeight
 
@@ -66,14 +66,14 @@ class Bnb4bitWeight(Prequantized):
         return QuantizedWeight(self.packed, state, meta)
 
 
-class Bnb4bitFormat:
+class Bnb4bitFormat(ShardedFiles):
     """Plain tensors and pre-quantized 4-bit weights, each grouped with its state before it is yielded."""
 
-    def __init__(self, config: dict[str, Any]) -> None:
+    def __init__(self, config: dict[str, Any], path: Path) -> None:
         self.file_config = config["quantization_config"]
 
     @staticmethod
-    def detect(config: dict[str, Any]) -> bool:
+    def detect(config: dict[str, Any], path: Path) -> bool:
         quant = config.get("quantization_config") or {}
         return quant.get("quant_method") == "bitsandbytes" and bool(quant.get("load_in_4bit"))
 

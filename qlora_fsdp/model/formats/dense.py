@@ -9,18 +9,18 @@ from typing import Any
 import torch
 
 from qlora_fsdp.config.options import QuantConfig
-from qlora_fsdp.model.formats.base import weight_names
+from qlora_fsdp.model.formats.base import ShardedFiles, weight_names
 from qlora_fsdp.model.formats.files import read_tensors
 
 
-class DenseFormat:
+class DenseFormat(ShardedFiles):
     """Every tensor read as it is stored; loading converts its dtype and quantizes it with --quant."""
 
-    def __init__(self, config: dict[str, Any]) -> None:
+    def __init__(self, config: dict[str, Any], path: Path) -> None:
         pass
 
     @staticmethod
-    def detect(config: dict[str, Any]) -> bool:
+    def detect(config: dict[str, Any], path: Path) -> bool:
         """A checkpoint that names no quantization of its own."""
         return not config.get("quantization_config")
 

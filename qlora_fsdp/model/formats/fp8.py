@@ -16,7 +16,7 @@ import torch
 
 from qlora_fsdp.config.options import QuantConfig
 from qlora_fsdp.errors import UserError
-from qlora_fsdp.model.formats.base import Stored, grouped, weight_names
+from qlora_fsdp.model.formats.base import ShardedFiles, Stored, grouped, weight_names
 from qlora_fsdp.model.formats.files import FP8_DTYPES, SAFETENSORS_DTYPES, read_tensors, safetensors_header
 
 SCALE = "_scale_inv"
@@ -25,15 +25,15 @@ DROPPED = ("input_scale", "activation_scale")
 """Static activation scales: for FP8 matmuls at inference; a dequantized model has no use for them."""
 
 
-class Fp8Format:
+class Fp8Format(ShardedFiles):
     """FP8 weights with their scales, dequantized to the checkpoint's own dtype as each pair completes."""
 
-    def __init__(self, config: dict[str, Any]) -> None:
+    def __init__(self, config: dict[str, Any], path: Path) -> None:
         self.block = config["quantization_config"].get("weight_block_size")
         self.dtype = getattr(torch, config.get("dtype") or config.get("torch_dtype") or "bfloat16")
 
     @staticmethod
-    def detect(config: dict[str, Any]) -> bool:
+    def detect(config: dict[str, Any], path: Path) -> bool:
         return (config.get("quantization_config") or {}).get("quant_method") == "fp8"
 
     def names(self, files: list[Path]) -> list[str]:

@@ -18,7 +18,7 @@ from torch import nn
 
 from qlora_fsdp.config.options import QuantConfig
 from qlora_fsdp.errors import UserError
-from qlora_fsdp.model.formats.base import Prequantized, Stored, grouped, weight_names
+from qlora_fsdp.model.formats.base import Prequantized, ShardedFiles, Stored, grouped, weight_names
 from qlora_fsdp.model.formats.files import read_tensors
 from qlora_fsdp.quant.base import QuantizedLinear, QuantizedWeight
 from qlora_fsdp.quant.mxfp4 import Mxfp4Linear, dequantize_mxfp4, mxfp4_layer
@@ -62,14 +62,14 @@ class Mxfp4Experts(Prequantized):
         return [Mxfp4Weight(b, s) for b, s in zip(self.blocks.unbind(0), self.scales.unbind(0), strict=True)]
 
 
-class Mxfp4Format:
+class Mxfp4Format(ShardedFiles):
     """Plain tensors, and each MXFP4 pair grouped into one Mxfp4Experts under the fused projection's name."""
 
-    def __init__(self, config: dict[str, Any]) -> None:
+    def __init__(self, config: dict[str, Any], path: Path) -> None:
         self.config = config
 
     @staticmethod
-    def detect(config: dict[str, Any]) -> bool:
+    def detect(config: dict[str, Any], path: Path) -> bool:
         return (config.get("quantization_config") or {}).get("quant_method") == "mxfp4"
 
     def names(self, files: list[Path]) -> list[str]:

@@ -235,3 +235,21 @@ def test_an_incomplete_quantized_checkpoint_is_refused_before_loading(
     model = _copy(checkpoints.get(layout, gpt_oss_mxfp4), tmp_path / "m", drop=drop)
     with pytest.raises(UserError, match=message):
         load_model(ModelConfig(model=str(model)), backend=None, device=CPU, param_dtype=torch.float32)
+
+
+def test_generate_reads_an_fp8_base_as_training_does(checkpoints: dict[str, Path]) -> None:
+    """scripts/generate.py on an FP8 release with --quant bnb: the FP8 weights dequantized and quantized with bnb,
+    the bytes training holds, not refused as an export of another quantization."""
+    from qlora_fsdp.config.options import TrainConfig
+    from qlora_fsdp.tools.config import GenerateConfig
+    from qlora_fsdp.tools.generate import load_for_generation
+
+    model = checkpoints["fp8-block"]
+    cfg = TrainConfig()
+    cfg.model.model, cfg.quant.quant, cfg.fsdp.precision = str(model), "bnb", "fp32"
+    generating, _ = load_for_generation(cfg, GenerateConfig())
+    backend = make_backend(QuantConfig(quant="bnb"), storage_dtype=torch.uint8, compute_dtype=torch.float32)
+    training = load_model(ModelConfig(model=str(model)), backend=backend, device=CPU, param_dtype=torch.float32)
+    ids = torch.arange(24).view(2, 12)
+    with torch.no_grad():
+        torch.testing.assert_close(generating(input_ids=ids).logits, training.model.eval()(input_ids=ids).logits)

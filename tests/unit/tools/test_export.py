@@ -285,6 +285,51 @@ def test_hqq_export_is_what_training_used_in_hqqs_own_format(tied_model: Path, t
     assert (logits(peft, inputs) - logits(trained.model, inputs)).abs().max().item() < 1e-5
 
 
+def exported_base_reloaded(out: Path, quant: str) -> dict[str, torch.Tensor]:
+    """The export at `out` loaded back as a training base with --quant `quant` (its own settings, the file's):
+    each quantized layer's packed bytes by module name."""
+    from qlora_fsdp.config.options import ModelConfig, QuantConfig
+    from qlora_fsdp.model.formats import checkpoint_format
+    from qlora_fsdp.model.streaming import load_model
+
+    settled = checkpoint_format(out).quant_settings(QuantConfig(quant=quant), frozenset())
+    backend = make_backend(settled, storage_dtype=torch.uint8, compute_dtype=torch.float32)
+    skeleton = load_model(ModelConfig(model=str(out)), backend=backend, device=torch.device("cpu"),
+                          param_dtype=torch.float32)  # fmt: skip
+    return {n: m.packed_bytes() for n, m in skeleton.model.named_modules() if isinstance(m, QuantizedLinear)}
+
+
+def test_an_exported_bnb_base_trains_on_as_it_is(bnb_export: tuple[Trained, Path]) -> None:
+    """export_quantized.py's bnb output is a pre-quantized checkpoint: loaded back with --quant bnb every layer
+    holds the bytes training held, with no second rounding."""
+    trained, out = bnb_export
+    expected = trained.packed()
+    reloaded = exported_base_reloaded(out, "bnb")
+    assert sorted(reloaded) == sorted(expected)
+    assert all(torch.equal(reloaded[n], expected[n]) for n in expected)
+
+
+def test_an_exported_hqq_base_trains_on_as_it_is(tied_model: Path, tmp_path: Path) -> None:
+    """export_quantized.py's HQQ output (qmodel.pt) loads back with --quant hqq holding training's bytes; with
+    --quant none it is HQQ's exact dequantization, which the training-time layers compute too."""
+    from qlora_fsdp.config.options import ModelConfig
+    from qlora_fsdp.model.streaming import load_model
+
+    trained = Trained(tied_model, tmp_path, quant="hqq")
+    out = tmp_path / "export"
+    args = ["--model", str(tied_model), "--quant", "hqq", "--precision", "fp32", "--output", str(out)]
+    assert export_quantized.main(args) == 0
+    expected = trained.packed()
+    reloaded = exported_base_reloaded(out, "hqq")
+    assert sorted(reloaded) == sorted(expected)
+    assert all(torch.equal(reloaded[n], expected[n]) for n in expected)
+    plain = load_model(ModelConfig(model=str(out)), backend=None, device=torch.device("cpu"), param_dtype=torch.float32)
+    layer = "model.layers.0.mlp.down_proj"
+    weight = plain.model.get_submodule(layer).weight
+    training = trained.skeleton.model.get_submodule(f"{layer}.base_layer")  # under its LoRA wrapper
+    assert torch.equal(weight, training.dequantize())
+
+
 def test_generate_answers_as_the_model_does(tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """generate.py on base + adapter (training-time quantized) prints the model's own greedy continuation of the
     training prompt, and --chat answers each input line the same way."""
