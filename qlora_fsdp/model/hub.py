@@ -72,7 +72,13 @@ def load_tokenizer(path: Path):
     """The model's tokenizer; one without a pad token pads with eos (labels mask the padding anyway)."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:  # transformers' message runs to many lines; its first names the problem
+        raise UserError(
+            f"--model {path}: no tokenizer transformers can load there ({str(exc).strip().splitlines()[0]}); copy "
+            "the base model's tokenizer files (tokenizer.json, tokenizer_config.json) into it"
+        ) from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

@@ -641,3 +641,13 @@ def test_a_header_whose_offsets_do_not_fit_is_refused_before_any_read(tmp_path: 
     path.write_bytes(len(header).to_bytes(8, "little") + header + bytes(16))
     with pytest.raises(UserError, match="corrupt header"):
         list(read_safetensors(path))
+
+
+def test_a_model_directory_without_a_tokenizer_is_refused_in_one_line(tiny_model: Path, tmp_path: Path) -> None:
+    """A saved model without its tokenizer (save_pretrained of the model alone) is named, with the fix."""
+    from qlora_fsdp.model.hub import load_tokenizer
+
+    (tmp_path / "config.json").write_text((tiny_model / "config.json").read_text())
+    with pytest.raises(UserError, match=r"no tokenizer transformers can load there .*copy the base model's") as info:
+        load_tokenizer(tmp_path)
+    assert "\n" not in str(info.value)
