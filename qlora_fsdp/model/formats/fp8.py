@@ -47,7 +47,7 @@ class Fp8Format(ShardedFiles):
             group_of[weight] = group_of[weight + SCALE] = weight
 
         def dequantized(weight: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
-            return dequantize_fp8(parts[weight], parts[weight + SCALE], self.block).to(self.dtype)
+            return dequantize_fp8(parts[weight], parts[weight + SCALE], self.block, self.dtype)
 
         stream = (
             (n, t) for file in files for n, t in read_tensors(file, SAFETENSORS_DTYPES | FP8_DTYPES)
@@ -78,16 +78,28 @@ def _scaled(files: list[Path], names: list[str]) -> list[str]:
     return scaled
 
 
-def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: list[int] | None) -> torch.Tensor:
-    """float32 weight = fp8 value x its block's scale (one scale: the whole tensor's). Blocks are `block` rows x
-    columns, the last ones cut short where the weight does not divide; scales stored as bytes are E8M0 powers
-    of two."""
-    values = weight.float()
+CHUNK_VALUES = 1 << 24
+"""Values dequantized at a time (64 MiB in float32): a weight's float32 copy would be 4 bytes a value at once."""
+
+
+def dequantize_fp8(
+    weight: torch.Tensor, scale_inv: torch.Tensor, block: list[int] | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """`weight` in `dtype`: each fp8 value times its block's scale (one scale: the whole tensor's), computed in
+    float32 as transformers does, a few blocks of rows at a time. Blocks are `block` rows x columns, the last ones
+    cut short where the weight does not divide; scales stored as bytes are E8M0 powers of two."""
     scales = (scale_inv.float() - 127).exp2() if scale_inv.dtype == torch.uint8 else scale_inv.float()
+    rows, cols = weight.shape[-2:]
     if scales.numel() == 1:
-        return values * scales.reshape(())
-    rows, cols = values.shape[-2:]
-    if block is None:
+        scales, block = scales.reshape(1, 1), [rows, cols]
+    elif block is None:
         block = [-(-rows // scales.shape[-2]), -(-cols // scales.shape[-1])]
-    scales = scales.repeat_interleave(block[0], dim=-2)[..., :rows, :]
-    return values * scales.repeat_interleave(block[1], dim=-1)[..., :cols]
+    per_row = weight[..., :1, :].numel()  # a row of every leading index (each expert's, for fused experts)
+    step = max(1, CHUNK_VALUES // (per_row * block[0])) * block[0]
+    out = torch.empty(weight.shape, dtype=dtype)
+    for start in range(0, rows, step):
+        part = weight[..., start : start + step, :].float()
+        grid = scales[..., start // block[0] : -(-(start + part.shape[-2]) // block[0]), :]
+        grid = grid.repeat_interleave(block[0], dim=-2)[..., : part.shape[-2], :]
+        out[..., start : start + step, :] = part.mul_(grid.repeat_interleave(block[1], dim=-1)[..., :cols])
+    return out

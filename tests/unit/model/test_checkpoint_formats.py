@@ -253,3 +253,22 @@ def test_generate_reads_an_fp8_base_as_training_does(checkpoints: dict[str, Path
     ids = torch.arange(24).view(2, 12)
     with torch.no_grad():
         torch.testing.assert_close(generating(input_ids=ids).logits, training.model.eval()(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("block", [(16, 32), None])
+def test_fp8_dequantization_is_transformers_chunk_by_chunk(monkeypatch: pytest.MonkeyPatch,
+                                                           block: tuple[int, int] | None) -> None:  # fmt: skip
+    """A few blocks of rows at a time (here 2 blocks of 16 rows a chunk), bit for bit what transformers' own FP8
+    dequantization computes for the whole weight at once."""
+    from transformers import FineGrainedFP8Config
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize, Fp8Quantize
+    from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+
+    from qlora_fsdp.model.formats import fp8
+
+    quantizer = FineGrainedFP8HfQuantizer(FineGrainedFP8Config(weight_block_size=block))
+    parts = Fp8Quantize(quantizer)._quantize_one("w", torch.randn(96, 64, generator=torch.Generator().manual_seed(0)))
+    monkeypatch.setattr(fp8, "CHUNK_VALUES", 2 * 16 * 64)
+    ours = fp8.dequantize_fp8(parts["w"], parts["w_scale_inv"], None if block is None else list(block), torch.float32)
+    theirs = Fp8Dequantize(quantizer)._dequantize_one(parts["w"], parts["w_scale_inv"], output_dtype=torch.float32)
+    assert torch.equal(ours, theirs)
