@@ -23,7 +23,7 @@ NAMES = {
 }  # fmt: skip
 FORMATS = {
     "": "plain safetensors", "fp8": "FP8, block scales", "mxfp4": "MXFP4 experts",
-    "bnb": "bitsandbytes NF4, pre-quantized",
+    "bnb": "bitsandbytes NF4, pre-quantized", "hqq": "HQQ qmodel.pt (our export)",
 }  # fmt: skip
 
 
@@ -43,7 +43,7 @@ def trained() -> list[tuple[str, str, str, int, str]]:
     runs += [(family, "", quant, version, test_vlm) for family, quant, version in test_vlm.COMBOS]
     for kind, quant, flags in test_quantized_checkpoints_e2e.RUNS.values():
         family, _, fmt = kind.partition("-")
-        fmt = "bnb" if fmt == "bnb-4bit" else fmt
+        fmt = {"bnb-4bit": "bnb", "hqq-export": "hqq"}.get(fmt, fmt)
         mode = f" ({flags[-1]})" if "--mxfp4" in flags else ""
         runs.append((family, fmt + mode, quant, 2, test_quantized_checkpoints_e2e))
     root = PAGE.parents[1]

@@ -135,6 +135,23 @@ def mxfp4_digests(model: Path) -> dict[str, dict[str, str]]:
     return out
 
 
+def hqq_export(dense: Path, out: Path) -> Path:
+    """scripts/export_quantized.py's HQQ output of `dense` (4 bits, groups of 64, fp32): HQQ's own qmodel.pt."""
+    from scripts import export_quantized
+
+    args = ["--model", str(dense), "--quant", "hqq", "--precision", "fp32", "--output", str(out)]
+    assert export_quantized.main(args) == 0
+    return out
+
+
+def hqq_digests(model: Path) -> dict[str, dict[str, str]]:
+    """Each layer of an HQQ qmodel.pt: its packed ints (as bytes), scale and zero, digested straight from the file."""
+    saved = torch.load(model / "qmodel.pt", weights_only=True, mmap=True)
+    return {name: {"packed": tensor_digest(entry["W_q"].flatten().view(torch.uint8)),
+                   "scale": tensor_digest(entry["scale"]), "zero": tensor_digest(entry["zero"])}
+            for name, entry in saved.items() if "W_q" in entry}  # fmt: skip
+
+
 def _copy_tokenizer(source: Path, out: Path) -> None:
     for name in (*TOKENIZER_FILES, "generation_config.json"):
         if (source / name).is_file() and not (out / name).is_file():

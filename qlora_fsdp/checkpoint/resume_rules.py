@@ -19,7 +19,7 @@ from qlora_fsdp.config.options import TrainConfig
 
 MUST_MATCH: tuple[str, ...] = (
     # The base model (recorded as a fingerprint of its config and weights) and how it is quantized.
-    "model", "quant", "bnb_quant_type", "bnb_double_quant", "hqq_bits", "hqq_group_size", "compute_dtype",
+    "model", "quant", "bnb_quant_type", "bnb_double_quant", "mxfp4", "hqq_bits", "hqq_group_size", "compute_dtype",
     "precision", "quantize_vision",
     # The trained state's shapes and meaning: another scaling or dropout trains another function of the weights.
     "train_type", "lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "optimizer", "objective",

@@ -128,6 +128,8 @@ def stream_weights(
             tensor = tensor.dequantize() if kept is None else tensor
         if kept is not None:
             module.set_quantized(kept.to(device))  # type: ignore[operator]
+            if shares is not None:  # every rank read the same bytes: nothing to share out
+                shares.drop(module)
         elif id(module) in quantized and attr == "weight":  # a bias of a quantized layer is a plain parameter
             if shares is not None and shares.covers(module):
                 shares.arrive(module, tensor)  # type: ignore[arg-type]
@@ -240,6 +242,13 @@ class _WeightShares:
 
     def covers(self, module: nn.Module) -> bool:
         return id(module) in self.owner
+
+    def drop(self, module: nn.Module) -> None:
+        """`module` was filled on every rank alike (kept from the checkpoint): its layer's exchange skips it."""
+        if self.owner.pop(id(module), None) is not None:
+            for modules in self.by_unit.values():
+                if module in modules:
+                    modules.remove(module)
 
     def arrive(self, module: QuantizedLinear, weight: torch.Tensor) -> None:
         """Quantize `weight` now if this rank owns it; another rank's is dropped, its result comes in exchange."""

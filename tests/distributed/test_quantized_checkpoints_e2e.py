@@ -1,6 +1,7 @@
 """The checkpoints people download, trained by the real CLI on 2 CPU ranks (one launch each, 6 steps over the same
 two rows): gpt-oss and Llama 4 with bnb and HQQ, gpt-oss from its MXFP4 release (experts kept, or dequantized and
-quantized with --quant), DeepSeek-V3 from an FP8 release, and a pre-quantized bitsandbytes 4-bit Llama.
+quantized with --quant), DeepSeek-V3 from an FP8 release, a pre-quantized bitsandbytes 4-bit Llama and
+scripts/export_quantized.py's HQQ export of one.
 
 Each run's loss falls, and its adapter loads in PEFT onto transformers' own loading of the same files and lowers
 that model's loss on the rows. Where the checkpoint's quantization is kept, the bytes rank 0 digested for the
@@ -26,6 +27,8 @@ from tests.quantized_checkpoints import (
     bnb_4bit_checkpoint,
     file_digests,
     fp8_checkpoint,
+    hqq_digests,
+    hqq_export,
     mxfp4_checkpoint,
     mxfp4_digests,
 )
@@ -48,6 +51,7 @@ RUNS = {
     "deepseek_v3-fp8-bnb": ("deepseek_v3-fp8", "bnb", []),
     "deepseek_v3-fp8-hqq": ("deepseek_v3-fp8", "hqq", []),
     "llama-bnb-4bit": ("llama-bnb-4bit", "bnb", []),
+    "llama-hqq-export": ("llama-hqq-export", "hqq", []),
 }
 """run id -> (checkpoint, --quant, more flags)."""
 BF16 = ("gpt_oss", "llama4")
@@ -58,7 +62,8 @@ def checkpoint(kind: str, root: Path, tiny_model: Path) -> Path:
     """The checkpoint `kind` names, written as its release ships it."""
     family, _, fmt = kind.partition("-")
     if family == "llama":
-        return bnb_4bit_checkpoint(tiny_model, root / kind)
+        export = hqq_export if fmt == "hqq-export" else bnb_4bit_checkpoint
+        return export(tiny_model, root / kind)
     dense = build_moe_model(family, root / family, tokenizer_from=tiny_model)
     if fmt == "mxfp4":
         return mxfp4_checkpoint(dense, root / kind)
@@ -93,11 +98,19 @@ def test_trains_and_the_adapter_loads_on_transformers_loading(tiny_model: Path, 
     assert manifest is not None
     if kind == "llama-bnb-4bit":  # no second rounding: the file's bytes and state
         assert manifest.layers == file_digests(model)
+    if kind == "llama-hqq-export":  # an export of ours trains on as it is, each layer shared out to no rank
+        assert manifest.layers == hqq_digests(model)
     if "--mxfp4" in flags and flags[-1] == "keep":
         experts = {n: d for n, d in manifest.layers.items() if ".experts." in n}
         assert experts == mxfp4_digests(model)
 
-    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32), out).eval()
+    if kind == "llama-hqq-export":  # HQQ's own loader reads its qmodel.pt
+        from hqq.models.hf.base import AutoHQQHFModel
+
+        base_model = AutoHQQHFModel.from_quantized(str(model), compute_dtype=torch.float32, device="cpu")
+    else:
+        base_model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    loaded = PeftModel.from_pretrained(base_model, out).eval()
     with torch.no_grad():
         adapted = sum(loaded(input_ids=ids, labels=labels).loss.item() for ids, labels in row_batches(model, data))
         with loaded.disable_adapter():
