@@ -25,7 +25,7 @@ MUST_MATCH: tuple[str, ...] = (
     "train_type", "lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "optimizer", "objective",
     # The rows and their order: another value trains on other tokens or in another order.
     "dataset", "dataset_samples", "context_length", "seed", "prompt_style", "chat_template", "train_on_inputs",
-    "packing", "packing_split", "max_prompt_length", "group_by_length", "dataset_streaming",
+    "packing", "packing_split", "max_prompt_length", "group_by_length", "shuffle", "dataset_streaming",
     "eval_split",  # it holds rows out of --dataset: another split trains on other rows
     "num_iterations",  # GRPO's prompts repeat this many steps in the data position: another value reads others
 )  # fmt: skip

@@ -40,7 +40,7 @@ OptimizerName = Literal["adamw", "adam", "sgd", "adadelta"]
 """qlora_fsdp.train.optim.OPTIMIZERS."""
 SchedulerName = Literal["constant", "linear", "cosine"]
 """qlora_fsdp.train.optim.DECAYS."""
-PromptStyle = Literal["alpaca", "guanaco", "qna", "chat"]
+PromptStyle = Literal["alpaca", "guanaco", "qna", "raw", "chat"]
 """qlora_fsdp.data.formats.PROMPT_STYLES."""
 
 
@@ -168,6 +168,9 @@ class DataConfig:
     dataset_streaming: bool = False
     """Read and tokenize rows as training goes (hub datasets too), row i on rank i % ranks, in the sources' order:
     training starts at once, nothing is cached. Needs --max_steps; a resume re-reads the stream up to its step."""
+    shuffle: bool = True
+    """Read the training rows in a seeded order, reshuffled every epoch; false: in the file's order every epoch, as
+    TRL's KTOTrainer does (a run fed a given order, to compare with another trainer's)."""
     group_by_length: bool = False
     """Batch rows of similar length together (less padding); the order is still seeded and the same at every world
     size for the same global batch."""
@@ -176,7 +179,8 @@ class DataConfig:
     train_on_inputs: bool = False
     """Also compute the loss on the prompt tokens (default: only on the response, or on assistant turns in chat)."""
     prompt_style: PromptStyle = "alpaca"
-    """Prompt template for alpaca-format data (local files, alpaca*): alpaca, guanaco, qna, or chat (a user and an
+    """Prompt template for alpaca-format data (local files, alpaca*) and the string prompts of preference, KTO and
+    GRPO rows: alpaca, guanaco, qna, raw (the text as it is, as TRL reads a string prompt), or chat (a user and an
     assistant turn in the tokenizer's chat template). Chat rows always use the chat template."""
     chat_template: str = ""
     """Jinja chat template file for chat data, replacing the tokenizer's own (needed when it has none)."""
@@ -550,6 +554,8 @@ def _check_combinations(cfg: TrainConfig) -> list[str]:
                       (cfg.objective.precompute_reference, "precompute_reference")):  # fmt: skip
         if sp > 1 and bad:
             problems.append(f"--sequence_parallel_size {sp} does not combine with --{flag} (not yet); drop one")
+    if cfg.data.group_by_length and not cfg.data.shuffle:
+        problems.append("--group_by_length true orders rows by a seeded shuffle; drop it for --shuffle false")
     if cfg.data.packing_split and not cfg.data.packing:
         problems.append("--packing_split splits samples into packed rows and needs --packing true")
     if cfg.eval.eval_dataset and cfg.eval.eval_split:

@@ -138,10 +138,16 @@ def _qna_prompt(instruction: str, inp: str) -> str:
     return f"Question: {body}\nAnswer: "
 
 
+def _raw_prompt(instruction: str, inp: str) -> str:
+    """The text as it is, as TRL reads a string prompt: the completion follows it with no separator."""
+    return f"{instruction}\n{inp}" if inp else instruction
+
+
 _PROMPT_FORMATTERS: dict[str, Callable[[str, str], str]] = {
     "alpaca": _alpaca_prompt,
     "guanaco": _guanaco_prompt,
     "qna": _qna_prompt,
+    "raw": _raw_prompt,
 }
 CHAT_STYLE = "chat"
 """Instruction rows become a user and an assistant turn, rendered with the tokenizer's chat template."""

@@ -54,15 +54,17 @@ def held_out(examples: int, fraction: float, *, seed: int) -> np.ndarray:
 class GlobalOrderSampler(Sampler[int]):
     """A seeded shuffle whose global order is the same at every world size, and which resumes at a global sample.
 
-    Epoch e's order is DistributedSampler's (torch.randperm seeded with seed + e), read in global micro-batches of
+    Epoch e's order is DistributedSampler's (torch.randperm seeded with seed + e; the rows' own order every epoch
+    with `shuffle` false, --shuffle false), read in global micro-batches of
     world_size x batch_size rows, rank r taking every world_size-th row from r on, and cut to whole optimizer steps
     (`step_rows` = global micro-batch x accumulation), so an epoch's tail shorter than a step is left out.
     `set_epoch(e, start)` positions it after `start` rows of that order (a resume, maybe at another world size).
     """
 
-    def __init__(self, rows: int, *, world_size: int, rank: int, batch_size: int, accumulation: int, seed: int) -> None:
+    def __init__(self, rows: int, *, world_size: int, rank: int, batch_size: int, accumulation: int, seed: int,
+                 shuffle: bool = True) -> None:  # fmt: skip
         self.rows, self.world_size, self.rank, self.batch_size = rows, world_size, rank, batch_size
-        self.seed, self.epoch, self.start = seed, 0, 0
+        self.seed, self.shuffle, self.epoch, self.start = seed, shuffle, 0, 0
         self.global_batch = world_size * batch_size
         self.step_rows = self.global_batch * accumulation
         self.usable = rows // self.step_rows * self.step_rows
@@ -83,6 +85,8 @@ class GlobalOrderSampler(Sampler[int]):
         return self.start + self.steps_from(self.start) * self.step_rows
 
     def _order(self) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(self.rows)
         generator = torch.Generator()
         generator.manual_seed(self.seed + self.epoch)
         return torch.randperm(self.rows, generator=generator).numpy()
@@ -364,7 +368,7 @@ def _sampler(
     shape = {"world_size": env.data_world_size, "rank": env.data_rank, "batch_size": data.batch_size, "seed": seed}
     if data.group_by_length:
         return LengthGroupedSampler(rows.lengths, accumulation=accumulation, **shape)
-    return GlobalOrderSampler(len(rows), accumulation=accumulation, **shape)
+    return GlobalOrderSampler(len(rows), accumulation=accumulation, shuffle=data.shuffle, **shape)
 
 
 def _eval_rows(

@@ -113,7 +113,7 @@ def prompt_loader(data: DataConfig, tokenizer: Any, env: DistEnv, *, seed: int, 
         raise UserError(f"--dataset {data.dataset} has {len(prompts)} prompts, fewer than the {needed} one step needs "
                         "(ranks x --batch_size / --num_generations x --gradient_accumulation_steps)")  # fmt: skip
     shape = dict(world_size=env.data_world_size, rank=env.data_rank, batch_size=per_rank, accumulation=accumulation,
-                 seed=seed)  # fmt: skip
+                 seed=seed, shuffle=data.shuffle)  # fmt: skip
     sampler = (GlobalOrderSampler(len(prompts), **shape) if num_iterations == 1
                else RepeatedStepsSampler(len(prompts), repeats=num_iterations, **shape))  # fmt: skip
     return DataLoader(PromptRows(prompts), batch_size=per_rank, sampler=sampler, drop_last=True,

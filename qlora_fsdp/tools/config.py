@@ -31,7 +31,7 @@ BUILD_FLAGS = (
 them with the same names, defaults and checks, so given the training run's values they rebuild what it trained."""
 OUTPUT_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 BASE_WEIGHTS = ("original", "dequantized")
-GENERATE_PROMPT_STYLES = (*choices("prompt_style"), "chat_template", "raw")
+GENERATE_PROMPT_STYLES = (*choices("prompt_style"), "chat_template")
 
 
 @dataclass
@@ -91,8 +91,8 @@ class GenerateConfig:
     max_new_tokens: int = 128
     """Most tokens to generate per answer."""
     prompt_style: str = "alpaca"
-    """How the prompt is framed: alpaca, guanaco or qna (as train.py's --prompt_style), chat_template (the
-    tokenizer's; --chat keeps the conversation) or raw (the text as is)."""
+    """How the prompt is framed: alpaca, guanaco, qna or raw (the text as is), as train.py's --prompt_style; or
+    chat_template (the tokenizer's; --chat keeps the conversation)."""
     do_sample: bool = False
     """Sample instead of greedy decoding."""
     temperature: float = 1.0

@@ -158,9 +158,9 @@ def test_an_older_checkpoint_resumes_its_unrecorded_flags_taken_as_unchanged(tmp
     older = {k: v for k, v in stored.items() if k not in ("objective", "max_prompt_length", "lr")}
     changed = recorded_settings(replace(_config(), max_prompt_length=32, lr=0.5))
     assert check_resume_compatible(_checkpoint(tmp_path / "older", older), changed, **RULES) == []
-    # Not --lr: it may change anyway. --mxfp4, --quantize_vision, --num_iterations, --sequence_parallel_size and
-    # --num_generations came after OLD_RECORDED's checkpoints.
-    assert unrecorded(older, changed) == ["mxfp4", "quantize_vision", "objective", "max_prompt_length",
+    # Not --lr: it may change anyway. --mxfp4, --quantize_vision, --shuffle, --num_iterations,
+    # --sequence_parallel_size and --num_generations came after OLD_RECORDED's checkpoints.
+    assert unrecorded(older, changed) == ["mxfp4", "quantize_vision", "objective", "max_prompt_length", "shuffle",
                                           "num_iterations", "sequence_parallel_size", "num_generations"]  # fmt: skip
     assert unrecorded_message("ckpt", ["objective", "max_prompt_length"]) == (
         "ckpt predates recording --objective, --max_prompt_length: not checked, taken as unchanged"

@@ -14,7 +14,9 @@ from qlora_fsdp.config.options import FLAGS, SECTIONS, build_config
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 PRESETS = sorted((REPO_ROOT / "configs").glob("*.yaml"))
-GPU_PRESETS = [p for p in PRESETS if p.name != "tiny-cpu.yaml"]
+TOOL_PRESETS = ("trl-defaults.yaml", "axolotl-defaults.yaml", "fsdp_qlora-defaults.yaml")
+"""Another tool's defaults, for any model and device (tests/unit/config/test_tool_presets.py)."""
+GPU_PRESETS = [p for p in PRESETS if p.name != "tiny-cpu.yaml" and p.name not in TOOL_PRESETS]
 
 
 def _launch_lines(path: Path) -> list[str]:
@@ -32,6 +34,7 @@ def test_presets_exist() -> None:
         "llama-70b-4xa100-hqq.yaml",
         "llama-8b-1gpu.yaml",
         "mistral-7b-long-context.yaml",
+        *TOOL_PRESETS,
     ):
         assert expected in names
 

@@ -134,3 +134,18 @@ def test_repeated_steps_read_each_step_n_times_and_resume_between_repeats() -> N
     assert [set(s) for s in steps(2)] == [set(s) for s in repeated]
     assert steps(2, start=4 * 16) == [list(s) for s in steps(2)[4:]]  # after the 2nd read of step 2
     assert [set(s) for s in steps(2, start=4 * 16)] == [set(s) for s in repeated[4:]]
+
+
+def test_unshuffled_order_is_the_rows_own_every_epoch_at_every_world_size() -> None:
+    """--shuffle false: step after step the file's rows in order (what a run fed another trainer's order needs),
+    dealt to the ranks as the shuffled order is, and a resume continues it."""
+    for world_size, batch_size in ((1, 8), (2, 4), (4, 2)):
+        for epoch in (0, 1):
+            steps = []
+            for rank in range(world_size):
+                sampler = GlobalOrderSampler(20, world_size=world_size, rank=rank, batch_size=batch_size,
+                                             accumulation=1, seed=5, shuffle=False)  # fmt: skip
+                sampler.set_epoch(epoch, 8)
+                steps.append(list(sampler))
+            assert sorted(itertools.chain(*steps)) == list(range(8, 16))
+            assert steps[0][:2] == ([8, 8 + world_size] if batch_size > 1 else [8])

@@ -46,6 +46,8 @@ def test_string_pair_frames_the_prompt_by_the_prompt_style() -> None:
     pair = pair_example(row, "f row 1", prompt_style="qna")
     framed = format_prompt("Name a color.", prompt_style="qna")
     assert pair.chosen == Example(framed, "Blue.") and pair.rejected == Example(framed, "Loud.")
+    raw = pair_example(row, "f row 1", prompt_style="raw")  # TRL's: the text as it is
+    assert raw.chosen == Example("Name a color.", "Blue.") and raw.rejected == Example("Name a color.", "Loud.")
     chat = pair_example(row, "f row 1", prompt_style="chat")
     assert chat.chosen.messages == (("user", "Name a color."), ("assistant", "Blue."))
     assert chat.rejected.learn_from == 0 and chat.rejected.messages[-1] == ("assistant", "Loud.")
