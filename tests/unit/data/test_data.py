@@ -357,7 +357,7 @@ def test_hub_row_with_wrong_type_is_a_user_error(monkeypatch: pytest.MonkeyPatch
 
 def test_prompt_styles_text(tmp_path: Path) -> None:
     path = str(_write_jsonl(tmp_path / "d.jsonl", ROWS[:2]))
-    assert PROMPT_STYLES == ("alpaca", "guanaco", "qna", "chat")
+    assert PROMPT_STYLES == ("alpaca", "guanaco", "qna", "raw", "chat")
     guanaco = load_examples(path, prompt_style="guanaco")
     assert [e.prompt for e in guanaco] == [
         "### Human: Name a color. ### Assistant: ",
@@ -369,12 +369,14 @@ def test_prompt_styles_text(tmp_path: Path) -> None:
         "Question: Add the numbers.\n2 and 3\nAnswer: ",
     ]
     assert [e.prompt for e in load_examples(path, prompt_style="alpaca")] == [ALPACA_NO_INPUT, ALPACA_WITH_INPUT]
+    raw = load_examples(path, prompt_style="raw")  # TRL's reading: the text as it is
+    assert [e.prompt for e in raw] == ["Name a color.", "Add the numbers.\n2 and 3"]
     assert [e.response for e in qna] == ["Blue.", "5"]
 
 
 def test_unknown_prompt_style(tmp_path: Path) -> None:
     path = str(_write_jsonl(tmp_path / "d.jsonl", ROWS))
-    with pytest.raises(UserError, match=r"unknown prompt style 'chatml'.*alpaca, guanaco, qna, chat"):
+    with pytest.raises(UserError, match=r"unknown prompt style 'chatml'.*alpaca, guanaco, qna, raw, chat"):
         load_examples(path, prompt_style="chatml")
 
 
