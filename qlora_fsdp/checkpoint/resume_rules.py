@@ -39,7 +39,7 @@ RESHARDED: tuple[str, ...] = (
 MAY_CHANGE: tuple[str, ...] = (
     # The schedule and the loss weights: rebuilt from the flags at the resumed step, not restored.
     "lr", "wd", "lr_scheduler", "warmup_ratio", "cosine_min_lr_ratio", "max_steps", "num_epochs", "grad_norm",
-    "beta", "label_smoothing", "simpo_gamma", "orpo_lambda", "desirable_weight", "undesirable_weight",
+    "beta", "label_smoothing", "simpo_gamma", "orpo_lambda", "orpo_nll", "desirable_weight", "undesirable_weight",
     "router_aux_loss_coef",  # a loss weight like --beta: the saved state means the same under another one
     # GRPO's rewards, sampling and loss: the next generation is sampled, scored and weighted under the new values.
     "reward_funcs", "reward_weights", "max_completion_length", "temperature", "top_p", "epsilon", "epsilon_high",

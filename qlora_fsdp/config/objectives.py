@@ -47,6 +47,9 @@ class ObjectiveConfig:
     """simpo: the target reward margin gamma (default 0.5)."""
     orpo_lambda: float | None = None
     """orpo: lambda, the weight of the odds-ratio term against the chosen reply's cross-entropy (default 0.1)."""
+    orpo_nll: str | None = None
+    """orpo: the tokens its cross-entropy averages over: reply (the chosen reply's, the paper's; default) or
+    sequence (the chosen side's prompt and reply, as TRL's ORPOTrainer)."""
     desirable_weight: float | None = None
     """kto: the weight of a desirable completion's loss (default 1; raise it when desirable rows are scarce)."""
     undesirable_weight: float | None = None

@@ -70,6 +70,8 @@ SUMMED = LossRequest()
 """The training loss: one sum over the label tokens, through the adapters."""
 PER_ROW = LossRequest(Reduction.ROWS)
 """Each row's sum, through the adapters (the preference objectives' log-probs)."""
+PER_TOKEN = LossRequest(Reduction.TOKENS)
+"""Each label position's, through the adapters (ORPO's log-probs and cross-entropy from one forward)."""
 
 
 class CausalLMLoss(nn.Module):

@@ -17,19 +17,32 @@ from __future__ import annotations
 
 import math
 from abc import abstractmethod
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qlora_fsdp.data import target_mask
+from qlora_fsdp.data import IGNORE_INDEX, target_mask
 from qlora_fsdp.objectives.base import Forward, Objective
-from qlora_fsdp.objectives.loss import PER_ROW
+from qlora_fsdp.objectives.loss import PER_ROW, PER_TOKEN
 from qlora_fsdp.objectives.reference import ReferenceLookup, reference_logps
 from qlora_fsdp.objectives.setup import ObjectiveRun, ReferenceRun, Setting
 from qlora_fsdp.parallel.sequence_parallel import ROW_LABEL_TOKENS
 
 PairLosses = tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, list[torch.Tensor]]
+
+
+class Policy(NamedTuple):
+    """One forward of the policy over a batch's sequences (chosen sides first)."""
+
+    logps: torch.Tensor
+    """Each sequence's reply log-probability, summed or averaged over the reply's tokens."""
+    tokens: torch.Tensor
+    """Each sequence's reply tokens."""
+    sequence_nll: torch.Tensor | None = None
+    """Each sequence's cross-entropy summed over its prompt and reply tokens, where the objective learns the prompt
+    too (ORPO's TRL form)."""
 
 
 class PreferenceObjective(Objective):
@@ -49,9 +62,10 @@ class PreferenceObjective(Objective):
 
     def loss_sum(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = reply_tokens(batch).to(self.forward.device)
-        logps = self.reply_logps(model, batch, tokens)
+        policy = self.policy(model, batch, tokens)
+        logps = policy.logps
         present = _pairs_present(batch).to(self.forward.device)
-        parts, chosen_rewards, rejected_rewards, extra = self.pair_losses(model, batch, logps, tokens)
+        parts, chosen_rewards, rejected_rewards, extra = self.pair_losses(model, batch, policy)
         parts = [torch.where(present, part, 0.0).sum() if part.dim() else part for part in parts]
         chosen, rejected = logps.detach().chunk(2)
         with torch.no_grad():
@@ -60,17 +74,15 @@ class PreferenceObjective(Objective):
             metrics = torch.stack([torch.where(present, c.double(), 0.0).sum() for c in columns])
         return torch.stack(parts), metrics
 
-    def reply_logps(self, model: nn.Module, batch: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
+    def policy(self, model: nn.Module, batch: dict[str, torch.Tensor], tokens: torch.Tensor) -> Policy:
         """Every sequence's log-probability of its reply, summed (or averaged) over the reply's tokens."""
         logps = -self.forward(model, batch, PER_ROW)
-        return logps / tokens.clamp(min=1) if self.average else logps
+        return Policy(logps / tokens.clamp(min=1) if self.average else logps, tokens)
 
     @abstractmethod
-    def pair_losses(
-        self, model: nn.Module, batch: dict[str, torch.Tensor], logps: torch.Tensor, tokens: torch.Tensor
-    ) -> PairLosses:
+    def pair_losses(self, model: nn.Module, batch: dict[str, torch.Tensor], policy: Policy) -> PairLosses:
         """([each part: a per-pair loss, or an already summed one], chosen rewards, rejected rewards, extra metric
-        columns), from the sequences' reply log-probs and reply tokens (chosen sides first)."""
+        columns), from the policy's view of the sequences (chosen sides first)."""
 
 
 class _ReferenceObjective(PreferenceObjective):
@@ -84,13 +96,11 @@ class _ReferenceObjective(PreferenceObjective):
         """The reference's summed reply log-probs of every sequence (chosen sides first)."""
         return reference_logps(model, batch, forward=self.forward, table=self.reference)
 
-    def pair_losses(
-        self, model: nn.Module, batch: dict[str, torch.Tensor], logps: torch.Tensor, tokens: torch.Tensor
-    ) -> PairLosses:
-        ratios = logps - self.reference_logps(model, batch)
+    def pair_losses(self, model: nn.Module, batch: dict[str, torch.Tensor], policy: Policy) -> PairLosses:
+        ratios = policy.logps - self.reference_logps(model, batch)
         chosen, rejected = ratios.chunk(2)
         rewards = self.beta * chosen.detach(), self.beta * rejected.detach()
-        return [self.loss(chosen, rejected, tokens)], *rewards, []
+        return [self.loss(chosen, rejected, policy.tokens)], *rewards, []
 
     @abstractmethod
     def loss(self, chosen: torch.Tensor, rejected: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -127,36 +137,46 @@ class SimpoObjective(PreferenceObjective):
         super().__init__(forward, beta=beta)
         self.gamma, self.label_smoothing = gamma, label_smoothing
 
-    def pair_losses(
-        self, model: nn.Module, batch: dict[str, torch.Tensor], logps: torch.Tensor, tokens: torch.Tensor
-    ) -> PairLosses:
-        chosen, rejected = logps.chunk(2)
+    def pair_losses(self, model: nn.Module, batch: dict[str, torch.Tensor], policy: Policy) -> PairLosses:
+        chosen, rejected = policy.logps.chunk(2)
         loss = smoothed_sigmoid_loss(self.beta * (chosen - rejected) - self.gamma, self.label_smoothing)
         return [loss], self.beta * chosen.detach(), self.beta * rejected.detach(), []
 
 
 class OrpoObjective(PreferenceObjective):
-    """The chosen reply's cross-entropy (per token) - lambda x log sigmoid(log odds(chosen) - log odds(rejected)),
-    the odds of an average log-prob p being exp(p) / (1 - exp(p)). Logs TRL's log_odds_ratio and log_odds_chosen."""
+    """The chosen side's cross-entropy (per token) - lambda x log sigmoid(log odds(chosen) - log odds(rejected)),
+    the odds of an average reply log-prob p being exp(p) / (1 - exp(p)). The cross-entropy is the chosen reply's
+    (the paper's) or, with `sequence_nll`, the chosen prompt's and reply's (TRL's). Logs TRL's log_odds_ratio and
+    log_odds_chosen."""
 
     average = True
     metric_names = (*PreferenceObjective.metric_names, "log_odds_ratio", "log_odds_chosen")
 
-    def __init__(self, forward: Forward, *, lam: float) -> None:
+    def __init__(self, forward: Forward, *, lam: float, sequence_nll: bool = False) -> None:
         super().__init__(forward, beta=lam)
+        self.sequence_nll = sequence_nll
 
     def weights(self, batch: dict[str, torch.Tensor]) -> tuple[int, ...]:
-        chosen_tokens = int(reply_tokens(batch).chunk(2)[0].sum())
+        chosen_tokens = int(_nll_tokens(batch, sequence=self.sequence_nll).chunk(2)[0].sum())
         return (*super().weights(batch), chosen_tokens)
 
-    def pair_losses(
-        self, model: nn.Module, batch: dict[str, torch.Tensor], logps: torch.Tensor, tokens: torch.Tensor
-    ) -> PairLosses:
-        chosen, rejected = logps.chunk(2)
+    def policy(self, model: nn.Module, batch: dict[str, torch.Tensor], tokens: torch.Tensor) -> Policy:
+        """One forward over every real token: the replies' average log-probs and each sequence's whole
+        cross-entropy (the prompt's first token predicts nothing, as in TRL's shifted labels)."""
+        if not self.sequence_nll:
+            return super().policy(model, batch, tokens)
+        every_token = torch.where(batch["attention_mask"].bool(), batch["input_ids"], IGNORE_INDEX)
+        per_token = self.forward(model, batch | {"labels": every_token}, PER_TOKEN)
+        reply = target_mask(batch["labels"]).to(per_token.device)
+        logps = -(per_token * reply).sum(1) / tokens.clamp(min=1)
+        return Policy(logps, tokens, per_token.sum(1))
+
+    def pair_losses(self, model: nn.Module, batch: dict[str, torch.Tensor], policy: Policy) -> PairLosses:
+        chosen, rejected = policy.logps.chunk(2)
         log_odds = (chosen - rejected) - (log1mexp(chosen) - log1mexp(rejected))
         ratio = F.logsigmoid(log_odds)
-        chosen_tokens = tokens.chunk(2)[0]
-        nll = -(chosen * chosen_tokens).sum()  # the average times the count: the chosen replies' summed NLL
+        whole = policy.sequence_nll
+        nll = -chosen * policy.tokens.chunk(2)[0] if whole is None else whole.chunk(2)[0]  # each chosen side's NLL
         rewards = self.beta * chosen.detach(), self.beta * rejected.detach()
         return [-self.beta * ratio, nll], *rewards, [ratio.detach(), log_odds.detach()]
 
@@ -183,6 +203,15 @@ def reply_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return target_mask(batch["labels"]).sum(1)
 
 
+def _nll_tokens(batch: dict[str, torch.Tensor], *, sequence: bool) -> torch.Tensor:
+    """The tokens each sequence's cross-entropy counts: its reply's, or (`sequence`) every real token after the first,
+    for the pairs present."""
+    if not sequence:
+        return reply_tokens(batch)
+    present = reply_tokens(batch) > 0
+    return torch.where(present, (batch["attention_mask"].sum(1) - 1).clamp(min=0), 0)
+
+
 def _pairs_present(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Which pairs have labels: an evaluation shard's padding pair has none."""
     return reply_tokens(batch).chunk(2)[0] > 0
@@ -206,7 +235,7 @@ class IpoRun(ReferenceRun):
 class OrpoRun(ObjectiveRun):
     @classmethod
     def build(cls, setting: Setting, forward: Forward, **_: object) -> Objective:
-        return OrpoObjective(forward, lam=setting("orpo_lambda"))
+        return OrpoObjective(forward, lam=setting("orpo_lambda"), sequence_nll=setting("orpo_nll") == "sequence")
 
 
 class SimpoRun(ObjectiveRun):

@@ -60,6 +60,7 @@ class ObjectiveSpec:
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
 SCALE_REWARDS = ("group", "batch", "none")
 GENERATION_MODES = ("sharded", "gathered")
+ORPO_NLL = ("reply", "sequence")
 
 
 def _grpo_problems(cfg: Any) -> list[str]:
@@ -67,21 +68,38 @@ def _grpo_problems(cfg: Any) -> list[str]:
     cannot = [
         (cfg.dist.sequence_parallel_size > 1, "--sequence_parallel_size above 1 (not yet): drop it"),
         (cfg.data.group_by_length, "--group_by_length (prompts are sampled from, not grouped): drop it"),
-        (setting("generation_mode") == "gathered" and cfg.fsdp.fsdp_version == 1,
-         "--generation_mode gathered with --fsdp_version 1 (FSDP1 cannot run a forward on gathered weights): use "
-         "--fsdp_version 2 or --generation_mode sharded"),
+        (
+            setting("generation_mode") == "gathered" and cfg.fsdp.fsdp_version == 1,
+            "--generation_mode gathered with --fsdp_version 1 (FSDP1 cannot run a forward on gathered weights): use "
+            "--fsdp_version 2 or --generation_mode sharded",
+        ),
         (cfg.compute.compile, "--compile (sampling decodes one token at a time; not yet): drop it"),
-        (setting("scale_rewards") == "batch" and cfg.optim.gradient_accumulation_steps > 1,
-         "--scale_rewards batch with --gradient_accumulation_steps above 1 (each micro-batch is its own "
-         "generation here, TRL's spans the step): use group or none, or one micro-batch a step"),
-        (cfg.data.context_length <= setting("max_completion_length"),
-         f"--context_length {cfg.data.context_length}: a prompt and its completion share it, so it must exceed "
-         "--max_completion_length"),
-        (bool(cfg.eval.eval_dataset or cfg.eval.eval_split),
-         "--eval_dataset or --eval_split (evaluating by sampling is not built yet): drop it"),
+        (
+            setting("scale_rewards") == "batch" and cfg.optim.gradient_accumulation_steps > 1,
+            "--scale_rewards batch with --gradient_accumulation_steps above 1 (each micro-batch is its own "
+            "generation here, TRL's spans the step): use group or none, or one micro-batch a step",
+        ),
+        (
+            cfg.data.context_length <= setting("max_completion_length"),
+            f"--context_length {cfg.data.context_length}: a prompt and its completion share it, so it must exceed "
+            "--max_completion_length",
+        ),
+        (
+            bool(cfg.eval.eval_dataset or cfg.eval.eval_split),
+            "--eval_dataset or --eval_split (evaluating by sampling is not built yet): drop it",
+        ),
     ]
     needs = [] if cfg.objective.reward_funcs else ["--objective grpo needs --reward_funcs module.path:function[,...]"]
     return needs + [f"--objective grpo cannot take {why}" for bad, why in cannot if bad]  # fmt: skip
+
+
+def _orpo_problems(cfg: Any) -> list[str]:
+    if cfg.objective.setting("orpo_nll") == "sequence" and cfg.dist.sequence_parallel_size > 1:
+        return [
+            "--orpo_nll sequence cannot take --sequence_parallel_size above 1 (each rank would see part of a "
+            "prompt): use --orpo_nll reply or one rank per sequence"
+        ]
+    return []
 
 
 def _one_of(choices: tuple[str, ...], flag: str) -> tuple[Callable[[Any], bool], str]:
@@ -94,7 +112,9 @@ _SPECS = (
     ObjectiveSpec("dpo", "qlora_fsdp.objectives.preference:DpoRun", settings={"beta": 0.1, "label_smoothing": 0.0},
                   reference=True),
     ObjectiveSpec("ipo", "qlora_fsdp.objectives.preference:IpoRun", settings={"beta": 0.1}, reference=True),
-    ObjectiveSpec("orpo", "qlora_fsdp.objectives.preference:OrpoRun", settings={"orpo_lambda": 0.1}),
+    ObjectiveSpec("orpo", "qlora_fsdp.objectives.preference:OrpoRun",
+                  settings={"orpo_lambda": 0.1, "orpo_nll": "reply"},
+                  ranges={"orpo_nll": _one_of(ORPO_NLL, "orpo_nll")}, problems=_orpo_problems),
     ObjectiveSpec("simpo", "qlora_fsdp.objectives.preference:SimpoRun",
                   settings={"beta": 0.1, "simpo_gamma": 0.5, "label_smoothing": 0.0}),
     ObjectiveSpec("kto", "qlora_fsdp.objectives.kto:KtoRun", rows="unpaired", unit="rows", reference=True,

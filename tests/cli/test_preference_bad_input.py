@@ -81,6 +81,10 @@ def test_bad_pairs_name_the_file_and_row(no_weights: Path, tmp_path: Path, rows:
         (["--objective", "dpo", "--beta", "0"], ["--beta must be > 0"]),
         (["--objective", "dpo", "--max_prompt_length", "-1"], ["--max_prompt_length must be >= 0"]),
         (["--objective", "dpo", "--router_aux_loss_coef", "0.01"], ["--objective dpo cannot take --router_aux_loss"]),
+        (["--objective", "orpo", "--orpo_nll", "prompt"], ["--orpo_nll must be one of reply, sequence"]),
+        (["--objective", "simpo", "--orpo_nll", "sequence"], ["--orpo_nll does not apply to --objective simpo"]),
+        (["--objective", "orpo", "--orpo_nll", "sequence", "--sequence_parallel_size", "2"],
+         ["--orpo_nll sequence cannot take --sequence_parallel_size above 1"]),
     ],
 )
 def test_flags_that_do_not_apply_are_refused(no_weights: Path, tmp_path: Path, flags: list[str],

@@ -236,6 +236,22 @@ def test_orpo_odds_ratio_and_metrics_equal_trl(orpo_trainer: Trainer, chunk: int
     assert abs(parts[1].item() - trl_metrics["nll_loss"]) > 1e-2  # TRL's NLL also counts the prompt tokens
 
 
+@pytest.mark.parametrize("chunk", [7, 0], ids=["chunked", "whole"])
+def test_orpo_nll_sequence_equals_trl_whole_loss(orpo_trainer: Trainer, chunk: int) -> None:
+    """--orpo_nll sequence: the cross-entropy over the chosen side's prompt and reply tokens, as TRL's, so the whole
+    loss, its metrics and its gradient on the adapter equal TRL's on prompts of several tokens."""
+    model, pairs = orpo_trainer.model, _pairs()
+    params = lora_params(model)
+    trl_loss, trl_metrics = orpo_trainer.get_batch_loss_metrics(model, _cpo_inputs(pairs))
+    config = ObjectiveConfig(objective="orpo", orpo_lambda=0.2, orpo_nll="sequence")
+    loss, _, metrics = ours(make_objective(config, FP32), CausalLMLoss(model, chunk_tokens=chunk), _our_batch(pairs))
+    assert loss.item() == pytest.approx(trl_loss.item(), rel=TOL, abs=TOL)
+    assert_metrics(metrics, trl_metrics, ORPO_METRICS)
+    assert rel(grad(loss, params), grad(trl_loss, params)) < TOL
+    reply_only, _, _ = ours(make_objective(ORPO, FP32), CausalLMLoss(model, chunk_tokens=chunk), _our_batch(pairs))
+    assert abs(reply_only.item() - trl_loss.item()) > 1e-2  # the default (the paper's) is another loss here
+
+
 @pytest.fixture(scope="module")
 def confident_orpo_trainer(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Trainer:
     """ORPO's trainer on a model made confident: its (frozen) head's weight x 20."""
