@@ -49,7 +49,7 @@ from qlora_fsdp.objectives.base import Forward, Objective
 from qlora_fsdp.objectives.loss import LossRequest, Reduction
 from qlora_fsdp.objectives.reference import reference_logps
 from qlora_fsdp.objectives.rewards import Reward, load_rewards, score
-from qlora_fsdp.objectives.sampling import SamplingParams, sample
+from qlora_fsdp.objectives.sampling import Sampled, SamplingParams, sample
 from qlora_fsdp.objectives.setup import ObjectiveRun, Setting, Setup, Trainee
 from qlora_fsdp.objectives.specs import GRPO_LOSS_TYPES, ObjectiveSpec
 from qlora_fsdp.parallel.distributed import DistEnv
@@ -203,11 +203,8 @@ class GrpoObjective(Objective):
         settings, group = r.settings, r.settings.num_generations
         prompts = [r.prompts[i] for i in indices for _ in range(group)]
         started = time.perf_counter()
-        with contextlib.nullcontext() if r.gathered is None else r.gathered():
-            sampled = sample(model, [p.ids for p in prompts], params=settings.sampling, device=self.forward.device,
-                             autocast=self.forward.autocast,
-                             seeds=[_seed(settings.seed, step, i, k) for i in indices for k in range(group)],
-                             lockstep=r.gathered is None)  # fmt: skip
+        seeds = [_seed(settings.seed, step, i, k) for i in indices for k in range(group)]
+        sampled = self.draw(model, [p.ids for p in prompts], seeds=seeds)
         sampling_s = time.perf_counter() - started
         texts = r.tokenizer.batch_decode(sampled.completions, skip_special_tokens=True)
         completions = [[{"role": "assistant", "content": t}] if p.conversational else t
@@ -233,6 +230,17 @@ class GrpoObjective(Objective):
         return out | {ADVANTAGES: advantages.float(), REWARDS: per_function, ZERO_STD: zero_std,
                       TRUNCATED: torch.tensor(sampled.truncated), SAMPLING_S: torch.tensor(sampling_s),
                       ENTROPY: torch.tensor([sum(row) for row in sampled.entropies], dtype=torch.float64)}  # fmt: skip
+
+    def draw(self, model: nn.Module, prompts: list[list[int]], *, seeds: list[int]) -> Sampled:
+        """The completions of `prompts` (token ids, each prompt once per completion, a group's in a row), row i drawn
+        from the model being trained with a generator seeded by `seeds[i]`. Where completions come from, and only
+        that: a subclass may return others (tests/plugins/fixed_grpo.py holds them fixed to compare whole runs with
+        TRL's), and scoring, advantages and the loss stay as they are."""
+        r = self.rollout
+        assert r is not None
+        with contextlib.nullcontext() if r.gathered is None else r.gathered():
+            return sample(model, prompts, params=r.settings.sampling, device=self.forward.device,
+                          autocast=self.forward.autocast, seeds=seeds, lockstep=r.gathered is None)  # fmt: skip
 
     def weights(self, batch: dict[str, torch.Tensor]) -> tuple[int, ...]:
         if self.loss_type in ("grpo", "dr_grpo"):
@@ -382,6 +390,9 @@ class GrpoRun(ObjectiveRun):
     """Prompts instead of rows, reward functions found before the model loads, and a rollout that samples through
     the sharded model."""
 
+    objective_class: type[GrpoObjective] = GrpoObjective
+    """The objective `build` makes: a subclass of GrpoObjective may draw its completions otherwise (`draw`)."""
+
     def __init__(self, spec: ObjectiveSpec, setup: Setup) -> None:
         super().__init__(spec, setup)
         setting = setup.objective.setting
@@ -392,10 +403,10 @@ class GrpoRun(ObjectiveRun):
     @classmethod
     def build(cls, setting: Setting, forward: Forward, *, rollout: Rollout | None = None, **_: object) -> Objective:
         epsilon, high = setting("epsilon"), setting("epsilon_high")
-        return GrpoObjective(forward, loss_type=setting("loss_type"), beta=setting("beta"), epsilon=epsilon,
-                             epsilon_high=epsilon if high is None else high,
-                             max_completion_length=setting("max_completion_length"),
-                             temperature=setting("temperature"), rollout=rollout)  # fmt: skip
+        return cls.objective_class(forward, loss_type=setting("loss_type"), beta=setting("beta"), epsilon=epsilon,
+                                   epsilon_high=epsilon if high is None else high,
+                                   max_completion_length=setting("max_completion_length"),
+                                   temperature=setting("temperature"), rollout=rollout)  # fmt: skip
 
     def loaders(self) -> tuple[Any, None]:
         s, setting = self.setup, self.setup.objective.setting
