@@ -24,6 +24,7 @@ from qlora_fsdp.config.objectives import (
     objective_ranges,
 )
 from qlora_fsdp.errors import InternalError, UserError
+from qlora_fsdp.objectives.specs import OBJECTIVES
 
 
 class ConfigError(UserError):
@@ -358,6 +359,8 @@ def _flag_types() -> dict[str, tuple[str, type]]:
 
 
 FLAGS = _flag_types()
+PER_OBJECTIVE = "per_objective"
+"""A config file's key for values that apply to one objective's runs."""
 
 
 def coerce(flag: str, value: Any, typ: type) -> Any:
@@ -395,11 +398,16 @@ def coerce(flag: str, value: Any, typ: type) -> Any:
 def build_config(overrides: dict[str, Any], config_file: str | None = None) -> TrainConfig:
     """Defaults, then the YAML file's values, then command-line overrides; unknown keys are errors.
 
-    The YAML file may be flat ({lora_rank: 8}) or grouped by section ({lora: {lora_rank: 8}}).
+    The YAML file may be flat ({lora_rank: 8}) or grouped by section ({lora: {lora_rank: 8}}); its `per_objective`
+    mapping holds values for one objective's runs only ({per_objective: {kto: {shuffle: false}}}), which win over
+    the file's others, as a tool's defaults differ by trainer.
     """
     values: dict[str, Any] = {}
     if config_file:
-        values.update(_read_yaml(config_file))
+        common, per_objective = _read_yaml(config_file)
+        values.update(common)
+        objective = overrides.get("objective") or values.get("objective") or ObjectiveConfig.objective
+        values.update(per_objective.get(objective, {}))
     values.update(overrides)
     # An empty YAML value (`run_name:`) means "not set", not the string "None".
     values = {k: v for k, v in values.items() if v is not None}
@@ -421,7 +429,8 @@ def build_config(overrides: dict[str, Any], config_file: str | None = None) -> T
     return cfg
 
 
-def _read_yaml(path: str) -> dict[str, Any]:
+def _read_yaml(path: str) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """The file's values, and its `per_objective` ones by objective."""
     if not os.path.isfile(path):
         raise ConfigError(f"--config {path}: no such file")
     try:
@@ -431,6 +440,21 @@ def _read_yaml(path: str) -> dict[str, Any]:
         raise ConfigError(f"--config {path}: not valid YAML ({str(exc).splitlines()[0]})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"--config {path}: expected a mapping of option: value")
+    per_objective = raw.pop(PER_OBJECTIVE, None) or {}
+    if not isinstance(per_objective, dict) or not all(isinstance(v, dict) for v in per_objective.values()):
+        raise ConfigError(f"--config {path}: {PER_OBJECTIVE} must map objectives to their options (NAME: {{...}})")
+    for name, options in per_objective.items():
+        if name not in OBJECTIVES and ":" not in str(name):
+            raise ConfigError(f"--config {path}: {PER_OBJECTIVE}: {name!r} is not one of {', '.join(OBJECTIVES)}")
+        if "objective" in _flat(options):
+            raise ConfigError(f"--config {path}: {PER_OBJECTIVE}: {name}: sets --objective; set it outside")
+        if unknown := sorted(k for k in _flat(options) if k not in FLAGS and k not in DEPRECATED):
+            raise ConfigError(f"--config {path}: {PER_OBJECTIVE}: {name}: unknown option(s): "
+                              + ", ".join(f"--{k}" for k in unknown))  # fmt: skip
+    return _flat(raw), {name: _flat(options) for name, options in per_objective.items()}
+
+
+def _flat(raw: dict[str, Any]) -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for key, value in raw.items():
         if key in SECTIONS and isinstance(value, dict):

@@ -333,6 +333,38 @@ def test_yaml_strings_are_coerced(tmp_path: Path) -> None:
     assert cfg.optim.lr == 1e-4
 
 
+def test_per_objective_values_apply_to_that_objective_only(tmp_path: Path) -> None:
+    """A file's per_objective values win over its others for that objective's runs (named on the command line or
+    in the file), and flags win over both."""
+    text = "lr: 0.01\nper_objective:\n  kto: {lr: 0.002, shuffle: false}\n  dpo:\n    optim: {lr: 0.003}\n"
+    path = write(tmp_path / "run.yaml", text)
+    assert (build_config({}, path).optim.lr, build_config({}, path).data.shuffle) == (0.01, True)  # sft
+    kto = build_config({"objective": "kto"}, path)
+    assert (kto.optim.lr, kto.data.shuffle) == (0.002, False)
+    assert build_config({"objective": "dpo"}, path).optim.lr == 0.003  # grouped by section
+    assert build_config({"objective": "kto", "lr": 0.5}, path).optim.lr == 0.5
+    in_file = write(tmp_path / "kto.yaml", "objective: kto\n" + text)
+    assert build_config({}, in_file).optim.lr == 0.002
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("per_objective: [kto]\n", "per_objective must map objectives to their options"),
+        ("per_objective:\n  kto: 3\n", "per_objective must map objectives to their options"),
+        ("per_objective:\n  ppo: {lr: 0.1}\n", "per_objective: 'ppo' is not one of sft, dpo"),
+        ("per_objective:\n  kto: {objective: dpo}\n", "per_objective: kto: sets --objective; set it outside"),
+        ("per_objective:\n  kto: {lrr: 0.1}\n", "per_objective: kto: unknown option(s): --lrr"),
+        ("per_objective:\n  dpo: {lrr: 0.1}\n", "per_objective: dpo: unknown option(s): --lrr"),  # not the run's
+    ],
+)
+def test_per_objective_mistakes_are_named(tmp_path: Path, text: str, needle: str) -> None:
+    path = write(tmp_path / "run.yaml", text)
+    with pytest.raises(ConfigError) as info:
+        build_config({"objective": "kto"}, path)
+    assert needle in str(info.value) and "\n" not in str(info.value)
+
+
 def test_missing_yaml_file(tmp_path: Path) -> None:
     missing = tmp_path / "nope.yaml"
     with pytest.raises(ConfigError) as info:

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from qlora_fsdp.config.options import FLAGS, SECTIONS, build_config
+from qlora_fsdp.config.options import FLAGS, PER_OBJECTIVE, SECTIONS, build_config
+from qlora_fsdp.objectives.specs import OBJECTIVES
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 PRESETS = sorted((REPO_ROOT / "configs").glob("*.yaml"))
@@ -51,6 +52,8 @@ def test_preset_loads_and_validates(path: Path) -> None:
 def test_preset_keys_sit_in_their_sections(path: Path) -> None:
     raw = yaml.safe_load(path.read_text())
     assert isinstance(raw, dict) and raw
+    for objective, values in raw.pop(PER_OBJECTIVE, {}).items():  # flat: one objective's few values
+        assert objective in OBJECTIVES and all(key in FLAGS for key in values), (path.name, objective)
     for section, values in raw.items():
         assert section in SECTIONS, f"{path.name}: top-level key {section!r} is not a section"
         for key in values:
