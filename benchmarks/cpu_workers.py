@@ -345,5 +345,4 @@ def compare(args: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    worker_main({f.__name__: f for f in (load_ours, write_formats, load_peer, train_peer, quant_quality, moe_peer,
-                                         build_moe, compare)})  # fmt: skip
+    worker_main((load_ours, write_formats, load_peer, train_peer, quant_quality, moe_peer, build_moe, compare))

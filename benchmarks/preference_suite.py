@@ -56,8 +56,7 @@ class PreferencePlan(Settings):
         return self.nproc * self.pairs_per_rank * self.steps
 
 
-def plan(*, quick: bool, threads: int, reps: int | None, idle_wait_s: float | None, precision: str | None = None,
-         objectives: tuple[str, ...] | None = None) -> PreferencePlan:  # fmt: skip
+def plan(*, quick: bool, objectives: tuple[str, ...] | None = None, **launch: Any) -> PreferencePlan:
     """The full suite (34M model, 4 objectives) or the quick one (DPO alone); peaks are memory: no retry."""
     if quick:
         p = PreferencePlan(dict(QUICK_MODEL), reps=1, pairs_per_rank=1, prompt_tokens=40, reply_tokens=23, steps=3,
@@ -67,7 +66,7 @@ def plan(*, quick: bool, threads: int, reps: int | None, idle_wait_s: float | No
     if objectives is not None:
         p.objectives = harness.choose("--objectives", objectives, OBJECTIVES)
     p.retries = 0
-    p.configure(threads=threads, precision=precision, idle_wait_s=idle_wait_s, reps=reps)
+    p.configure(**launch)
     check_plan(p)
     return p
 
@@ -170,14 +169,13 @@ def train(runner: Runner, model: Path, name: str, data: dict[str, Any], rep: int
     return {"objective": name, "batch_size": batch, **run}
 
 
-def run(p: PreferencePlan, *, cache: Path, model: Path | None = None,
-        log: Callable[[str], None] = print) -> dict[str, Any]:  # fmt: skip
+def run(p: PreferencePlan, *, cache: Path, model: Path | None = None) -> dict[str, Any]:
     """Every run of the preference suite; returns results.json's content."""
-    with harness.session(p, "pref", log) as runner:
+    with harness.session(p, "pref") as runner:
         model_dir = runner.model(p.model, cache)
         data = write_datasets(p, model_dir, runner.work / "data")
-        log(f"{p.reps} x SFT and {', '.join(p.objectives)}: {p.nproc} ranks x {p.pairs_per_rank} pairs "
-            f"({2 * p.pairs_per_rank} sequences) of {p.sequence_tokens} tokens, {p.steps} steps")  # fmt: skip
+        print(f"{p.reps} x SFT and {', '.join(p.objectives)}: {p.nproc} ranks x {p.pairs_per_rank} pairs "
+              f"({2 * p.pairs_per_rank} sequences) of {p.sequence_tokens} tokens, {p.steps} steps")  # fmt: skip
         runs = alternating(p.reps, ("sft", *p.objectives), lambda name, rep: train(runner, model_dir, name, data, rep))
         rows: list[dict[str, Any]] = []
         details = _rows(p, runs, rows)
