@@ -280,8 +280,7 @@ def render(results: dict[str, Any]) -> str:
                      f"checkpoint {fmt(size, 'bytes')} ({size:,.0f} bytes), async and sync checkpoints "
                      f"{same}.")  # fmt: skip
     lines = report.acceptance("Acceptance", lines)
-    summaries = details.get("summaries", {})
-    if summaries:
+    if summaries := details.get("summaries", {}):
         head = "| run | save after step | logged stall | stall from step times | complete after | found after step |"
         lines += ["", "### Saves", "", head, "|---|---:|---:|---:|---:|---:|"]
         for case, sides in summaries.items():

@@ -180,8 +180,7 @@ class GpuRun:
             r["details"][LONG] = longest_fits(self.records, self.p["long"])
         for key in ("parameters", "non_embedding_parameters"):
             r["model"][key] = self.records.get("write_model", {}).get(key, 0)
-        gpu = next((x.get("device_name") for x in self.records.values() if x.get("device_name")), None)
-        if gpu:
+        if gpu := next((x.get("device_name") for x in self.records.values() if x.get("device_name")), None):
             r["machine"]["gpu"] = gpu
         r["wall_time_s"] = time.perf_counter() - self.start
         self.save(r)

@@ -473,8 +473,7 @@ class Runner:
         records = run_metrics(out)
         if len(records) != steps:
             raise RuntimeError(f"{what}: {len(records)} metrics records, expected {steps}:\n{result.log}")
-        missing = [r for r, f in enumerate(rank_files) if not f.is_file()]
-        if missing:
+        if missing := [r for r, f in enumerate(rank_files) if not f.is_file()]:
             raise RuntimeError(f"{what}: no probe record from rank(s) {missing}:\n{result.log}")
         run = {"command": shell(cmd), "wall_s": result.wall_s, "foreign_cores": result.foreign_cores,
                "metrics": records, "log": result.log}  # fmt: skip

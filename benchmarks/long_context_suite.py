@@ -82,8 +82,7 @@ def check_plan(p: LongContextPlan) -> None:
     if list(p.contexts) != sorted(set(p.contexts)) or not p.base_context <= p.contexts[-1]:
         raise ValueError(f"contexts {p.contexts} must ascend and reach the base context {p.base_context}")
     multiple = 8 * max(p.sizes)
-    uneven = [c for c in (*p.contexts, *p.candidates()) if c % multiple]
-    if uneven:
+    if uneven := [c for c in (*p.contexts, *p.candidates()) if c % multiple]:
         raise ValueError(f"contexts {uneven} are not multiples of {multiple}: rows would be padded or split unevenly")
     heads, kv = p.model["num_heads"], p.model["num_kv_heads"]
     if any(heads % s or (kv % s and s % kv) for s in p.sizes):
@@ -252,8 +251,7 @@ def render(results: dict[str, Any]) -> str:
     """The tables, then every run's figures, the longest-context search and the bars."""
     lines: list[str] = []
     details = results.get("details", {})
-    summaries = details.get("summaries", {})
-    if summaries:
+    if summaries := details.get("summaries", {}):
         lines += ["", "### Every run", "", "| context | S | --tiled_mlp | tensor peak / rank | RSS growth | peak RSS | "
                   "tokens/s | parameter bytes / rank |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
         for key in sorted(summaries, key=lambda k: tuple(map(int, k.split("/")))):

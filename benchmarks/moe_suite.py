@@ -249,8 +249,7 @@ def render(results: dict[str, Any]) -> str:
                   f"- Dense: random {dense['architecture']} (scripts/make_tiny_model.py), intermediate "
                   f"{dense['sizes']['intermediate_size']}, otherwise the same: {dense['parameters']:,} parameters "
                   f"({'/'.join(dense['dtypes_on_disk'])} on disk; --precision casts both alike)."]  # fmt: skip
-    peer = details.get("peer")
-    if peer:
+    if peer := details.get("peer"):
         b = peer["model_bytes"]
         lines += ["", "### Where Hugging Face's bytes are", "",
                   f"HF's 4-bit load holds {fmt(b['total'], 'bytes')} (parameters {fmt(b['params'], 'bytes')}, "
@@ -263,8 +262,7 @@ def render(results: dict[str, Any]) -> str:
             disk = models["moe"]["bytes_on_disk"]
             lines[-1] += (f" For scale, the checkpoint's {'/'.join(models['moe']['dtypes_on_disk'])} weights are "
                           f"{fmt(disk, 'bytes')}: HF's 4-bit model is {b['total'] / disk:.2f}x of them.")  # fmt: skip
-    memory = details.get("memory") or {}
-    if memory:
+    if memory := details.get("memory"):
         efficiency = "; ".join(f"{q} " + ", ".join(f"{n} ranks {r['sharding_efficiency']:.3f}"
                                                    for n, r in by_n.items() if n != "1")
                                for q, by_n in memory.items())  # fmt: skip

@@ -119,8 +119,7 @@ def write_datasets(plan: PreferencePlan, model: Path, out: Path) -> dict[str, An
     from qlora_fsdp.data.formats import format_prompt  # torch-free: the template the trainer frames prompts with
 
     texts = Texts(model / "tokenizer.json", plan.seed)
-    prefix = texts.count("Hello world", special=True) - texts.count("Hello world")
-    if prefix:
+    if prefix := texts.count("Hello world", special=True) - texts.count("Hello world"):
         raise RuntimeError(f"{model}: the tokenizer adds {prefix} token(s) itself; sequence_tokens counts 0")
     pairs, sft = [], []
     for _ in range(plan.pairs):
@@ -250,7 +249,6 @@ def render(results: dict[str, Any]) -> str:
                   f"{data['reply_tokens']} + EOS: sequences of {data['sequence_tokens']} tokens, no padding; the SFT "
                   f"file holds the {data['sft_rows']} sides as prompt/completion rows ({data['words']}).",
                   f"- Step peaks: {s.get('peaks', '')}."]  # fmt: skip
-        base = [b for v in details.get("summaries", {}).values() for x in v for b in x["baseline_rss_bytes"]]
-        if base:
+        if base := [b for v in details.get("summaries", {}).values() for x in v for b in x["baseline_rss_bytes"]]:
             lines.append(f"- RSS just before step 1: {fmt(min(base), 'bytes')} to {fmt(max(base), 'bytes')} per rank.")
     return report.render(results, lines)
