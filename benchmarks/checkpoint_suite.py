@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import re
 import shutil
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from benchmarks import harness, report
-from benchmarks.harness import Runner, Settings, alternate, brief, median, row, session
+from benchmarks.harness import Runner, Settings, brief, median, row, session
 from benchmarks.report import fmt
 
 CASES = ("full", "lora")
@@ -23,10 +22,8 @@ FULL_MODEL = {**harness.LARGE_MODEL, "num_layers": 8, "num_shards": 2}
 over the two ranks, plus the async side's staging copy: what a 24 GB machine shared with other work holds)."""
 FULL_LAYERS_FP32 = 4
 """--precision fp32 doubles every byte of the state: half the layers keep it the same size."""
-STEP_LINE = re.compile(r"\bstep (\d+) loss\b")
 GOES_ON = re.compile(r"checkpoint (\S+?): training goes on after ([0-9.]+)s, the rest is written in the background")
 SAVED = re.compile(r"checkpoint saved to (\S+) in ([0-9.]+)s")
-CHECKPOINT_STEP = re.compile(r"checkpoint-(\d+)$")
 KEEP = ("step", "loss", "tokens", "tokens_per_s", "elapsed_s", "peak_memory_bytes_per_rank")
 
 
@@ -57,15 +54,12 @@ class CheckpointPlan(Settings):
         return [s for s in self.saves if s < self.steps]
 
 
-def plan(*, quick: bool, threads: int, reps: int | None, idle_wait_s: float | None,
-         precision: str | None = None) -> CheckpointPlan:  # fmt: skip
+def plan(*, quick: bool, **launch: Any) -> CheckpointPlan:
     """The full suite (483M full, 171M LoRA) or the quick one (1.6M both); a full run is minutes, so no retry."""
     models = (harness.QUICK_MODEL, harness.QUICK_MODEL) if quick else (FULL_MODEL, harness.FULL_MODEL)
     p = CheckpointPlan(*map(dict, models), reps=1, steps=6, save_steps=2, context_length=64, batch_size=1,
-                       quick=quick, retries=0)  # fmt: skip
-    if quick:
-        p.launch_timeout_s = 180.0
-    p.configure(threads=threads, precision=precision, idle_wait_s=idle_wait_s, reps=reps)
+                       quick=quick, retries=0, launch_timeout_s=180.0 if quick else 600.0)  # fmt: skip
+    p.configure(**launch)
     if not quick and p.precision == "fp32":
         p.full_model["num_layers"] = FULL_LAYERS_FP32
     check_plan(p)
@@ -121,10 +115,10 @@ def parse_saves(text: str, *, async_save: bool, expected: list[int]) -> list[dic
     after = 0
     saves: dict[int, dict[str, Any]] = {}
     for line in text.splitlines():
-        if step := STEP_LINE.search(line):
+        if step := re.search(r"\bstep (\d+) loss\b", line):
             after = int(step[1])
         elif hit := GOES_ON.search(line) or SAVED.search(line):
-            number = CHECKPOINT_STEP.search(hit[1])
+            number = re.search(r"checkpoint-(\d+)$", hit[1])
             if number is None:
                 raise RuntimeError(f"a checkpoint line names no checkpoint-STEP directory: {line!r}")
             entry = saves.setdefault(int(number[1]), {"step": int(number[1])})
@@ -193,22 +187,20 @@ def analyse(run: dict[str, Any], steps: int) -> dict[str, Any]:
     }
 
 
-def run(p: CheckpointPlan, *, cache: Path, model: Path | None = None,
-        log: Callable[[str], None] = print) -> dict[str, Any]:  # fmt: skip
+def run(p: CheckpointPlan, *, cache: Path, model: Path | None = None) -> dict[str, Any]:
     """Every run of the checkpoint suite; returns results.json's content."""
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {c: {"sync": [], "async": []} for c in p.cases}
     compared: dict[str, list[dict[str, Any]]] = {c: [] for c in p.cases}
-    with session(p, "ckpt", log) as runner:
+    with session(p, "ckpt") as runner:
         models = {c: runner.model(p.full_model if c == "full" else p.lora_model, cache) for c in p.cases}
-        log(f"{p.reps} x sync and async saves ({', '.join(p.cases)}): {p.nproc} ranks x {p.batch_size} row(s) of "
-            f"{p.context_length} tokens, {p.steps} steps, --save_steps {p.save_steps}")  # fmt: skip
+        print(f"{p.reps} x sync and async saves ({', '.join(p.cases)}): {p.nproc} ranks x {p.batch_size} row(s) of "
+              f"{p.context_length} tokens, {p.steps} steps, --save_steps {p.save_steps}")  # fmt: skip
         for rep in range(p.reps):
             for case in p.cases:
                 made = {}
-                for async_save in alternate(rep, (False, True)):
-                    side = "async" if async_save else "sync"
-                    what = f"{case} --async_save {str(async_save).lower()} (rep {rep + 1})"
-                    made[side] = train(runner, what, models[case], case, async_save=async_save)
+                for side in ("sync", "async") if rep % 2 == 0 else ("async", "sync"):
+                    what = f"{case} --async_save {str(side == 'async').lower()} (rep {rep + 1})"
+                    made[side] = train(runner, what, models[case], case, async_save=side == "async")
                     runs[case][side].append(made[side])
                 a, b = (str(Path(made[side]["checkpoint"]["path"]) / "sharded") for side in ("async", "sync"))
                 compared[case] += runner.worker(f"{case}: compare the async and sync checkpoints", "compare",
@@ -288,8 +280,7 @@ def render(results: dict[str, Any]) -> str:
                      f"checkpoint {fmt(size, 'bytes')} ({size:,.0f} bytes), async and sync checkpoints "
                      f"{same}.")  # fmt: skip
     lines = report.acceptance("Acceptance", lines)
-    summaries = details.get("summaries", {})
-    if summaries:
+    if summaries := details.get("summaries", {}):
         head = "| run | save after step | logged stall | stall from step times | complete after | found after step |"
         lines += ["", "### Saves", "", head, "|---|---:|---:|---:|---:|---:|"]
         for case, sides in summaries.items():

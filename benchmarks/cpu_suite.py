@@ -5,14 +5,12 @@
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from benchmarks import harness
-from benchmarks.harness import FULL_MODEL, QUICK_MODEL, Runner, Settings, alternate, figure_rows, median, row
+from benchmarks.harness import FULL_MODEL, QUICK_MODEL, Runner, Settings, alternating, figure_rows, median, row
 
 PEER_LOAD = "HF from_pretrained 4-bit, 1 process"
 PEER_TRAIN = "HF 4-bit + PEFT + AdamW, 1 process"
@@ -29,7 +27,6 @@ FORMATS = (
 TRAIN_RUNS = (("bnb_1proc", "bnb", 1, 2), ("hqq_1proc", "hqq", 1, 2), ("bnb_2ranks_fsdp2", "bnb", 2, 2),
               ("hqq_2ranks_fsdp2", "hqq", 2, 2), ("bnb_2ranks_fsdp1", "bnb", 2, 1))  # fmt: skip
 """Section 3's runs of ours: (key slug, --quant, ranks, --fsdp_version)."""
-LOAD_VERSIONS = (2, 1)
 LOAD_FIGURES = (
     ("load_wall_s", "wall time to load + quantize + shard (slowest rank)", "s", "lower"),
     *(figure for r in range(2) for figure in (
@@ -40,8 +37,6 @@ LOAD_FIGURES = (
 )  # fmt: skip
 """Section 1's figures of each FSDP version: (key, figure, unit, better)."""
 WORLD_COMBOS = ((2, "bnb"), (2, "hqq"), (1, "bnb"))
-
-
 LOSS_MODEL = harness.llama(256, 2, 512, 4, 4, 0, 1)
 """The loss suite's memory model: one decoder too small to matter, so the head and its logits decide the peak."""
 LOSS_VOCABS = (512, 128256)  # a toy vocabulary, and Llama 3's
@@ -66,14 +61,12 @@ class CpuPlan(Settings):
     """cpu, cpu-large (loading alone), cpu-loss or cpu-packing."""
 
 
-def plan(*, quick: bool, threads: int, reps: int | None, idle_wait_s: float | None, precision: str | None = None,
-         kind: str = "cpu") -> CpuPlan:  # fmt: skip
+def plan(*, quick: bool, kind: str = "cpu", **launch: Any) -> CpuPlan:
     """The full suite (about 33 minutes on 2 cores), --quick (what the test runs), or one of the single sections."""
     model, n = (QUICK_MODEL, 1) if quick else (FULL_MODEL, 3)
-    if kind == "cpu-packing":  # 2 ranks at context 512 on data/alpaca_tiny.jsonl
-        p = CpuPlan(model=model, reps=n, batch_size=4, context_length=512, warmup_steps=2, measured_steps=3)
-    elif kind == "cpu-loss":  # speed on the suite's model, memory on LOSS_MODEL at LOSS_SHAPE
-        p = CpuPlan(model=model, reps=n, batch_size=4, context_length=256, warmup_steps=2, measured_steps=3)
+    if kind in ("cpu-packing", "cpu-loss"):  # packing: 2 ranks on data/alpaca_tiny.jsonl; loss: memory on LOSS_MODEL
+        p = CpuPlan(model=model, reps=n, batch_size=4, context_length=512 if kind == "cpu-packing" else 256,
+                    warmup_steps=2, measured_steps=3)  # fmt: skip
     elif kind == "cpu-large":
         p = CpuPlan(model=harness.LARGE_MODEL, reps=1, batch_size=1, context_length=64, warmup_steps=0,
                     measured_steps=0)  # fmt: skip
@@ -85,7 +78,7 @@ def plan(*, quick: bool, threads: int, reps: int | None, idle_wait_s: float | No
     else:
         p = CpuPlan(model=model, reps=3, batch_size=4, context_length=256, warmup_steps=2, measured_steps=3)
     p.kind, p.quick = kind, quick and kind != "cpu-large"
-    p.configure(threads=threads, precision=precision, idle_wait_s=idle_wait_s, reps=reps)
+    p.configure(**launch)
     return p
 
 
@@ -105,28 +98,28 @@ def train_cli(runner: Runner, what: str, model: Path, quant: str, *, nproc: int,
     return run["metrics"], run["exit_peak_rss_bytes"]
 
 
-def run(p: CpuPlan, *, model: Path | None, cache: Path, log: Callable[[str], None] = print) -> dict[str, Any]:
+def run(p: CpuPlan, *, model: Path | None, cache: Path) -> dict[str, Any]:
     """Every measurement of the plan's kind; returns results.json's content."""
-    with harness.session(p, "cpu", log) as runner:
+    with harness.session(p, "cpu") as runner:
         model_dir = model or runner.model(p.model, cache)
         rows: list[dict[str, Any]] = []
-        details: dict[str, Any] = {}
+        details: dict[str, Any] = {"parameters": harness.parameters(model_dir)}
         if p.kind == "cpu-loss":
-            log("loss: --loss_chunk_tokens 512 against 0 (whole logits), step memory and tokens/s")
+            print("loss: --loss_chunk_tokens 512 against 0 (whole logits), step memory and tokens/s")
             _loss(runner, model_dir, cache, rows, details)
         elif p.kind == "cpu-packing":
-            log("packing: 2 ranks, --packing true against false on the bundled data")
+            print("packing: 2 ranks, --packing true against false on the bundled data")
             _packing(runner, model_dir, rows, details)
         else:
-            log("1/4 loading (ours: 2 ranks, streaming, FSDP2 and FSDP1; peer: HF from_pretrained)")
+            print("1/4 loading (ours: 2 ranks, streaming, FSDP2 and FSDP1; peer: HF from_pretrained)")
             loads = _loading(runner, model_dir, rows, details)
             if p.kind == "cpu":  # cpu-large: one unsplit HQQ load of 1.1B runs past the 600 s launch timeout
                 _hqq_split(runner, model_dir, rows)
-                log("2/4 per-rank memory vs world size")
+                print("2/4 per-rank memory vs world size")
                 _world_sizes(runner, model_dir, loads, rows, details)
-                log("3/4 training throughput")
+                print("3/4 training throughput")
                 _training(runner, model_dir, rows, details)
-                log("4/4 quantization quality and size")
+                print("4/4 quantization quality and size")
                 _quality(runner, model_dir, rows, details)
         bf16 = "" if p.precision == "bf16" else "; this CPU has no native bf16 matmul (AVX512-BF16/AMX)"
         return runner.results(p.kind, rows, details, {
@@ -159,16 +152,15 @@ def _load_summary(ranks: list[dict[str, Any]], model_bytes: int, wall: str = "to
 
 def _loading(runner: Runner, model: Path, rows: list, details: dict) -> dict[int, list[list[dict[str, Any]]]]:
     """Section 1: our 2-rank streaming load (FSDP2, FSDP1) against HF's; each version's runs of rank records."""
-    ours: dict[int, list[list[dict[str, Any]]]] = {version: [] for version in LOAD_VERSIONS}
+    ours: dict[int, list[list[dict[str, Any]]]] = {2: [], 1: []}
     peer = []
     for rep in range(runner.plan.reps):
-        for v in LOAD_VERSIONS:
+        for v in ours:
             ours[v].append(runner.worker(f"load ours FSDP{v} 2 ranks (rep {rep + 1})", "load_ours",
                                          _load_args(runner, model, v, "bnb"), nproc=2))  # fmt: skip
         args = {"model": str(model), "precision": runner.plan.precision}
         peer.append(runner.worker(f"load peer (rep {rep + 1})", "load_peer", args)[0])
-    ours_model, peer_model = ours[LOAD_VERSIONS[0]][0][0]["quantized_model_bytes"], peer[0]["quantized_model_bytes"]
-    details["parameters"] = harness.parameters(model)
+    ours_model, peer_model = ours[2][0][0]["quantized_model_bytes"], peer[0]["quantized_model_bytes"]
     details["quantized_model_bytes"] = {"ours": ours_model, "peer": peer_model}
     peer_sums = [_load_summary([x], peer_model["total"], wall="load_s") for x in peer]
     for version, runs in ours.items():
@@ -264,7 +256,6 @@ def _training(runner: Runner, model: Path, rows: list, details: dict) -> None:
 def _packing(runner: Runner, model: Path, rows: list, details: dict) -> None:
     """--suite cpu-packing: label tokens/s and row efficiency, --packing true against false, 2 ranks."""
     p = runner.plan
-    details["parameters"] = harness.parameters(model)
     figures: dict[bool, dict[str, list[float]]] = {k: {"label_tps": [], "efficiency": []} for k in (True, False)}
     for rep in range(p.reps):
         for packing in (False, True):
@@ -290,22 +281,21 @@ def _packing(runner: Runner, model: Path, rows: list, details: dict) -> None:
 def _loss(runner: Runner, model: Path, cache: Path, rows: list, details: dict) -> None:
     """--suite cpu-loss: chunked against whole logits; memory is what vocabulary 128256 adds over 512."""
     p = runner.plan
-    details["parameters"] = harness.parameters(model)
     peaks: dict[tuple[int, int], list[int]] = {}
     speed: dict[int, list[float]] = {LOSS_CHUNK: [], 0: []}
-    for rep in range(p.reps):
-        order = alternate(rep, (LOSS_CHUNK, 0))
-        for vocab in LOSS_VOCABS:
-            small = runner.model({**LOSS_MODEL, "vocab_size": vocab}, cache)
-            for chunk in order:
-                what = f"loss memory, vocabulary {vocab}, --loss_chunk_tokens {chunk} (rep {rep + 1})"
-                _, rss = train_cli(runner, what, small, "bnb", nproc=1, version=2,
-                                   flags={**LOSS_SHAPE, "loss_chunk_tokens": chunk})  # fmt: skip
-                peaks.setdefault((vocab, chunk), []).append(rss[0])
-        for chunk in order:
-            metrics, _ = train_cli(runner, f"loss speed, --loss_chunk_tokens {chunk} (rep {rep + 1})", model, "bnb",
-                                   nproc=1, version=2, flags={"loss_chunk_tokens": chunk})  # fmt: skip
-            speed[chunk].append(median([m["tokens_per_s"] for m in metrics[p.warmup_steps :]]))
+    models = {vocab: runner.model({**LOSS_MODEL, "vocab_size": vocab}, cache) for vocab in LOSS_VOCABS}
+
+    def measure(chunk: int, rep: int) -> None:
+        for vocab, small in models.items():
+            what = f"loss memory, vocabulary {vocab}, --loss_chunk_tokens {chunk} (rep {rep + 1})"
+            _, rss = train_cli(runner, what, small, "bnb", nproc=1, version=2,
+                               flags={**LOSS_SHAPE, "loss_chunk_tokens": chunk})  # fmt: skip
+            peaks.setdefault((vocab, chunk), []).append(rss[0])
+        metrics, _ = train_cli(runner, f"loss speed, --loss_chunk_tokens {chunk} (rep {rep + 1})", model, "bnb",
+                               nproc=1, version=2, flags={"loss_chunk_tokens": chunk})  # fmt: skip
+        speed[chunk].append(median([m["tokens_per_s"] for m in metrics[p.warmup_steps :]]))
+
+    alternating(p.reps, (LOSS_CHUNK, 0), measure)
     small_vocab, large_vocab = LOSS_VOCABS
     growth = {c: [b - s for b, s in zip(peaks[(large_vocab, c)], peaks[(small_vocab, c)], strict=True)]
               for c in (LOSS_CHUNK, 0)}  # fmt: skip
@@ -323,7 +313,7 @@ def _loss(runner: Runner, model: Path, cache: Path, rows: list, details: dict) -
 
 def _quality(runner: Runner, model: Path, rows: list, details: dict) -> None:
     """Section 4: stored bits per parameter and dequantization error per format, on real weight matrices."""
-    n = json.loads((model / "config.json").read_text())["num_hidden_layers"]
+    n = harness.read_json(model / "config.json")["num_hidden_layers"]
     layers = sorted({0, n // 2, n - 1})
     record = runner.worker("quantization quality", "quant_quality", {"model": str(model), "layers": layers,
                            "formats": [{"name": name, "config": cfg} for _, name, cfg in FORMATS]})[0]  # fmt: skip

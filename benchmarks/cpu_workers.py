@@ -19,6 +19,8 @@ from benchmarks.harness import current_rss_bytes, maxrss_bytes, peak_rss_bytes, 
 
 COMPARE_CHUNK_BYTES = 256 << 20
 """Tensor bytes read from each checkpoint at a time when comparing two."""
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+"""The peer's dtype for our --precision (parameters, storage and compute alike)."""
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
@@ -41,15 +43,9 @@ def quant_state_tensors(module: nn.Module) -> list[torch.Tensor]:
     if isinstance(module, QuantizedLinear):
         return [] if module.state_as_parameters else list(module.state_bytes().values())
     state = getattr(module, "quant_state", None)
-    weight = module._parameters.get("weight")
-    if state is None and weight is not None:
-        state = getattr(weight, "quant_state", None)
-    if state is not None:
-        return _tensors_in(state.as_dict(packed=True))
-    meta = getattr(module, "meta", None)
-    if isinstance(meta, dict):
-        return _tensors_in(meta)
-    return []
+    if state is None:
+        state = getattr(module._parameters.get("weight"), "quant_state", None)
+    return _tensors_in(getattr(module, "meta", None) if state is None else state.as_dict(packed=True))
 
 
 def model_bytes(model: nn.Module, *, exclude: tuple[str, ...] = ()) -> dict[str, int]:
@@ -75,11 +71,6 @@ def preimport(model_dir: str | Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     AutoModelForCausalLM._model_mapping[type(AutoConfig.from_pretrained(model_dir))]
-
-
-def _dtype(precision: str) -> Any:
-    """The peer's dtype for our --precision (parameters, storage and compute alike)."""
-    return {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
 
 
 def _quiet() -> None:
@@ -176,11 +167,11 @@ def write_formats(args: dict[str, Any]) -> None:
 
 def load_peer(args: dict[str, Any]) -> None:
     """The peer's loading: HF from_pretrained 4-bit onto the CPU in this one process."""
-    model, record = measured_peer_load(args)
+    model, record = _peer_load(args)
     write_json(args["result"], {**record, "quantized_model_bytes": model_bytes(model)})
 
 
-def measured_peer_load(args: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+def _peer_load(args: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     """HF's 4-bit load onto the CPU in this process: the model, seconds, peak RSS, RSS after imports."""
     _quiet()
     from benchmarks.peer import load_peer as hf_load
@@ -188,7 +179,7 @@ def measured_peer_load(args: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     preimport(args["model"])
     baseline = current_rss_bytes()
     start = time.perf_counter()
-    model = hf_load(args["model"], device="cpu", dtype=_dtype(args["precision"]))
+    model = hf_load(args["model"], device="cpu", dtype=DTYPES[args["precision"]])
     return model, {"load_s": time.perf_counter() - start, "peak_rss_bytes": peak_rss_bytes(),
                    "ru_maxrss_bytes": maxrss_bytes(), "rss_after_imports_bytes": baseline}  # fmt: skip
 
@@ -198,7 +189,7 @@ def train_peer(args: dict[str, Any]) -> None:
     _quiet()
     from benchmarks.peer import add_lora, dummy_batches, load_peer, train_steps
 
-    model = load_peer(args["model"], device="cpu", dtype=_dtype(args["precision"]))
+    model = load_peer(args["model"], device="cpu", dtype=DTYPES[args["precision"]])
     model = add_lora(model, rank=args["lora_rank"], alpha=args["lora_alpha"], dropout=0.0,
                      checkpointing=args["checkpointing"])  # fmt: skip
     batches = dummy_batches(args["model"], batch_size=args["batch_size"], context_length=args["context_length"],
@@ -279,7 +270,7 @@ def _reference_quantize(cfg: Any, w: Any) -> tuple[Any, int]:
 
 def moe_peer(args: dict[str, Any]) -> None:
     """HF's 4-bit load of an MoE: its bytes, the fused experts it leaves 16-bit (bitsandbytes#1849)."""
-    model, record = measured_peer_load(args)
+    model, record = _peer_load(args)
     import bitsandbytes as bnb
 
     fused = [p for p in model.parameters() if p.dim() == 3]
@@ -345,5 +336,4 @@ def compare(args: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    worker_main({f.__name__: f for f in (load_ours, write_formats, load_peer, train_peer, quant_quality, moe_peer,
-                                         build_moe, compare)})  # fmt: skip
+    worker_main((load_ours, write_formats, load_peer, train_peer, quant_quality, moe_peer, build_moe, compare))

@@ -15,13 +15,12 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from benchmarks import harness, report
-from benchmarks.harness import Runner, Settings, alternate, brief, row, session
+from benchmarks.harness import Runner, Settings, brief, row, session
 
 GENERATOR_VERSION = 1
 """Part of the synthetic file's name: raise it when the generator changes what it writes."""
@@ -62,8 +61,7 @@ class DataPlan(Settings):
     seed: int = 0
 
 
-def plan(*, quick: bool, rows: int | None, threads: int, reps: int | None, idle_wait_s: float | None,
-         precision: str | None = None) -> DataPlan:  # fmt: skip
+def plan(*, quick: bool, rows: int | None, **launch: Any) -> DataPlan:
     """The full suite (1,000,000 rows) or the quick one (2,000); a build takes minutes, so no retry."""
     if quick:
         n = rows or 2_000
@@ -76,7 +74,7 @@ def plan(*, quick: bool, rows: int | None, threads: int, reps: int | None, idle_
     if p.rss_rows[1] < p.nproc * p.batch_size:
         raise ValueError(f"--rows {n}: too few rows for a {p.nproc}-rank step of batch {p.batch_size}")
     p.retries = 0
-    p.configure(threads=threads, precision=precision, idle_wait_s=idle_wait_s, reps=reps)
+    p.configure(**launch)
     return p
 
 
@@ -95,7 +93,7 @@ def synthetic_rows(n: int, words: list[str], costs: list[int], *, seed: int):
                "output": " ".join(chosen[m:]) or chosen[-1]}  # fmt: skip
 
 
-def ensure_dataset(plan: DataPlan, model: Path, cache: Path, log: Callable[[str], None]) -> tuple[Path, dict]:
+def ensure_dataset(plan: DataPlan, model: Path, cache: Path) -> tuple[Path, dict]:
     """The synthetic JSONL (written once under `cache`) and its first rows' token counts."""
     from tokenizers import Tokenizer  # the Rust library alone: the harness stays without torch and transformers
 
@@ -112,7 +110,7 @@ def ensure_dataset(plan: DataPlan, model: Path, cache: Path, log: Callable[[str]
             fh.writelines(json.dumps(r) + "\n" for r in synthetic_rows(plan.rows, words, costs, seed=plan.seed))
         tmp.replace(path)
         written_s = time.perf_counter() - started
-        log(f"wrote {plan.rows} synthetic rows to {path} in {written_s:.0f} s")
+        print(f"wrote {plan.rows} synthetic rows to {path} in {written_s:.0f} s")
     with open(path, encoding="utf-8") as fh:  # each field tokenized alone, as the prompt template frames it
         sample = [sum(len(tokenizer.encode(v, add_special_tokens=False).ids) for v in json.loads(line).values() if v)
                   for _, line in zip(range(2000), fh, strict=False)]  # fmt: skip
@@ -205,19 +203,19 @@ def train(runner: Runner, what: str, model: Path, data: Path, *, rows: int, cach
     return run
 
 
-def run(p: DataPlan, *, model: Path | None, cache: Path, log: Callable[[str], None] = print) -> dict[str, Any]:
+def run(p: DataPlan, *, model: Path | None, cache: Path) -> dict[str, Any]:
     """Every measurement of the data suite; returns results.json's content."""
     rows: list[dict[str, Any]] = []
-    with session(p, "data", log, env=_env) as runner:
+    with session(p, "data", env=_env) as runner:
         model_dir = model or runner.model(harness.QUICK_MODEL, cache)
-        data, info = ensure_dataset(p, model_dir, cache, log)
+        data, info = ensure_dataset(p, model_dir, cache)
         details: dict[str, Any] = {"dataset": info}
-        log(f"1/4 cache build, {p.rows} rows, --dataset_num_proc {' and '.join(map(str, p.build_procs))}")
+        print(f"1/4 cache build, {p.rows} rows, --dataset_num_proc {' and '.join(map(str, p.build_procs))}")
         _builds(runner, model_dir, data, rows, details)
-        log("2/4 time to the first step, cache built in the run against reused")
+        print("2/4 time to the first step, cache built in the run against reused")
         kept = _first_step(runner, model_dir, data, rows, details)
-        log(f"3/4 and 4/4 {p.nproc}-rank training, {p.rss_rows[0]} against {p.rss_rows[1]} rows; per-batch padding "
-            "against --pad_to_context")  # fmt: skip
+        print(f"3/4 and 4/4 {p.nproc}-rank training, {p.rss_rows[0]} against {p.rss_rows[1]} rows; per-batch "
+              "padding against --pad_to_context")  # fmt: skip
         _memory_and_padding(runner, model_dir, data, kept, rows, details)
         build = next(iter(details["builds"].values()))[0]
         info.update(samples=build["samples"], mean_sample_tokens=round(build["tokens"] / build["samples"], 1),
@@ -242,13 +240,15 @@ def run(p: DataPlan, *, model: Path | None, cache: Path, log: Callable[[str], No
 def _builds(runner: Runner, model: Path, data: Path, rows: list, details: dict) -> None:
     """1: scripts/preprocess.py's first build at each --dataset_num_proc: the command's wall and the build's."""
     p = runner.plan
-    runs: dict[int, list[dict[str, Any]]] = {n: [] for n in p.build_procs}
-    for rep in range(p.build_reps):
-        for procs in alternate(rep, p.build_procs):
-            cache_dir = runner.work / f"build-{procs}-{rep}"
-            what = f"build, {p.rows} rows, --dataset_num_proc {procs} (rep {rep + 1})"
-            runs[procs].append(preprocess(runner, what, p.rows, procs, cache_dir, data, model))
-            shutil.rmtree(cache_dir, ignore_errors=True)
+
+    def measure(procs: int, rep: int) -> dict[str, Any]:
+        cache_dir = runner.work / f"build-{procs}-{rep}"
+        what = f"build, {p.rows} rows, --dataset_num_proc {procs} (rep {rep + 1})"
+        made = preprocess(runner, what, p.rows, procs, cache_dir, data, model)
+        shutil.rmtree(cache_dir, ignore_errors=True)
+        return made
+
+    runs = harness.alternating(p.build_reps, p.build_procs, measure)
     one, two = p.build_procs
     kw = {"ours_label": f"--dataset_num_proc {two}", "peer_label": f"--dataset_num_proc {one}",
           "note": f"scripts/preprocess.py on {p.rows:,} rows at --context_length {p.context_length}, a fresh "

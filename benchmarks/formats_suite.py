@@ -6,13 +6,12 @@ bytes per rank are a check); what differs is what each rank reads, its peak and 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from benchmarks import harness
-from benchmarks.harness import Settings, alternating, figure_rows, session
+from benchmarks.harness import FULL_MODEL, Settings, alternating, figure_rows, session
 
 FORMATS = ("bf16", "bnb-4bit", "fp8")
 """The checkpoints write_formats makes; bf16 is the `peer` column of both sections."""
@@ -32,14 +31,10 @@ class FormatsPlan(Settings):
     nproc: int = 2
 
 
-def plan(*, quick: bool, threads: int, reps: int | None, idle_wait_s: float | None,
-         precision: str | None = None) -> FormatsPlan:  # fmt: skip
+def plan(*, quick: bool, **launch: Any) -> FormatsPlan:
     """The full suite (the CPU suite's 171M model, 3 repetitions) or the quick one (its quick model, once)."""
-    if quick:
-        p = FormatsPlan(dict(harness.QUICK_MODEL), reps=1, quick=True)
-    else:
-        p = FormatsPlan(dict(harness.FULL_MODEL), reps=3)
-    p.configure(threads=threads, precision=precision, idle_wait_s=idle_wait_s, reps=reps)
+    p = FormatsPlan(dict(harness.QUICK_MODEL), reps=1, quick=True) if quick else FormatsPlan(dict(FULL_MODEL), reps=3)
+    p.configure(**launch)
     return p
 
 
@@ -58,15 +53,14 @@ def check_same_model(sums: dict[str, list[dict[str, float]]]) -> None:
         raise RuntimeError(f"the formats loaded into different resident bytes per rank: {held}")
 
 
-def run(p: FormatsPlan, *, cache: Path, model: Path | None = None,
-        log: Callable[[str], None] = print) -> dict[str, Any]:  # fmt: skip
+def run(p: FormatsPlan, *, cache: Path, model: Path | None = None) -> dict[str, Any]:
     """Every run of the formats suite; returns results.json's content."""
-    with session(p, "formats", log) as runner:
+    with session(p, "formats") as runner:
         dense = model or runner.model(p.model, cache)
         files = runner.work / "checkpoints"
         runner.worker("writing the bf16, pre-quantized bnb and FP8 checkpoints", "write_formats",
                       {"model": str(dense), "out": str(files)})  # fmt: skip
-        log(f"{p.reps} x {len(FORMATS)} loads on {p.nproc} ranks")
+        print(f"{p.reps} x {len(FORMATS)} loads on {p.nproc} ranks")
 
         def load(fmt: str, rep: int) -> list[dict[str, Any]]:
             args = {"model": str(files / fmt), "fsdp_version": 2, "quant": "bnb", "precision": p.precision}

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,14 +37,13 @@ class GenerationPlan(Settings):
     nproc: int = 2
 
 
-def plan(*, quick: bool, threads: int, reps: int | None, idle_wait_s: float | None,
-         precision: str | None = None) -> GenerationPlan:  # fmt: skip
+def plan(*, quick: bool, **launch: Any) -> GenerationPlan:
     """The full suite (171M model, 3 x 4 steps, 64-token completions) or the quick one (2 layers, 8 tokens)."""
     if quick:
         p = GenerationPlan(dict(harness.QUICK_MODEL), reps=1, steps=2, max_completion_length=8, quick=True)
     else:
         p = GenerationPlan(dict(harness.FULL_MODEL), reps=3, steps=4)
-    p.configure(threads=threads, precision=precision, idle_wait_s=idle_wait_s, reps=reps)
+    p.configure(**launch)
     return p
 
 
@@ -67,12 +65,11 @@ def summary(run: dict[str, Any]) -> dict[str, float]:
             "completion_tokens": median([x["completions/mean_length"] for x in timed])}  # fmt: skip
 
 
-def run(p: GenerationPlan, *, cache: Path, model: Path | None = None,
-        log: Callable[[str], None] = print) -> dict[str, Any]:  # fmt: skip
+def run(p: GenerationPlan, *, cache: Path, model: Path | None = None) -> dict[str, Any]:
     """Every run of the generation suite; returns results.json's content."""
-    with session(p, "generation", log) as runner:
+    with session(p, "generation") as runner:
         model_dir = runner.model(p.model, cache)
-        log(f"{p.reps} x {len(MODES)} runs of {p.steps} GRPO steps on {p.nproc} ranks")
+        print(f"{p.reps} x {len(MODES)} runs of {p.steps} GRPO steps on {p.nproc} ranks")
 
         def train(mode: str, rep: int) -> dict[str, Any]:
             flags = runner.flags(
@@ -107,5 +104,5 @@ def render(results: dict[str, Any]) -> str:
     """The table, then the completions each mode sampled."""
     sums = results.get("details", {}).get("summaries", {})
     each = ", ".join(f"{m} {median([s['completion_tokens'] for s in v]):g}" for m, v in sums.items())
-    return report.render(results, ["", f"Tokens per completion (median): {each}; every step's reward, completion "
-                                   "length, entropy and loss agree between the modes (checked)."] if sums else [])
+    line = f"Tokens per completion (median): {each}; every step's reward, completion length, entropy and loss agree "
+    return report.render(results, ["", line + "between the modes (checked)."] if sums else [])

@@ -173,15 +173,14 @@ class GpuRun:
                                                 "returncode": job.returncode})  # fmt: skip
             print(f"  {name}: {job.wall_s:.1f} s, exit {job.returncode}", flush=True)
         r["missing"] += missing or []
-        r["rows"] = _rows(self.records, self.variants, self.p, self.peak_flops) + long_rows(self.records,
-                                                                                              self.p["long"])
+        r["rows"] = [*_rows(self.records, self.variants, self.p, self.peak_flops),
+                     *long_rows(self.records, self.p["long"])]  # fmt: skip
         r["details"] = {k: v for k, v in self.records.items() if k != "write_model"}
         if LONG in self.only:
             r["details"][LONG] = longest_fits(self.records, self.p["long"])
         for key in ("parameters", "non_embedding_parameters"):
             r["model"][key] = self.records.get("write_model", {}).get(key, 0)
-        gpu = next((x.get("device_name") for x in self.records.values() if x.get("device_name")), None)
-        if gpu:
+        if gpu := next((x.get("device_name") for x in self.records.values() if x.get("device_name")), None):
             r["machine"]["gpu"] = gpu
         r["wall_time_s"] = time.perf_counter() - self.start
         self.save(r)
@@ -345,8 +344,8 @@ def _rows(records: dict[str, dict[str, Any]], variants: list[Variant], p: dict[s
     rows = []
     for v in (v for v in variants if v.name in records):
         o, q = records[v.name], by_shape[tuple(p["small"] if v.small else p["big"])]
-        per_token = palm_flops_per_token(records["write_model"]["non_embedding_parameters"],
-                                         layers=sizes["num_layers"], hidden=sizes["hidden_size"], sequence=o["context"])
+        per_token = palm_flops_per_token(records["write_model"]["non_embedding_parameters"], layers=sizes["num_layers"],
+                                         hidden=sizes["hidden_size"], sequence=o["context"])  # fmt: skip
         mfu = [[per_token * t / peak_flops for t in x["tps"]] for x in (o, q)]
         figures = [("tokens_per_s", "tokens/s", "tokens/s", "higher", o["tps"], q["tps"]),
                    ("mfu", "MFU", "fraction", "higher", *mfu),
@@ -389,19 +388,14 @@ def _reset_peaks(device: Any) -> None:
         harness.reset_peak_rss()
 
 
-def _device(args: dict[str, Any]) -> Any:
+def _device(args: dict[str, Any]) -> tuple[Any, dict[str, str]]:
+    """The worker's device, and its name for results.json (none on the CPU)."""
     import torch
 
     device = torch.device(args["device"])
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("the GPU suite needs a CUDA GPU (use --dry-run on a CPU machine)")
-    return device
-
-
-def _device_name(device: Any) -> dict[str, str]:
-    import torch
-
-    return {"device_name": torch.cuda.get_device_name(device)} if device.type == "cuda" else {}
+    return device, {"device_name": torch.cuda.get_device_name(device)} if device.type == "cuda" else {}
 
 
 def write_model(args: dict[str, Any]) -> None:
@@ -424,18 +418,16 @@ def write_model(args: dict[str, Any]) -> None:
                               bos_token_id=tokenizer.bos_token_id)  # fmt: skip
     config.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    device = _device(args)
+    device, _ = _device(args)
     model = meta_model(out, dtype=torch.bfloat16, trust_remote_code=False)
     generator = torch.Generator(device=device).manual_seed(0)
-    state = {}
-    start = time.perf_counter()
+    state, start = {}, time.perf_counter()
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
-            value = torch.ones(param.shape, dtype=torch.bfloat16, device=device)
+            value = torch.ones(param.shape, device=device)
         else:
-            value = torch.randn(param.shape, generator=generator, dtype=torch.float32, device=device)
-            value = value.mul_(0.02).to(torch.bfloat16)
-        state[name] = value.cpu()
+            value = torch.randn(param.shape, generator=generator, device=device).mul_(0.02)
+        state[name] = value.to(torch.bfloat16).cpu()
     generated = time.perf_counter() - start
     tiny.write_shards(state, out, sizes["num_shards"])
     harness.write_json(args["result"], {
@@ -462,7 +454,7 @@ def ours(args: dict[str, Any]) -> None:
 
     from qlora_fsdp.cli import main as cli_main
 
-    device = _device(args)
+    device, name = _device(args)
     batch, context = args["shape"]
     out = Path(args["result"]).with_suffix(".run")
     load: dict[str, Any] = {}
@@ -486,14 +478,14 @@ def ours(args: dict[str, Any]) -> None:
         raise RuntimeError(f"tokens per step {tokens}: the rows did not fill {batch} x {context}")
     tps = [m["tokens_per_s"] for m in metrics[args["warmup"] :]]
     harness.write_json(args["result"], {"batch": batch, "context": context, "tps": tps, **_peaks(device), "load": load,
-                                **_device_name(device)})  # fmt: skip
+                                        **name})  # fmt: skip
 
 
 def peer(args: dict[str, Any]) -> None:
     """The HF + PEFT + bitsandbytes loop: load once, then each shape's steps, peaks reset before each."""
     from benchmarks.peer import add_lora, dummy_batches, load_peer, train_steps
 
-    device = _device(args)
+    device, name = _device(args)
     start = time.perf_counter()
     model = load_peer(args["model"], device=args["device"])
     model = add_lora(model, rank=LORA["lora_rank"], alpha=LORA["lora_alpha"], dropout=0.0, checkpointing=CHECKPOINTING)
@@ -506,8 +498,8 @@ def peer(args: dict[str, Any]) -> None:
         steps = list(train_steps(model, batches, device=device))
         shapes.append({"batch": batch, "context": context, "tps": [n / s for n, s in steps[args["warmup"] :]],
                        **_peaks(device)})  # fmt: skip
-    harness.write_json(args["result"], {"load": load, "shapes": shapes, **_device_name(device)})
+    harness.write_json(args["result"], {"load": load, "shapes": shapes, **name})
 
 
 if __name__ == "__main__":
-    harness.worker_main({"write_model": write_model, "ours": ours, "peer": peer})
+    harness.worker_main((write_model, ours, peer))

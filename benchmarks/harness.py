@@ -31,7 +31,6 @@ FAILED_RANK_GRACE_S = 10.0
 EXIT_ABORT = "terminate called without an active exception"
 """The FSDP + gloo teardown race (benchmarks/README.md): a run that wrote every step and then aborted is kept."""
 WORDS = REPO_ROOT / "data" / "alpaca_tiny.jsonl"
-SIZE_KEYS = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads", "vocab_size")
 
 
 def llama(hidden: int, layers: int, intermediate: int, heads: int, kv_heads: int, vocab: int,
@@ -49,21 +48,15 @@ LARGE_MODEL = llama(2048, 22, 5632, 32, 4, 32000, 5)
 
 
 def median(values: Sequence[float]) -> float:
-    if not values:
-        raise ValueError("median of no values")
     return float(statistics.median(values))
 
 
-def alternate(rep: int, items: Sequence[Any]) -> list[Any]:
-    """`items` in order on even repetitions, reversed on odd ones, so a machine that drifts favours no side."""
-    return list(items) if rep % 2 == 0 else list(reversed(items))
-
-
 def alternating(reps: int, items: Sequence[Any], measure: Callable[[Any, int], Any]) -> dict[Any, list[Any]]:
-    """`measure(item, rep)` of every item in each repetition, the order alternating; each item's results."""
+    """`measure(item, rep)` of every item in each repetition, the order reversed on odd repetitions so that a machine
+    that drifts favours no side; each item's results."""
     runs: dict[Any, list[Any]] = {item: [] for item in items}
     for rep in range(reps):
-        for item in alternate(rep, items):
+        for item in items if rep % 2 == 0 else items[::-1]:
             runs[item].append(measure(item, rep))
     return runs
 
@@ -78,11 +71,8 @@ def check_steps(what: str, metrics: Sequence[dict[str, Any]], want: tuple[int, i
 
 def bundled_words() -> list[str]:
     """The words of data/alpaca_tiny.jsonl, sorted: every tiny model's tokenizer was trained on them."""
-    words: set[str] = set()
-    for line in filter(str.strip, WORDS.read_text().splitlines()):
-        for value in json.loads(line).values():
-            words.update(re.findall(r"[A-Za-z]+", str(value)))
-    return sorted(words)
+    lines = filter(str.strip, WORDS.read_text().splitlines())
+    return sorted({w for line in lines for v in json.loads(line).values() for w in re.findall(r"[A-Za-z]+", str(v))})
 
 
 def write_long_rows(path: Path, *, rows: int, words: int, seed: int) -> Path:
@@ -120,18 +110,18 @@ def worker_cmd(module: str, name: str, args: dict[str, Any]) -> list[str]:
     return [sys.executable, "-m", module, name, json.dumps(args)]
 
 
-def worker_main(workers: dict[str, Callable[[dict[str, Any]], None]]) -> None:
+def worker_main(workers: Sequence[Callable[[dict[str, Any]], None]]) -> None:
     """`python -m MODULE NAME JSON_ARGS`: one measurement in a fresh interpreter."""
-    if len(sys.argv) != 3 or sys.argv[1] not in workers:
-        raise SystemExit(f"usage: python -m MODULE {{{','.join(workers)}}} JSON_ARGS")
-    workers[sys.argv[1]](json.loads(sys.argv[2]))
+    by_name = {f.__name__: f for f in workers}
+    if len(sys.argv) != 3 or sys.argv[1] not in by_name:
+        raise SystemExit(f"usage: python -m MODULE {{{','.join(by_name)}}} JSON_ARGS")
+    by_name[sys.argv[1]](json.loads(sys.argv[2]))
 
 
 def _busy_seconds() -> float:
-    """CPU seconds every process on the machine has spent busy since boot (/proc/stat)."""
-    with open("/proc/stat") as fh:
-        fields = [int(x) for x in fh.readline().split()[1:]]
-    return (sum(fields[:8]) - fields[3] - (fields[4] if len(fields) > 4 else 0)) / os.sysconf("SC_CLK_TCK")
+    """CPU seconds every process on the machine has spent busy since boot (/proc/stat: all but idle and iowait)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
 
 
 def _cpu_seconds(*who: int) -> float:
@@ -150,7 +140,7 @@ class ForeignLoad:
         return max(_busy_seconds() - self._busy - own, 0.0) / max(time.perf_counter() - self._t, 1e-9)
 
 
-def wait_for_idle(max_wait_s: float, *, threshold_cores: float = 0.3) -> float:
+def wait_for_idle(max_wait_s: float, threshold_cores: float = 0.3) -> float:
     """Wait (at most `max_wait_s`) until other processes use under `threshold_cores`; returns seconds waited."""
     start = time.perf_counter()
     while time.perf_counter() - start < max_wait_s:
@@ -179,20 +169,18 @@ class Launch:
         return self
 
 
-def launch(cmds: Sequence[Sequence[str]], envs: Sequence[dict[str, str]], *, timeout_s: float,
-           log_chars: int = 6000) -> Launch:  # fmt: skip
+def launch(cmds: Sequence[Sequence[str]], envs: Sequence[dict[str, str]], *, timeout_s: float) -> Launch:
     """Run the ranks of one job and wait for all; output to files (a chatty rank never blocks a pipe), a session
     each (a kill on timeout reaches exactly what this call started, torchrun's ranks included)."""
     children_before, load, start = _cpu_seconds(resource.RUSAGE_CHILDREN), ForeignLoad(), time.perf_counter()
     procs: list[tuple[subprocess.Popen, Any]] = []
-    returncode = 0
+    returncode, first_failure = 0, None
     with tempfile.TemporaryDirectory(prefix="bench-launch-") as tmp:
         try:
             for i, (cmd, env) in enumerate(zip(cmds, envs, strict=True)):
                 out = open(Path(tmp) / f"{i}.log", "w+")  # noqa: SIM115 - closed below
                 procs.append((subprocess.Popen(list(cmd), cwd=REPO_ROOT, env=env, stdout=out,
                                                stderr=subprocess.STDOUT, start_new_session=True), out))  # fmt: skip
-            first_failure: float | None = None
             while any(p.poll() is None for p, _ in procs):
                 now = time.perf_counter()
                 if first_failure is None and any(p.returncode not in (None, 0) for p, _ in procs):
@@ -213,7 +201,7 @@ def launch(cmds: Sequence[Sequence[str]], envs: Sequence[dict[str, str]], *, tim
         logs = []
         for i, (_, out) in enumerate(procs):
             out.seek(0)
-            logs.append(f"--- process {i} ---\n{out.read()[-log_chars:]}")
+            logs.append(f"--- process {i} ---\n{out.read()[-6000:]}")
             out.close()
     cpu = _cpu_seconds(resource.RUSAGE_CHILDREN) - children_before
     return Launch(returncode=returncode, wall_s=wall, cpu_s=cpu, foreign_cores=foreign, log="\n".join(logs))
@@ -243,11 +231,8 @@ def run_metrics(output_dir: Path) -> list[dict[str, Any]]:
 
 def peak_rss_bytes() -> int:
     """This process's own RSS high-water mark, VmHWM; not ru_maxrss, which Linux carries over from the parent."""
-    try:
-        with open("/proc/self/status") as fh:
-            return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmHWM:"))
-    except (OSError, StopIteration):
-        return maxrss_bytes()
+    status = Path("/proc/self/status").read_text().splitlines()
+    return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
 
 
 def reset_peak_rss() -> None:
@@ -257,27 +242,24 @@ def reset_peak_rss() -> None:
 
 
 def maxrss_bytes() -> int:
-    """ru_maxrss (KiB on Linux, bytes on macOS), the launcher's peak included; kept for reference."""
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * (1 if sys.platform == "darwin" else 1024)
+    """ru_maxrss (KiB on Linux), the launcher's peak included; kept for reference."""
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 def current_rss_bytes() -> int:
-    with open("/proc/self/statm") as fh:
-        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def machine_info() -> dict[str, Any]:
     """Where the figures come from: CPU model, cores, memory, library versions."""
     from importlib import metadata
 
-    info: dict[str, Any] = {"cores": os.cpu_count(), "python": sys.version.split()[0]}
-    try:
-        with open("/proc/cpuinfo") as fh:
-            info["cpu"] = next((ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")), "unknown")
-        with open("/proc/meminfo") as fh:
-            info["memory_gib"] = round(int(fh.readline().split()[1]) / 2**20, 1)
-    except OSError:
-        pass
+    cpu = Path("/proc/cpuinfo").read_text().splitlines()
+    info: dict[str, Any] = {
+        "cores": os.cpu_count(), "python": sys.version.split()[0],
+        "cpu": next((ln.split(":", 1)[1].strip() for ln in cpu if ln.startswith("model name")), "unknown"),
+        "memory_gib": round(int(Path("/proc/meminfo").read_text().split()[1]) / 2**20, 1),
+    }  # fmt: skip
     for dist in ("torch", "transformers", "peft", "bitsandbytes", "hqq"):
         try:
             info[dist] = metadata.version(dist)
@@ -286,15 +268,9 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
-def native_bf16() -> bool:
-    """Whether the CPU multiplies bf16 in hardware; without it torch's bf16 matmul is ~100x slower than fp32."""
-    cpuinfo = Path("/proc/cpuinfo")
-    flags = cpuinfo.read_text() if cpuinfo.is_file() else ""
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
 def row(section: str, key: str, figure: str, unit: str, better: str, ours_runs: Sequence[float],
-        peer_runs: Sequence[float], *, ours_label: str = "", peer_label: str = "", note: str = "") -> dict[str, Any]:
+        peer_runs: Sequence[float], *, ours_label: str = "", peer_label: str = "",
+        note: str = "") -> dict[str, Any]:  # fmt: skip
     """One comparison row; every suite reports through these, so results.json has one shape."""
     if better not in ("higher", "lower"):
         raise ValueError(f"better must be higher or lower, got {better!r}")
@@ -309,7 +285,8 @@ def row(section: str, key: str, figure: str, unit: str, better: str, ours_runs: 
 
 
 def figure_rows(section: str, figures: Iterable[tuple[str, str, str, str]], ours: Sequence[dict[str, Any]],
-                peer: Sequence[dict[str, Any]], *, suffix: str = "", prefix: str = "", **labels: str) -> list[dict]:
+                peer: Sequence[dict[str, Any]], *, suffix: str = "", prefix: str = "",
+                **labels: str) -> list[dict]:  # fmt: skip
     """A row per (key, figure, unit, better), from each repetition's summary dict of either side."""
     return [row(section, f"{key}{suffix}", f"{prefix}{figure}", unit, better, [s[key] for s in ours],
                 [s[key] for s in peer], **labels) for key, figure, unit, better in figures]  # fmt: skip
@@ -317,11 +294,8 @@ def figure_rows(section: str, figures: Iterable[tuple[str, str, str, str]], ours
 
 def behind(rows: Sequence[dict[str, Any]], n: int = 3) -> list[dict[str, Any]]:
     """The `n` rows where we trail the peer most."""
-
-    def badness(r: dict[str, Any]) -> float:
-        return r["ratio"] if r["better"] == "lower" else 1.0 / r["ratio"]
-
-    return sorted((r for r in rows if badness(r) > 1.0), key=badness, reverse=True)[:n]
+    badness = {id(r): r["ratio"] if r["better"] == "lower" else 1.0 / r["ratio"] for r in rows}
+    return sorted((r for r in rows if badness[id(r)] > 1.0), key=lambda r: badness[id(r)], reverse=True)[:n]
 
 
 def brief(run: dict[str, Any], keep: tuple[str, ...], drop: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -336,21 +310,21 @@ def tensor_headers(model: Path) -> dict[str, dict[str, Any]]:
     tensors: dict[str, dict[str, Any]] = {}
     for file in sorted(model.glob("*.safetensors")):
         with open(file, "rb") as fh:
-            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
-        tensors.update({k: v for k, v in header.items() if k != "__metadata__"})
+            tensors.update(json.loads(fh.read(int.from_bytes(fh.read(8), "little"))))
+    tensors.pop("__metadata__", None)
     return tensors
 
 
 def parameters(model: Path) -> int:
-    """Parameter count from the safetensors headers."""
     return sum(math.prod(v["shape"]) for v in tensor_headers(model).values())
 
 
 def model_record(model: Path, sizes: dict[str, Any] | None = None) -> dict[str, Any]:
-    """results.json's model: its path, parameters, shards and sizes (by default its config's SIZE_KEYS)."""
+    """results.json's model: its path, parameters, shards and sizes (by default from its config)."""
     if sizes is None:
-        config = json.loads((model / "config.json").read_text())
-        sizes = {k: config.get(k) for k in SIZE_KEYS}
+        config = read_json(model / "config.json")
+        keys = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads", "vocab_size")
+        sizes = {k: config.get(k) for k in keys}
     return {"path": str(model), "parameters": parameters(model), "shards": len(list(model.glob("*.safetensors"))),
             "sizes": sizes}  # fmt: skip
 
@@ -370,15 +344,17 @@ class Settings:
     launch_timeout_s: float = 600.0
     quick: bool = False
     precision: str = "bf16"
-    """Both sides' dtype: bf16, or fp32 on a CPU without native bf16 matmuls."""
+    """Both sides' dtype: bf16, or fp32 on a CPU without native bf16 matmuls (there torch's bf16 matmul is ~100x
+    slower than fp32)."""
     lora_rank: int = 16
     lora_alpha: float = 32.0
 
-    def configure(self, *, threads: int, precision: str | None, idle_wait_s: float | None,
-                  reps: int | None) -> None:  # fmt: skip
+    def configure(self, *, threads: int = 2, precision: str | None = None, idle_wait_s: float | None = None,
+                  reps: int | None = None) -> None:  # fmt: skip
         """The command line's launch flags; a quick plan waits for nobody unless told to."""
+        flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
         self.threads = threads
-        self.precision = precision or ("bf16" if native_bf16() else "fp32")
+        self.precision = precision or ("bf16" if "avx512_bf16" in flags or "amx_bf16" in flags else "fp32")
         self.idle_wait_s = idle_wait_s if idle_wait_s is not None else 0.0 if self.quick else self.idle_wait_s
         for name in ("reps", "build_reps", "train_reps"):
             if reps is not None and hasattr(self, name):
@@ -388,9 +364,8 @@ class Settings:
 class Runner:
     """Launches in a scratch directory after a quiet wait; re-measures a failed or contended launch once; logs all."""
 
-    def __init__(self, plan: Settings, work: Path, log: Callable[[str], None] = print,
-                 env: Callable[[int], dict[str, str]] = base_env) -> None:  # fmt: skip
-        self.plan, self.work, self.say, self.env = plan, work, log, env
+    def __init__(self, plan: Settings, work: Path, env: Callable[[int], dict[str, str]] = base_env) -> None:
+        self.plan, self.work, self.env = plan, work, env
         self.launches: list[dict[str, Any]] = []
         self.waited = self.build_s = 0.0
         self.started = time.perf_counter()
@@ -428,16 +403,16 @@ class Runner:
                 elif failure_retries > 0:
                     failure_retries -= 1
                     entry.update(discarded=True, failed=f"exit status {result.returncode}")
-                    self.say(f"  {what}: failed with exit status {result.returncode}; trying once more")
+                    print(f"  {what}: failed with exit status {result.returncode}; trying once more")
                     continue
                 else:
                     result.check(what)
             if result.foreign_cores > self.plan.retry_above_cores and contention_retries > 0:
                 contention_retries -= 1
                 entry["discarded"] = True
-                self.say(f"  {what}: other processes used {result.foreign_cores:.2f} cores; measuring again")
+                print(f"  {what}: other processes used {result.foreign_cores:.2f} cores; measuring again")
                 continue
-            self.say(f"  {what}: {result.wall_s:.1f} s (other processes used {result.foreign_cores:.2f} cores)")
+            print(f"  {what}: {result.wall_s:.1f} s (other processes used {result.foreign_cores:.2f} cores)")
             return result
         raise RuntimeError(f"{what}: no usable measurement in 9 attempts")
 
@@ -472,23 +447,24 @@ class Runner:
 
     def train(self, what: str, flags: dict[str, Any], *, nproc: int, steps: int, probe: str = "peak",
               torchrun: bool = False, torchrun_args: Sequence[str] = (), wrap: Sequence[str] = (),
-              reset: Callable[[], None] | None = None, done: Callable[[], bool] = lambda: True) -> dict[str, Any]:
+              reset: Callable[[], None] | None = None,
+              done: Callable[[], bool] = lambda: True) -> dict[str, Any]:  # fmt: skip
         """Our real CLI, `train.py` (torchrun for several ranks) inside benchmarks/probe.py: probe "peak" gives each
         rank's VmHWM at exit, "steps" each rank's per-step RSS and the profiled step's tensor peak (`ranks`). `wrap`
         prefixes the command (a timer); `done` is what a launch that aborted at exit must leave besides the steps."""
-        out = Path(flags["output_dir"])
-        args = ["-m", "benchmarks.probe", str(REPO_ROOT / "train.py"), *(f"--{k}={v}" for k, v in flags.items())]
-        cmd = [sys.executable, *args]
+        out, files = Path(flags["output_dir"]), f"{flags['output_dir']}.{probe}"
+        cmd = [sys.executable, "-m", "benchmarks.probe", str(REPO_ROOT / "train.py"),
+               *(f"--{k}={v}" for k, v in flags.items())]  # fmt: skip
         if nproc > 1 or torchrun:
             cmd[1:1] = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *torchrun_args]
         env = self.env(max(1, self.plan.threads // nproc))
-        files = f"{out}.{probe}"
         env["BENCH_STEP_RSS_FILE" if probe == "steps" else "BENCH_PEAK_RSS_FILE"] = files
+        rank_files = [Path(f"{files}.rank{r}") for r in range(nproc)]
 
         def fresh() -> None:
             shutil.rmtree(out, ignore_errors=True)
-            for r in range(nproc):
-                Path(f"{files}.rank{r}").unlink(missing_ok=True)
+            for f in rank_files:
+                f.unlink(missing_ok=True)
             if reset is not None:
                 reset()
 
@@ -497,21 +473,23 @@ class Runner:
         records = run_metrics(out)
         if len(records) != steps:
             raise RuntimeError(f"{what}: {len(records)} metrics records, expected {steps}:\n{result.log}")
+        if missing := [r for r, f in enumerate(rank_files) if not f.is_file()]:
+            raise RuntimeError(f"{what}: no probe record from rank(s) {missing}:\n{result.log}")
         run = {"command": shell(cmd), "wall_s": result.wall_s, "foreign_cores": result.foreign_cores,
                "metrics": records, "log": result.log}  # fmt: skip
-        missing = [r for r in range(nproc) if not Path(f"{files}.rank{r}").is_file()]
-        if missing:
-            raise RuntimeError(f"{what}: no probe record from rank(s) {missing}:\n{result.log}")
         if probe == "peak":
-            run["exit_peak_rss_bytes"] = [int(Path(f"{files}.rank{r}").read_text()) for r in range(nproc)]
-            return run
-        run["ranks"] = [read_json(f"{files}.rank{r}") for r in range(nproc)]
+            return {**run, "exit_peak_rss_bytes": [int(f.read_text()) for f in rank_files]}
+        run["ranks"] = [read_json(f) for f in rank_files]
         for r in run["ranks"]:
             if not r["reset"] or r["baseline_rss_bytes"] is None or len(r["steps"]) != steps:
                 raise RuntimeError(f"{what}: rank {r['rank']}'s probe did not measure every step: {r}")
             if flags.get("profile") == "true":
                 trace = out / "profile" / f"trace-rank{r['rank']}.json"
-                r["tensor_peak_bytes"], r["memory_events"] = tensor_peak(trace)
+                events = [e["args"] for e in read_json(trace)["traceEvents"] if e.get("name") == "[memory]"]
+                cpu = [a["Total Allocated"] for a in events if a.get("Device Type") == 0]  # live tensor bytes
+                if not cpu:
+                    raise RuntimeError(f"{trace}: no CPU memory events (was the profiler run with profile_memory?)")
+                r["tensor_peak_bytes"], r["memory_events"] = max(cpu), len(cpu)
                 trace.unlink()  # tens of MB a rank, hundreds at long context
         return run
 
@@ -533,10 +511,10 @@ class Runner:
 
 
 @contextlib.contextmanager
-def session(plan: Settings, suite: str, log: Callable[[str], None] = print, **kw: Any) -> Iterator[Runner]:
+def session(plan: Settings, suite: str, **kw: Any) -> Iterator[Runner]:
     """A Runner in a scratch directory that is removed afterwards."""
     with tempfile.TemporaryDirectory(prefix=f"bench-{suite}-") as tmp:
-        yield Runner(plan, Path(tmp), log, **kw)
+        yield Runner(plan, Path(tmp), **kw)
 
 
 def step_peaks(run: dict[str, Any], steps: int) -> dict[str, int]:
@@ -552,12 +530,3 @@ def choose(flag: str, given: tuple[str, ...], allowed: tuple[str, ...]) -> tuple
     if set(given) - set(allowed) or not given:
         raise ValueError(f"{flag}: choose from {', '.join(allowed)} (got {','.join(given) or 'nothing'})")
     return tuple(dict.fromkeys(given))
-
-
-def tensor_peak(trace: Path) -> tuple[int, int]:
-    """(largest "Total Allocated" of a Chrome trace's CPU memory events: live tensor bytes, how many events)."""
-    events = [e["args"] for e in read_json(trace)["traceEvents"] if e.get("name") == "[memory]"]
-    cpu = [a["Total Allocated"] for a in events if a.get("Device Type") == 0]
-    if not cpu:
-        raise RuntimeError(f"{trace}: no CPU memory events (was the profiler run with profile_memory?)")
-    return max(cpu), len(cpu)

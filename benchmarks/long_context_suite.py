@@ -59,8 +59,7 @@ class LongContextPlan(Settings):
         return list(range(self.base_context, self.contexts[-1] + 1, self.search_step))
 
 
-def plan(*, quick: bool, threads: int, reps: int | None, idle_wait_s: float | None,
-         precision: str | None = None) -> LongContextPlan:  # fmt: skip
+def plan(*, quick: bool, **launch: Any) -> LongContextPlan:
     """The full suite (4k-16k tokens x S = 1, 2, 4 x tiled; hours) or the quick one (1024 tokens, S = 1, 2)."""
     if quick:
         p = LongContextPlan(dict(QUICK_MODEL), contexts=(1024,), base_context=512, search_step=512, sizes=(1, 2),
@@ -69,7 +68,7 @@ def plan(*, quick: bool, threads: int, reps: int | None, idle_wait_s: float | No
         p = LongContextPlan(dict(FULL_MODEL), contexts=(4096, 8192, 16384), base_context=4096, search_step=512,
                             sizes=(1, 2, 4), tiled_sizes=(1, 2, 4), reps=1, launch_timeout_s=7200.0)  # fmt: skip
     p.retries = 0
-    p.configure(threads=threads, precision=precision, idle_wait_s=idle_wait_s, reps=reps)
+    p.configure(**launch)
     check_plan(p)
     return p
 
@@ -83,8 +82,7 @@ def check_plan(p: LongContextPlan) -> None:
     if list(p.contexts) != sorted(set(p.contexts)) or not p.base_context <= p.contexts[-1]:
         raise ValueError(f"contexts {p.contexts} must ascend and reach the base context {p.base_context}")
     multiple = 8 * max(p.sizes)
-    uneven = [c for c in (*p.contexts, *p.candidates()) if c % multiple]
-    if uneven:
+    if uneven := [c for c in (*p.contexts, *p.candidates()) if c % multiple]:
         raise ValueError(f"contexts {uneven} are not multiples of {multiple}: rows would be padded or split unevenly")
     heads, kv = p.model["num_heads"], p.model["num_kv_heads"]
     if any(heads % s or (kv % s and s % kv) for s in p.sizes):
@@ -148,15 +146,14 @@ def longest_context(candidates: list[int], known: dict[int, bool], fits: Callabl
     return candidates[lo] if lo >= 0 else None
 
 
-def run(p: LongContextPlan, *, cache: Path, model: Path | None = None,
-        log: Callable[[str], None] = print) -> dict[str, Any]:  # fmt: skip
+def run(p: LongContextPlan, *, cache: Path, model: Path | None = None) -> dict[str, Any]:
     """The grid, then the longest-context search; returns results.json's content."""
     grid, runs = grid_runs(p), {}
 
     def peak(run: dict[str, Any]) -> int:
         return summary(run, p.steps)["tensor_peak_bytes"]
 
-    with session(p, "long", log) as runner:
+    with session(p, "long") as runner:
         model_dir = runner.model(p.model, cache)
         data = write_rows(p, runner.work / "data")
 
@@ -165,9 +162,9 @@ def run(p: LongContextPlan, *, cache: Path, model: Path | None = None,
             runs.setdefault(key, []).append(train(runner, what, model_dir, data, *key))
             return runs[key][-1]
 
-        log(f"{p.reps} x {len(grid)} runs of {p.steps} steps: contexts {p.contexts}, S {p.sizes}, tiled at S "
-            f"{p.tiled_sizes}; then the longest context within the budget (S = 1 at {p.base_context} tokens + "
-            f"{BUDGET_MARGIN:.0%})")  # fmt: skip
+        print(f"{p.reps} x {len(grid)} runs of {p.steps} steps: contexts {p.contexts}, S {p.sizes}, tiled at S "
+              f"{p.tiled_sizes}; then the longest context within the budget (S = 1 at {p.base_context} tokens + "
+              f"{BUDGET_MARGIN:.0%})")  # fmt: skip
         harness.alternating(p.reps, grid, launch)
         base = (p.base_context, 1, 0)
         budget = int(peak(runs[base][0] if base in runs else launch(base, 0)) * (1 + BUDGET_MARGIN))
@@ -254,8 +251,7 @@ def render(results: dict[str, Any]) -> str:
     """The tables, then every run's figures, the longest-context search and the bars."""
     lines: list[str] = []
     details = results.get("details", {})
-    summaries = details.get("summaries", {})
-    if summaries:
+    if summaries := details.get("summaries", {}):
         lines += ["", "### Every run", "", "| context | S | --tiled_mlp | tensor peak / rank | RSS growth | peak RSS | "
                   "tokens/s | parameter bytes / rank |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
         for key in sorted(summaries, key=lambda k: tuple(map(int, k.split("/")))):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,8 +54,7 @@ class MoePlan(Settings):
     seed: int = 0
 
 
-def plan(*, quick: bool, threads: int, reps: int | None, idle_wait_s: float | None, precision: str | None = None,
-         quants: tuple[str, ...] | None = None) -> MoePlan:  # fmt: skip
+def plan(*, quick: bool, quants: tuple[str, ...] | None = None, **launch: Any) -> MoePlan:
     """The full suite (hidden 1024, 8 experts, bnb) or the quick one (hidden 128, 4 experts, bnb and HQQ)."""
     if quick:
         p = MoePlan(dict(QUICK_MOE), 512, reps=1, world_sizes=(1, 2), quants=QUANTS, batch_size=1, context_length=64,
@@ -66,7 +64,7 @@ def plan(*, quick: bool, threads: int, reps: int | None, idle_wait_s: float | No
     if quants is not None:
         p.quants = harness.choose("--quants", quants, QUANTS)
     p.retries = 0
-    p.configure(threads=threads, precision=precision, idle_wait_s=idle_wait_s, reps=reps)
+    p.configure(**launch)
     return p
 
 
@@ -102,7 +100,7 @@ def ensure_models(runner: Runner, cache: Path) -> tuple[Path, Path]:
     name = "mixtral-" + "-".join(f"{k[0]}{v}" for k, v in p.moe.items()) + f"-v{p.vocab_size}-s{p.seed}-bf16"
     moe = cache / name
     if not (moe / "config.json").is_file():
-        runner.say(f"building {name}")
+        print(f"building {name}")
         args = {"out": str(moe), "tokenizer_from": str(dense), "seed": p.seed, "sizes": p.moe}
         cmd = harness.worker_cmd("benchmarks.cpu_workers", "build_moe", args)
         harness.launch([cmd], [harness.base_env(p.threads)], timeout_s=p.launch_timeout_s).check(f"building {name}")
@@ -190,8 +188,8 @@ def _step_time(runner: Runner, moe: Path, dense: Path, rows: list, details: dict
     same_tokens = all(t == tokens["moe"][0] for v in tokens.values() for t in v)
     if not same_tokens:
         raise RuntimeError(f"the MoE and the dense model trained different tokens per step: {tokens}")
-    shape = (f"{p.step_nproc} ranks (torchrun, gloo), FSDP2, {p.step_quant}, batch {p.batch_size} x "
-             f"{p.context_length} per rank, --max_steps {p.steps}, LoRA r{p.lora_rank} on every linear and expert")
+    shape = (f"{p.step_nproc} ranks (torchrun, gloo), FSDP2, {p.step_quant}, batch {p.batch_size} x {p.context_length} "
+             f"per rank, --max_steps {p.steps}, LoRA r{p.lora_rank} on every linear and expert")  # fmt: skip
     kw = {"ours_label": f"MoE ({p.moe['experts']} experts, top-{p.moe['top_k']}); {shape}",
           "peer_label": f"dense Llama, intermediate {p.moe['top_k'] * p.moe['intermediate']} (the same active "
                         "parameters per token), the same CLI and settings",
@@ -207,18 +205,18 @@ def _step_time(runner: Runner, moe: Path, dense: Path, rows: list, details: dict
                             "runs": {k: [brief(r, KEEP) for r in v] for k, v in runs.items()}}  # fmt: skip
 
 
-def run(p: MoePlan, *, cache: Path, model: Path | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
+def run(p: MoePlan, *, cache: Path, model: Path | None = None) -> dict[str, Any]:
     """Every measurement of the MoE suite; returns results.json's content."""
     rows: list[dict[str, Any]] = []
-    with session(p, "moe", log) as runner:
+    with session(p, "moe") as runner:
         moe, dense = ensure_models(runner, cache)
         models = {"moe": describe(moe, experts=p.moe["experts"], top_k=p.moe["top_k"]), "dense": describe(dense)}
-        log(f"1/2 resident bytes per rank at {p.world_sizes} ranks ({', '.join(p.quants)}) against HF 4-bit")
+        print(f"1/2 resident bytes per rank at {p.world_sizes} ranks ({', '.join(p.quants)}) against HF 4-bit")
         peer = runner.worker("peer: HF from_pretrained 4-bit, 1 process", "moe_peer",
                              {"model": str(moe), "precision": p.precision})[0]  # fmt: skip
         details: dict[str, Any] = {"peer": peer}
         _memory(runner, moe, peer, rows, details)
-        log(f"2/2 step time, MoE against the dense model with its active parameters, {p.step_nproc} ranks")
+        print(f"2/2 step time, MoE against the dense model with its active parameters, {p.step_nproc} ranks")
         _step_time(runner, moe, dense, rows, details)
         return runner.results("cpu-moe", rows, details, {
             "precision": f"--precision {p.precision} (weights, storage and compute; the peer's dtype and bnb "
@@ -251,8 +249,7 @@ def render(results: dict[str, Any]) -> str:
                   f"- Dense: random {dense['architecture']} (scripts/make_tiny_model.py), intermediate "
                   f"{dense['sizes']['intermediate_size']}, otherwise the same: {dense['parameters']:,} parameters "
                   f"({'/'.join(dense['dtypes_on_disk'])} on disk; --precision casts both alike)."]  # fmt: skip
-    peer = details.get("peer")
-    if peer:
+    if peer := details.get("peer"):
         b = peer["model_bytes"]
         lines += ["", "### Where Hugging Face's bytes are", "",
                   f"HF's 4-bit load holds {fmt(b['total'], 'bytes')} (parameters {fmt(b['params'], 'bytes')}, "
@@ -265,8 +262,7 @@ def render(results: dict[str, Any]) -> str:
             disk = models["moe"]["bytes_on_disk"]
             lines[-1] += (f" For scale, the checkpoint's {'/'.join(models['moe']['dtypes_on_disk'])} weights are "
                           f"{fmt(disk, 'bytes')}: HF's 4-bit model is {b['total'] / disk:.2f}x of them.")  # fmt: skip
-    memory = details.get("memory") or {}
-    if memory:
+    if memory := details.get("memory"):
         efficiency = "; ".join(f"{q} " + ", ".join(f"{n} ranks {r['sharding_efficiency']:.3f}"
                                                    for n, r in by_n.items() if n != "1")
                                for q, by_n in memory.items())  # fmt: skip

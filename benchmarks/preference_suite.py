@@ -56,8 +56,7 @@ class PreferencePlan(Settings):
         return self.nproc * self.pairs_per_rank * self.steps
 
 
-def plan(*, quick: bool, threads: int, reps: int | None, idle_wait_s: float | None, precision: str | None = None,
-         objectives: tuple[str, ...] | None = None) -> PreferencePlan:  # fmt: skip
+def plan(*, quick: bool, objectives: tuple[str, ...] | None = None, **launch: Any) -> PreferencePlan:
     """The full suite (34M model, 4 objectives) or the quick one (DPO alone); peaks are memory: no retry."""
     if quick:
         p = PreferencePlan(dict(QUICK_MODEL), reps=1, pairs_per_rank=1, prompt_tokens=40, reply_tokens=23, steps=3,
@@ -67,7 +66,7 @@ def plan(*, quick: bool, threads: int, reps: int | None, idle_wait_s: float | No
     if objectives is not None:
         p.objectives = harness.choose("--objectives", objectives, OBJECTIVES)
     p.retries = 0
-    p.configure(threads=threads, precision=precision, idle_wait_s=idle_wait_s, reps=reps)
+    p.configure(**launch)
     check_plan(p)
     return p
 
@@ -120,8 +119,7 @@ def write_datasets(plan: PreferencePlan, model: Path, out: Path) -> dict[str, An
     from qlora_fsdp.data.formats import format_prompt  # torch-free: the template the trainer frames prompts with
 
     texts = Texts(model / "tokenizer.json", plan.seed)
-    prefix = texts.count("Hello world", special=True) - texts.count("Hello world")
-    if prefix:
+    if prefix := texts.count("Hello world", special=True) - texts.count("Hello world"):
         raise RuntimeError(f"{model}: the tokenizer adds {prefix} token(s) itself; sequence_tokens counts 0")
     pairs, sft = [], []
     for _ in range(plan.pairs):
@@ -170,14 +168,13 @@ def train(runner: Runner, model: Path, name: str, data: dict[str, Any], rep: int
     return {"objective": name, "batch_size": batch, **run}
 
 
-def run(p: PreferencePlan, *, cache: Path, model: Path | None = None,
-        log: Callable[[str], None] = print) -> dict[str, Any]:  # fmt: skip
+def run(p: PreferencePlan, *, cache: Path, model: Path | None = None) -> dict[str, Any]:
     """Every run of the preference suite; returns results.json's content."""
-    with harness.session(p, "pref", log) as runner:
+    with harness.session(p, "pref") as runner:
         model_dir = runner.model(p.model, cache)
         data = write_datasets(p, model_dir, runner.work / "data")
-        log(f"{p.reps} x SFT and {', '.join(p.objectives)}: {p.nproc} ranks x {p.pairs_per_rank} pairs "
-            f"({2 * p.pairs_per_rank} sequences) of {p.sequence_tokens} tokens, {p.steps} steps")  # fmt: skip
+        print(f"{p.reps} x SFT and {', '.join(p.objectives)}: {p.nproc} ranks x {p.pairs_per_rank} pairs "
+              f"({2 * p.pairs_per_rank} sequences) of {p.sequence_tokens} tokens, {p.steps} steps")  # fmt: skip
         runs = alternating(p.reps, ("sft", *p.objectives), lambda name, rep: train(runner, model_dir, name, data, rep))
         rows: list[dict[str, Any]] = []
         details = _rows(p, runs, rows)
@@ -252,7 +249,6 @@ def render(results: dict[str, Any]) -> str:
                   f"{data['reply_tokens']} + EOS: sequences of {data['sequence_tokens']} tokens, no padding; the SFT "
                   f"file holds the {data['sft_rows']} sides as prompt/completion rows ({data['words']}).",
                   f"- Step peaks: {s.get('peaks', '')}."]  # fmt: skip
-        base = [b for v in details.get("summaries", {}).values() for x in v for b in x["baseline_rss_bytes"]]
-        if base:
+        if base := [b for v in details.get("summaries", {}).values() for x in v for b in x["baseline_rss_bytes"]]:
             lines.append(f"- RSS just before step 1: {fmt(min(base), 'bytes')} to {fmt(max(base), 'bytes')} per rank.")
     return report.render(results, lines)

@@ -35,15 +35,13 @@ def _header(results: dict[str, Any]) -> list[str]:
     lines = [f"## qlora-fsdp {results['suite'].upper()} benchmark{' (quick mode)' if results.get('quick') else ''}",
              "", f"Run {results.get('date', '?')} on {where} ({machine.get('cores', '?')} cores); {versions}. "
              f"Suite wall time {results['wall_time_s']:.0f} s."]  # fmt: skip
-    model = results.get("model")
-    if model:
+    if model := results.get("model"):
         sizes = ", ".join(f"{k} {v}" for k, v in model["sizes"].items())
         lines += ["", f"Model: random Llama, {model['parameters']:,} parameters in {model['shards']} shards ({sizes})."]
     settings = results.get("settings", {})
     notes = [f"- {k}: {settings[k]}" for k in SETTINGS if k in settings]
     lines += ["", *notes] if notes else []
-    tests = results.get("tests")
-    if tests:
+    if tests := results.get("tests"):
         counts = ", ".join(f"{tests[k]} {k}" for k in ("passed", "failed", "skipped", "xfailed") if tests.get(k))
         why = f" ({tests['skipped_because']})" if tests.get("skipped_because") and not tests.get("passed") else ""
         lines += ["", f"GPU test tier (`{tests['command']}`): {counts or 'no result'}{why}, {tests['wall_s']:.0f} s."]
@@ -65,7 +63,7 @@ def _tables(rows: list[dict[str, Any]]) -> list[str]:
         for r in section_rows:
             figure = r["figure"].replace("|", "\\|")  # a pipe would end the cell
             lines.append(f"| {figure} | {fmt(r['ours'], r['unit'])} | {fmt(r['peer'], r['unit'])} | "
-                         f"{r['ratio']:.2f}x | {r['better']} |")
+                         f"{r['ratio']:.2f}x | {r['better']} |")  # fmt: skip
     return lines
 
 
@@ -79,20 +77,16 @@ def _conditions(results: dict[str, Any]) -> list[str]:
                   f"measured again because others took more than "
                   f"{results.get('settings', {}).get('retry_above_cores', 0)} cores; the harness waited "
                   f"{conditions.get('waited_for_idle_s', 0):.0f} s in total for quiet periods."]  # fmt: skip
-    aborted = conditions.get("aborted_at_exit_after_finishing", 0)
-    if aborted:
+    if aborted := conditions.get("aborted_at_exit_after_finishing", 0):
         lines += ["", f'{aborted} launch(es) wrote every figure, then aborted at exit with "terminate called without '
                   'an active exception" (the FSDP + gloo teardown race described in benchmarks/README.md); they were '
                   "kept."]  # fmt: skip
-    worst = behind(results["rows"])
-    if worst:
+    if worst := behind(results["rows"]):
         lines += ["", "Furthest behind the peer:", ""]
         lines += [f"1. {r['section']}: {r['figure']}: {r['ratio']:.2f}x ({r['better']} is better)" for r in worst]
-    errors = results.get("errors") or []
-    if errors:
+    if errors := results.get("errors"):
         lines += ["", "Errors (these measurements are missing):", "", *(f"- {e.splitlines()[0]}" for e in errors)]
-    missing = results.get("missing") or []
-    if missing:
+    if missing := results.get("missing"):
         lines += ["", f"To measure what is missing: `bash benchmarks/gpu.sh OUT_DIR --only {','.join(missing)}`."]
     return lines
 
@@ -100,8 +94,7 @@ def _conditions(results: dict[str, Any]) -> list[str]:
 def render(results: dict[str, Any], extra: Sequence[str] = ()) -> str:
     """The Markdown report of a suite run: the tables, then `extra` (the suite's own lines), then every launch."""
     lines = [*_header(results), *_tables(results["rows"]), *_conditions(results), *extra]
-    launches = [e for e in results.get("conditions", {}).get("launches", []) if "foreign_cores" in e]
-    if launches:
+    if launches := [e for e in results.get("conditions", {}).get("launches", []) if "foreign_cores" in e]:
         lines += ["", "### Launches", "", "| launch | wall | other processes' cores | waited |", "|---|---:|---:|---:|"]
         lines += [f"| {e['what']}{' (discarded)' if e['discarded'] else ''} | {e['wall_s']:.1f} s | "
                   f"{e['foreign_cores']:.2f} | {e['waited_for_idle_s']:.0f} s |" for e in launches]  # fmt: skip

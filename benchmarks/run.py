@@ -53,8 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--idle_wait", type=float, default=None, help="seconds to wait for a quiet machine per launch")
     p.add_argument("--cache", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "qlora-fsdp-bench",
                    help="where built models are kept between runs")  # fmt: skip
-    p.add_argument("--precision", choices=("bf16", "fp32"), default=None,
-                   help="CPU suites: both sides' dtype (default: bf16 where the CPU has native bf16 matmuls)")
+    p.add_argument("--precision", choices=("bf16", "fp32"), help="CPU suites: both sides' dtype (default: bf16 where "
+                   "the CPU multiplies bf16 natively)")  # fmt: skip
     p.add_argument("--rows", type=int, default=None, help="data suite: rows of the synthetic file (default 1,000,000)")
     p.add_argument("--quants", default=None, help="MoE suite: backends of the memory section, bnb and/or hqq")
     p.add_argument("--objectives", default=None, help="preference suite: of dpo, ipo, orpo, simpo (default all)")

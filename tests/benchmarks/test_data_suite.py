@@ -108,7 +108,7 @@ def test_data_suite_quick(tmp_path: Path, tiny_model: Path) -> None:
 def test_synthetic_dataset_is_deterministic(tiny_model: Path, tmp_path: Path) -> None:
     """The same plan writes the same bytes; rows are alpaca rows whose fields hold ~20-400 tokens."""
     small = plan(quick=True, rows=300, threads=1, reps=None, idle_wait_s=None, precision="fp32")
-    paths = [ensure_dataset(small, tiny_model, tmp_path / name, lambda _: None) for name in ("a", "b")]
+    paths = [ensure_dataset(small, tiny_model, tmp_path / name) for name in ("a", "b")]
     (a, info), (b, _) = paths
     assert a.read_bytes() == b.read_bytes() and info["rows"] == 300
     rows = [json.loads(line) for line in a.read_text().splitlines()]
