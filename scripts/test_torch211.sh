@@ -19,8 +19,9 @@ print(f"Python {sys.version.split()[0]}, torch {torch.__version__}, transformers
 # cache through the root, its units gathered by FSDP2's unshard, in its float view); sequence parallelism at S = 2 against one
 # rank (gloo's all-to-all); DCP checkpoints resumed on other world sizes and FSDP versions (an FSDP1 save resumed by
 # FSDP1 on 4 ranks and by FSDP2's float view on 1; the bnb cases, saved by FSDP2, run in the CPU suite, and of the
-# kill-and-resume cases only the default command's, saved and resumed in FSDP2's float view, runs here), and torch
-# 2.11's async save.
+# kill-and-resume cases only the default command's, saved and resumed in FSDP2's float view, runs here), torch
+# 2.11's async save, and checkpoints shipped quantized (a bnb 4-bit release and gpt-oss's MXFP4 kept packed, in
+# FSDP2's float view here; DeepSeek's FP8 dequantized).
 export QLORA_REFERENCE_PYTHON="$PWD/${VENV_CPU:-.venv}/bin/python"
 export QLORA_GPU_PYTHON="$PWD/${VENV_GPU_MACHINE:-.venv-gpu-machine}/bin/python"
 "$VENV/bin/python" -m pytest -q -n "${PYTEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder \
@@ -43,4 +44,7 @@ export QLORA_GPU_PYTHON="$PWD/${VENV_GPU_MACHINE:-.venv-gpu-machine}/bin/python"
     tests/distributed/test_vlm.py::test_first_step_matches_transformers_with_peft tests/unit/model/test_vision.py \
     "tests/distributed/test_vlm.py::test_image_rows_first_step_matches_transformers_with_peft[qwen2_vl-hqq-fsdp1]" \
     tests/unit/tools/test_export.py tests/unit/quant/test_backends.py tests/unit/parallel/test_sharding.py tests/unit/model/test_moe.py \
+    "tests/distributed/test_quantized_checkpoints_e2e.py::test_trains_and_the_adapter_loads_on_transformers_loading[gpt_oss-mxfp4-kept-bnb]" \
+    "tests/distributed/test_quantized_checkpoints_e2e.py::test_trains_and_the_adapter_loads_on_transformers_loading[llama-bnb-4bit]" \
+    "tests/distributed/test_quantized_checkpoints_e2e.py::test_trains_and_the_adapter_loads_on_transformers_loading[deepseek_v3-fp8-hqq]" \
     tests/benchmarks/test_harness.py::test_gpu_script_dry_run "$@"
