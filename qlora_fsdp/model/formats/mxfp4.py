@@ -66,7 +66,7 @@ class Mxfp4Format(ShardedFiles):
     """Plain tensors, and each MXFP4 pair grouped into one Mxfp4Experts under the fused projection's name."""
 
     def __init__(self, config: dict[str, Any], path: Path) -> None:
-        self.config = config
+        pass
 
     @staticmethod
     def detect(config: dict[str, Any], path: Path) -> bool:
