@@ -216,7 +216,7 @@ class OptimConfig:
     wd: float = 0.0
     """Weight decay."""
     grad_norm: float = 0.3
-    """Clip the global gradient norm to this value (0: no clipping)."""
+    """Clip the global gradient norm to this (0: no clipping); 0.3 is fsdp_qlora's, TRL and transformers use 1.0."""
     gradient_accumulation_steps: int = 1
     """Micro-steps per optimizer step."""
     lr_scheduler: SchedulerName = "constant"
