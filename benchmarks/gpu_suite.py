@@ -266,7 +266,6 @@ def _test_tier(work: Path, *, timeout_s: float) -> tuple[harness.Launch, dict[st
         return job, tier
     counts = {"passed": 0, "failed": 0, "skipped": 0, "xfailed": 0}
     for case in ET.parse(report).getroot().iter("testcase"):
-        name = case.get("name", "?")
         outcome = next((c for c in case if c.tag in ("failure", "error", "skipped")), None)
         if outcome is None:
             counts["passed"] += 1
@@ -276,7 +275,7 @@ def _test_tier(work: Path, *, timeout_s: float) -> tuple[harness.Launch, dict[st
         else:
             counts["failed"] += 1
             message = (outcome.get("message") or outcome.text or "").strip().splitlines()
-            tier["causes"].append(f"{name}: {message[0] if message else outcome.tag}")
+            tier["causes"].append(f"{case.get('name', '?')}: {message[0] if message else outcome.tag}")
     tier.update(counts)
     if job.returncode not in (0, 1) or (job.returncode == 1 and not counts["failed"]):
         tier["causes"].append(failure_cause(job))
