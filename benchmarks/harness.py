@@ -10,6 +10,7 @@ import contextlib
 import json
 import math
 import os
+import random
 import re
 import resource
 import shutil
@@ -22,6 +23,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -77,8 +79,6 @@ def bundled_words() -> list[str]:
 
 def write_long_rows(path: Path, *, rows: int, words: int, seed: int) -> Path:
     """`rows` rows of `words` random bundled words (seeded): a word is a token or more, so rows fill any context."""
-    import random
-
     rng, choices = random.Random(seed), bundled_words()
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps({"text": " ".join(rng.choices(choices, k=words))}) + "\n" for _ in range(rows)))
@@ -248,8 +248,6 @@ def current_rss_bytes() -> int:
 
 def machine_info() -> dict[str, Any]:
     """Where the figures come from: CPU model, cores, memory, library versions."""
-    from importlib import metadata
-
     cpu = Path("/proc/cpuinfo").read_text().splitlines()
     info: dict[str, Any] = {
         "cores": os.cpu_count(), "python": sys.version.split()[0],
