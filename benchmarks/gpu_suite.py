@@ -9,12 +9,11 @@ import gc
 import json
 import os
 import re
-import shutil
 import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -163,16 +162,16 @@ class GpuRun:
     def skipped(self, key: str, item: str) -> None:
         """A job the budget leaves out."""
         self.results["errors"].append(f"{key}: skipped, {self.left():.0f} s of the {self.budget:.0f} s budget left")
-        self.done(key, None, missing=[item] if item in NAMES and item not in self.results["missing"] else [])
+        self.done(key, None, missing=[item] if item in NAMES else [])
 
-    def done(self, name: str, job: harness.Launch | None, *, missing: list[str] | None = None) -> None:
+    def done(self, name: str, job: harness.Launch | None, *, missing: Sequence[str] = ()) -> None:
         """Record a job, recompute every row from the records so far, and save."""
         r = self.results
         if job is not None:
             r["conditions"]["launches"].append({"what": name, "wall_s": round(job.wall_s, 1),
                                                 "returncode": job.returncode})  # fmt: skip
             print(f"  {name}: {job.wall_s:.1f} s, exit {job.returncode}", flush=True)
-        r["missing"] += missing or []
+        r["missing"] += [m for m in missing if m not in r["missing"]]
         r["rows"] = [*_rows(self.records, self.variants, self.p, self.peak_flops),
                      *long_rows(self.records, self.p["long"])]  # fmt: skip
         r["details"] = {k: v for k, v in self.records.items() if k != "write_model"}
@@ -193,15 +192,14 @@ class GpuRun:
         self.results["errors"] += [f"{TESTS}: {cause}" for cause in tier["causes"]]
         if tier["causes"]:
             self.results.setdefault("logs", {})[TESTS] = job.log[-4000:]
-        self.done(TESTS, job, missing=[TESTS] if tier["causes"] else [])
+        self.done(TESTS, job, missing=[TESTS] if tier["causes"] else ())
 
     def jobs(self, jobs: list[tuple[str, str, dict[str, Any]]], work: Path) -> None:
         """Each job in turn; out of memory ends a long-context setting, a failed model or peer what needs it."""
-        out_of_memory: set[str] = set()
         unrun: set[str] = set()
         for i, (key, worker, args) in enumerate(jobs):
-            item = LONG if key.startswith(f"{LONG}/") else key
-            if key in unrun or (item == LONG and key.split("/")[1] in out_of_memory):
+            item = key.split("/")[0]  # a long-context job's item is LONG
+            if key in unrun:
                 continue
             if self.left() < self.min_start:
                 self.skipped(key, item)
@@ -209,38 +207,32 @@ class GpuRun:
             result = work / f"{key}.json"
             cmd = harness.worker_cmd("benchmarks.gpu_suite", worker, {**args, "result": str(result)})
             job = harness.launch([cmd], [harness.base_env(os.cpu_count() or 1)], timeout_s=self.left())
-            if job.returncode == 0 and result.is_file():
+            cause = None if job.returncode == 0 and result.is_file() else failure_cause(job)
+            missing = [item] if cause else []
+            if cause is None:
                 self.records[key] = harness.read_json(result)
-                self.done(key, job)
-                continue
-            cause = failure_cause(job)
-            if item == LONG and OOM.search(cause):
-                self.records[key] = {"out_of_memory": cause}
-                out_of_memory.add(key.split("/")[1])
-                self.done(key, job)
-                continue
-            self.results["errors"].append(f"{key}: {cause}")
-            self.results.setdefault("logs", {})[key] = job.log[-4000:]
-            if key in ("write_model", "peer"):  # nothing after it can be compared (after the peer: to the peer)
+            elif item == LONG and OOM.search(cause):
+                self.records[key], missing = {"out_of_memory": cause}, []
+                unrun.update(k for k, _, _ in jobs if k.startswith(key.rsplit("/", 1)[0] + "/"))  # longer contexts
+            else:
+                self.results["errors"].append(f"{key}: {cause}")
+                self.results.setdefault("logs", {})[key] = job.log[-4000:]
+            if cause and key in ("write_model", "peer"):  # nothing after it can be compared (after the peer: to it)
                 rest = [k for k, _, _ in jobs[i + 1 :] if key == "write_model" or not k.startswith(f"{LONG}/")]
                 self.results["errors"] += [f"{k}: not run, {key} failed" for k in rest]
                 unrun.update(rest)
-                self.done(key, job, missing=[n for n in NAMES if n in {k.split("/")[0] for k in rest}])
-            else:
-                self.done(key, job, missing=[item] if item not in self.results["missing"] else [])
+                missing = [n for n in NAMES if n in {k.split("/")[0] for k in rest}]
+            self.done(key, job, missing=missing)
 
 
 def run(out_dir: Path, *, dry_run: bool, peak_flops: float, budget_s: float | None, quick: bool = False,
         only: tuple[str, ...] = NAMES, save: Callable[[dict[str, Any]], None]) -> dict[str, Any]:  # fmt: skip
     """Run the selected plan in priority order within the budget; `save(results)` after every job."""
     state = GpuRun(dry_run, peak_flops, budget_s, quick, only, save)
-    work = Path(tempfile.mkdtemp(prefix="bench-gpu-"))
-    try:
+    with tempfile.TemporaryDirectory(prefix="bench-gpu-", ignore_cleanup_errors=True) as tmp:
         if TESTS in only:
-            state.tests(work)
-        state.jobs(_jobs(state.p, state.variants, only, work), work)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+            state.tests(Path(tmp))
+        state.jobs(_jobs(state.p, state.variants, only, Path(tmp)), Path(tmp))
     state.results["wall_time_s"] = time.perf_counter() - state.start
     return state.results
 
@@ -274,7 +266,6 @@ def _test_tier(work: Path, *, timeout_s: float) -> tuple[harness.Launch, dict[st
         return job, tier
     counts = {"passed": 0, "failed": 0, "skipped": 0, "xfailed": 0}
     for case in ET.parse(report).getroot().iter("testcase"):
-        name = case.get("name", "?")
         outcome = next((c for c in case if c.tag in ("failure", "error", "skipped")), None)
         if outcome is None:
             counts["passed"] += 1
@@ -284,7 +275,7 @@ def _test_tier(work: Path, *, timeout_s: float) -> tuple[harness.Launch, dict[st
         else:
             counts["failed"] += 1
             message = (outcome.get("message") or outcome.text or "").strip().splitlines()
-            tier["causes"].append(f"{name}: {message[0] if message else outcome.tag}")
+            tier["causes"].append(f"{case.get('name', '?')}: {message[0] if message else outcome.tag}")
     tier.update(counts)
     if job.returncode not in (0, 1) or (job.returncode == 1 and not counts["failed"]):
         tier["causes"].append(failure_cause(job))
@@ -319,19 +310,22 @@ def long_rows(records: dict[str, dict[str, Any]], contexts: tuple[int, ...]) -> 
     rows = []
     for context in contexts:
         o, b = records.get(long_key(ours, context), {}), records.get(long_key(base, context), {})
-        if "tps" not in o or "tps" not in b:
-            continue
-        section = f"long context, batch 1 x {context}"
-        rows.append(row(section, f"tokens_per_s_long_{context}", "tokens/s", "tokens/s", "higher", o["tps"], b["tps"],
-                        **kw))  # fmt: skip
-        rows += [row(section, f"{key}_long_{context}", f"{figure}, training", "bytes", "lower", [o[f"{key}_bytes"]],
-                     [b[f"{key}_bytes"]], **kw) for key, figure in MEMORY]  # fmt: skip
+        if "tps" in o and "tps" in b:
+            rows += [row(f"long context, batch 1 x {context}", f"{key}_long_{context}", *figure, **kw)
+                     for key, *figure in _training(o, b)]  # fmt: skip
     fits = longest_fits(records, contexts)
     if fits[ours]["longest"] and fits[base]["longest"]:
         note = f"of {', '.join(map(str, contexts))}; a setting that trained the largest may fit more"
         rows.append(row("long context, longest that trained", "longest_context_long", "longest context", "tokens",
                         "higher", [fits[ours]["longest"]], [fits[base]["longest"]], note=note, **kw))  # fmt: skip
     return rows
+
+
+def _training(o: dict[str, Any], b: dict[str, Any]) -> list[tuple]:
+    """(key, figure, unit, better, ours, other) of tokens/s and the training peaks of two runs at one shape."""
+    return [("tokens_per_s", "tokens/s", "tokens/s", "higher", o["tps"], b["tps"]),
+            *((key, f"{figure}, training", "bytes", "lower", [o[f"{key}_bytes"]], [b[f"{key}_bytes"]])
+              for key, figure in MEMORY)]  # fmt: skip
 
 
 def _rows(records: dict[str, dict[str, Any]], variants: list[Variant], p: dict[str, Any],
@@ -347,10 +341,8 @@ def _rows(records: dict[str, dict[str, Any]], variants: list[Variant], p: dict[s
         per_token = palm_flops_per_token(records["write_model"]["non_embedding_parameters"], layers=sizes["num_layers"],
                                          hidden=sizes["hidden_size"], sequence=o["context"])  # fmt: skip
         mfu = [[per_token * t / peak_flops for t in x["tps"]] for x in (o, q)]
-        figures = [("tokens_per_s", "tokens/s", "tokens/s", "higher", o["tps"], q["tps"]),
-                   ("mfu", "MFU", "fraction", "higher", *mfu),
-                   *((key, f"{figure}, training", "bytes", "lower", [o[f"{key}_bytes"]], [q[f"{key}_bytes"]])
-                     for key, figure in MEMORY),
+        tps, *memory = _training(o, q)
+        figures = [tps, ("mfu", "MFU", "fraction", "higher", *mfu), *memory,
                    *((f"load_{key}", f"{figure}, loading", "bytes", "lower", [o["load"][f"{key}_bytes"]],
                       [peer["load"][f"{key}_bytes"]]) for key, figure in MEMORY),
                    ("load_s", "loading time", "s", "lower", [o["load"]["s"]], [peer["load"]["s"]])]  # fmt: skip

@@ -15,10 +15,7 @@ LIMIT_MIB=60
 EXTRA=(termcolor==3.3.0 pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1)
 
 pinned() {
-    local version
-    version=$(sed -n "s/^$1==//p" constraints-cpu.txt)
-    [[ -n $version ]] || { echo "constraints-cpu.txt pins no $1" >&2; exit 1; }
-    echo "$1==$version"
+    grep -x "$1==.*" constraints-cpu.txt || { echo "constraints-cpu.txt pins no $1" >&2; exit 1; }
 }
 
 rm -rf .whl
@@ -31,7 +28,7 @@ PLATFORMS+=(--platform manylinux2014_x86_64 --platform manylinux1_x86_64)
 DISABLE_CUDA=1 "$PY" -m pip wheel --quiet --disable-pip-version-check --no-deps --no-cache-dir --no-binary hqq \
     -w .whl "$(pinned hqq)"
 
-wheels=$(find .whl -type f -name '*.whl' -printf '%s\n' | awk '{s += $1} END {print s}')
+wheels=$(cat .whl/*.whl | wc -c)
 repo=$(git ls-files -z --cached --others --exclude-standard | xargs -0 stat -c %s 2>/dev/null | awk '{s += $1} END {print s}')
 find .whl -type f -name '*.whl' -printf '%s %f\n' | sort -rn | awk '{printf "%8.1f MiB  %s\n", $1 / 1048576, $2}'
 awk -v w="$wheels" -v r="$repo" -v limit="$LIMIT_MIB" 'BEGIN {

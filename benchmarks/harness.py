@@ -10,6 +10,7 @@ import contextlib
 import json
 import math
 import os
+import random
 import re
 import resource
 import shutil
@@ -22,6 +23,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -77,8 +79,6 @@ def bundled_words() -> list[str]:
 
 def write_long_rows(path: Path, *, rows: int, words: int, seed: int) -> Path:
     """`rows` rows of `words` random bundled words (seeded): a word is a token or more, so rows fill any context."""
-    import random
-
     rng, choices = random.Random(seed), bundled_words()
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps({"text": " ".join(rng.choices(choices, k=words))}) + "\n" for _ in range(rows)))
@@ -173,38 +173,34 @@ def launch(cmds: Sequence[Sequence[str]], envs: Sequence[dict[str, str]], *, tim
     """Run the ranks of one job and wait for all; output to files (a chatty rank never blocks a pipe), a session
     each (a kill on timeout reaches exactly what this call started, torchrun's ranks included)."""
     children_before, load, start = _cpu_seconds(resource.RUSAGE_CHILDREN), ForeignLoad(), time.perf_counter()
-    procs: list[tuple[subprocess.Popen, Any]] = []
-    returncode, first_failure = 0, None
+    procs: list[subprocess.Popen] = []
+    returncode, failed_at = 0, math.inf
     with tempfile.TemporaryDirectory(prefix="bench-launch-") as tmp:
+        logs = [Path(tmp) / f"{i}.log" for i in range(len(cmds))]
         try:
-            for i, (cmd, env) in enumerate(zip(cmds, envs, strict=True)):
-                out = open(Path(tmp) / f"{i}.log", "w+")  # noqa: SIM115 - closed below
-                procs.append((subprocess.Popen(list(cmd), cwd=REPO_ROOT, env=env, stdout=out,
-                                               stderr=subprocess.STDOUT, start_new_session=True), out))  # fmt: skip
-            while any(p.poll() is None for p, _ in procs):
+            for cmd, env, log in zip(cmds, envs, logs, strict=True):
+                with open(log, "w") as out:  # the child holds its own copy of the descriptor
+                    procs.append(subprocess.Popen(list(cmd), cwd=REPO_ROOT, env=env, stdout=out,
+                                                  stderr=subprocess.STDOUT, start_new_session=True))  # fmt: skip
+            while any(p.poll() is None for p in procs):
                 now = time.perf_counter()
-                if first_failure is None and any(p.returncode not in (None, 0) for p, _ in procs):
-                    first_failure = now
+                if any(p.returncode not in (None, 0) for p in procs):
+                    failed_at = min(failed_at, now)
                 if now - start > timeout_s:
                     returncode = 124
-                    break
-                if first_failure is not None and now - first_failure > FAILED_RANK_GRACE_S:
+                if returncode or now - failed_at > FAILED_RANK_GRACE_S:
                     break
                 time.sleep(0.05)
         finally:
-            for proc, _ in procs:
+            for proc in procs:
                 if proc.poll() is None:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
         wall, foreign = time.perf_counter() - start, load.stop()
-        returncode = returncode or next((p.returncode for p, _ in procs if p.returncode != 0), 0)
-        logs = []
-        for i, (_, out) in enumerate(procs):
-            out.seek(0)
-            logs.append(f"--- process {i} ---\n{out.read()[-6000:]}")
-            out.close()
+        returncode = returncode or next((p.returncode for p in procs if p.returncode != 0), 0)
+        log = "\n".join(f"--- process {i} ---\n{path.read_text()[-6000:]}" for i, path in enumerate(logs[: len(procs)]))
     cpu = _cpu_seconds(resource.RUSAGE_CHILDREN) - children_before
-    return Launch(returncode=returncode, wall_s=wall, cpu_s=cpu, foreign_cores=foreign, log="\n".join(logs))
+    return Launch(returncode=returncode, wall_s=wall, cpu_s=cpu, foreign_cores=foreign, log=log)
 
 
 def shell(cmd: Sequence[str]) -> str:
@@ -252,8 +248,6 @@ def current_rss_bytes() -> int:
 
 def machine_info() -> dict[str, Any]:
     """Where the figures come from: CPU model, cores, memory, library versions."""
-    from importlib import metadata
-
     cpu = Path("/proc/cpuinfo").read_text().splitlines()
     info: dict[str, Any] = {
         "cores": os.cpu_count(), "python": sys.version.split()[0],

@@ -4,7 +4,6 @@ LoRA + a plain torch AdamW loop in one process, configured like our runs (NF4 + 
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -56,8 +55,8 @@ def dummy_batches(path: str | Path, *, batch_size: int, context_length: int, cou
     samples, _ = fit_examples(examples, tokenizer, context_length=context_length, train_on_inputs=False)
     items = [{"input_ids": ids, "labels": labels} for ids, labels in samples]
     pad = pad_token_id(tokenizer)
-    batch = functools.partial(collate, pad_id=pad, context_length=context_length, pad_to_context=True)
-    return [batch(items[i * batch_size : (i + 1) * batch_size]) for i in range(count)]
+    return [collate(items[i * batch_size : (i + 1) * batch_size], pad_id=pad, context_length=context_length,
+                    pad_to_context=True) for i in range(count)]  # fmt: skip
 
 
 def train_steps(model: nn.Module, batches: list[dict], *, device: torch.device, lr: float = 1e-5,
@@ -68,8 +67,7 @@ def train_steps(model: nn.Module, batches: list[dict], *, device: torch.device, 
     model.train()
     for batch in batches:
         start = time.perf_counter()
-        ids = batch["input_ids"].to(device)
-        out = model(input_ids=ids, attention_mask=batch["attention_mask"].to(device), labels=batch["labels"].to(device))
+        out = model(**{k: batch[k].to(device) for k in ("input_ids", "attention_mask", "labels")})
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(trainable, grad_norm)
         optimizer.step()

@@ -63,48 +63,44 @@ def install(record: dict[str, Any]) -> None:
     loop.peak_memory_bytes = measured_peak
 
 
-def _released(collective: Callable[..., Any]) -> Callable[..., Any]:
-    """`collective`, returning once gloo's worker holds none of its tensors (each back to its use count before);
-    an asynchronous call is left alone (its caller waits for it later)."""
-    import torch
-
-    @functools.wraps(collective)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("async_op"):
-            return collective(*args, **kwargs)
-        values = [v for arg in (*args, *kwargs.values()) for v in (arg if isinstance(arg, (list, tuple)) else [arg])]
-        tensors = [t for t in values if isinstance(t, torch.Tensor)]
-        before = [t._use_count() for t in tensors]
-        result = collective(*args, **kwargs)
-        deadline = time.monotonic() + RELEASE_WAIT_S
-        while any(t._use_count() > n for t, n in zip(tensors, before, strict=True)) and time.monotonic() < deadline:
-            time.sleep(0)
-        return result
-
-    return call
-
-
 def release_collectives() -> None:
-    """Wrap COLLECTIVES (torch without Tensor._use_count keeps them as they are)."""
+    """Wrap COLLECTIVES so that each returns once gloo's worker holds none of its tensors (each back to its use count
+    before); an asynchronous call is left alone (its caller waits for it later), and torch without Tensor._use_count
+    keeps them as they are."""
     import torch
     import torch.distributed as dist
 
+    def released(collective: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(collective)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("async_op"):
+                return collective(*args, **kwargs)
+            values = [v for a in (*args, *kwargs.values()) for v in (a if isinstance(a, (list, tuple)) else [a])]
+            tensors = [t for t in values if isinstance(t, torch.Tensor)]
+            before = [t._use_count() for t in tensors]
+            result = collective(*args, **kwargs)
+            deadline = time.monotonic() + RELEASE_WAIT_S
+            while any(t._use_count() > n for t, n in zip(tensors, before, strict=True)) and time.monotonic() < deadline:
+                time.sleep(0)
+            return result
+
+        return call
+
     if hasattr(torch.Tensor, "_use_count"):
         for name in COLLECTIVES:
-            setattr(dist, name, _released(getattr(dist, name)))
+            setattr(dist, name, released(getattr(dist, name)))
 
 
 def main() -> None:
-    script, args = sys.argv[1], sys.argv[2:]
+    sys.argv = sys.argv[1:]  # the script's, as `python SCRIPT ARGS` gives it
     rank = os.environ.get("RANK", "0")
     steps_file, peak_file = os.environ.get("BENCH_STEP_RSS_FILE"), os.environ.get("BENCH_PEAK_RSS_FILE")
     record: dict[str, Any] = {"rank": int(rank), "baseline_rss_bytes": None, "reset": False, "steps": []}
     if steps_file:
         install(record)
         release_collectives()
-    sys.argv = [script, *args]
     try:
-        runpy.run_path(script, run_name="__main__")
+        runpy.run_path(sys.argv[0], run_name="__main__")
     finally:
         if steps_file:
             Path(f"{steps_file}.rank{rank}").write_text(json.dumps(record))

@@ -39,8 +39,8 @@ def _header(results: dict[str, Any]) -> list[str]:
         sizes = ", ".join(f"{k} {v}" for k, v in model["sizes"].items())
         lines += ["", f"Model: random Llama, {model['parameters']:,} parameters in {model['shards']} shards ({sizes})."]
     settings = results.get("settings", {})
-    notes = [f"- {k}: {settings[k]}" for k in SETTINGS if k in settings]
-    lines += ["", *notes] if notes else []
+    if notes := [f"- {k}: {settings[k]}" for k in SETTINGS if k in settings]:
+        lines += ["", *notes]
     if tests := results.get("tests"):
         counts = ", ".join(f"{tests[k]} {k}" for k in ("passed", "failed", "skipped", "xfailed") if tests.get(k))
         why = f" ({tests['skipped_because']})" if tests.get("skipped_because") and not tests.get("passed") else ""
@@ -51,10 +51,8 @@ def _header(results: dict[str, Any]) -> list[str]:
 def _tables(rows: list[dict[str, Any]]) -> list[str]:
     """A table per section, under its sides' labels and notes."""
     lines = ["", "Every figure is a median over runs (`runs` in results.json); ratio = ours / peer."]
-    sections: dict[str, list[dict[str, Any]]] = {}
-    for r in rows:
-        sections.setdefault(r["section"], []).append(r)
-    for section, section_rows in sections.items():
+    for section in dict.fromkeys(r["section"] for r in rows):
+        section_rows = [r for r in rows if r["section"] == section]
         lines += ["", f"### {section}", ""]
         labels = sorted({(r.get("ours_label", ""), r.get("peer_label", "")) for r in section_rows})
         lines += [f"Ours: {ours or 'qlora-fsdp'}. Peer: {peer or '-'}.  " for ours, peer in labels if ours or peer]

@@ -64,11 +64,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--only", default=None, help="GPU suite: comma-separated plan items to run")
     args = p.parse_args(argv)
     for name, suite in OPTIONS.items():
-        if getattr(args, name) is not None and args.suite != suite:
+        if (value := getattr(args, name)) is not None and args.suite != suite:
             p.error(f"--{name} is an option of --suite {suite}")
-    for name in ("quants", "objectives"):
-        if getattr(args, name) is not None:
-            setattr(args, name, tuple(x.strip() for x in getattr(args, name).split(",") if x.strip()))
+        if isinstance(value, str):  # --quants, --objectives: comma-separated
+            setattr(args, name, tuple(x.strip() for x in value.split(",") if x.strip()))
     if args.suite in OWN_MODEL and args.model is not None:
         p.error(f"--suite {args.suite} builds {OWN_MODEL[args.suite]}")
     if args.model is not None and not (args.model / "config.json").is_file():
