@@ -180,8 +180,7 @@ def run(p: LongContextPlan, *, cache: Path, model: Path | None = None) -> dict[s
 
             known = {c: b <= budget for c, b in peaks().items()}
             search[size] = {"longest": longest_context(p.candidates(), known, fits), "peaks": peaks()}
-        rows: list[dict[str, Any]] = []
-        details = _rows(p, runs, search, budget, rows)
+        rows, details = _rows(p, runs, search, budget)
         details["runs"] = {"/".join(map(str, k)): [brief(r, KEEP) for r in v] for k, v in runs.items()}
         steps = "step 1" if p.steps == 2 else f"steps 1-{p.steps - 1}"
         return runner.results("cpu-long-context", rows, details, {
@@ -204,47 +203,42 @@ def _label(size: int, tiled: int) -> str:
     return f"S={size}" + (f", --tiled_mlp {tiled}" if tiled else "")
 
 
-def _rows(p: LongContextPlan, runs: dict[Key, list[dict[str, Any]]], search: dict[int, dict[str, Any]], budget: int,
-          rows: list) -> dict[str, Any]:  # fmt: skip
-    """The grid's rows against S = 1 untiled, then the acceptance rows; the record behind them."""
+def _rows(p: LongContextPlan, runs: dict[Key, list[dict[str, Any]]], search: dict[int, dict[str, Any]],
+          budget: int) -> tuple[list[dict], dict[str, Any]]:  # fmt: skip
+    """The grid's rows against S = 1 untiled, then the acceptance rows, and the record behind them."""
     sums = {k: [summary(r, p.steps) for r in v] for k, v in runs.items()}
-    for context in p.contexts:
-        peer = sums[(context, 1, 0)]
-        kw = {"peer_label": "S=1, untiled (the same CLI, 1 rank)",
-              "note": f"1 row of {context} tokens a step, {p.precision}; {p.reps} repetition(s), medians"}  # fmt: skip
-        for (c, size, tiled), ours in sums.items():
-            if c != context or (size, tiled) == (1, 0) or (c, size, tiled) not in grid_runs(p):
-                continue
-            rows += figure_rows(f"{context} tokens", FIGURES, ours, peer, prefix=f"{_label(size, tiled)}: ",
-                                suffix=f"_{context}_s{size}" + "_tiled" * bool(tiled),
-                                ours_label=f"{size} rank(s), {_label(size, tiled)}", **kw)  # fmt: skip
-    top = p.contexts[-1]
-    acceptance = []
-    tiled = tiles(p, top, 1)
-    checks = [
-        ("sp_peak", (top, 2, 0), SP_PEAK_BAR, f"S=2 / S=1: step's peak tensor bytes per rank, {top} tokens"),
-        ("tiled_peak", (top, 1, tiled), TILED_PEAK_BAR,
-         f"tiled / untiled MLP (S=1, --tiled_mlp {tiled}): step's peak tensor bytes, {top} tokens"),
-    ]  # fmt: skip
-    for name, ours_key, bar, figure in checks:
-        if ours_key in sums:
-            made = row(ACCEPTANCE, f"accept_{name}", figure, "bytes", "lower",
-                       [s["tensor_peak_bytes"] for s in sums[ours_key]],
-                       [s["tensor_peak_bytes"] for s in sums[(top, 1, 0)]],
-                       ours_label=_label(*ours_key[1:]), peer_label="S=1, untiled")  # fmt: skip
-            rows.append(made)
-            acceptance.append({"name": name, "figure": figure, "ratio": made["ratio"], "bar": bar, "better": "lower",
-                               "passed": made["ratio"] <= bar})  # fmt: skip
+    rows, acceptance = [], []
+    for c, size, tiled in grid_runs(p):
+        if (size, tiled) != (1, 0):
+            rows += figure_rows(f"{c} tokens", FIGURES, sums[(c, size, tiled)], sums[(c, 1, 0)],
+                                prefix=f"{_label(size, tiled)}: ", suffix=f"_{c}_s{size}" + "_tiled" * bool(tiled),
+                                ours_label=f"{size} rank(s), {_label(size, tiled)}",
+                                peer_label="S=1, untiled (the same CLI, 1 rank)", note=f"1 row of {c} tokens a step, "
+                                f"{p.precision}; {p.reps} repetition(s), medians")  # fmt: skip
+
+    def accept(name: str, figure: str, unit: str, better: str, bar: float, ours: list, peer: list, label: str) -> None:
+        made = row(ACCEPTANCE, f"accept_{name}", figure, unit, better, ours, peer, ours_label=label,
+                   peer_label="S=1, untiled")  # fmt: skip
+        rows.append(made)
+        passed = made["ratio"] <= bar if better == "lower" else made["ratio"] >= bar
+        acceptance.append({"name": name, "figure": figure, "ratio": made["ratio"], "bar": bar, "better": better,
+                           "passed": passed})  # fmt: skip
+
+    top, tiled = p.contexts[-1], tiles(p, p.contexts[-1], 1)
+    peaks = {k: [s["tensor_peak_bytes"] for s in v] for k, v in sums.items()}
+    base = peaks[(top, 1, 0)]
+    if (top, 2, 0) in peaks:
+        accept("sp_peak", f"S=2 / S=1: step's peak tensor bytes per rank, {top} tokens", "bytes", "lower",
+               SP_PEAK_BAR, peaks[(top, 2, 0)], base, _label(2, 0))  # fmt: skip
+    if (top, 1, tiled) in peaks:
+        accept("tiled_peak", f"tiled / untiled MLP (S=1, --tiled_mlp {tiled}): step's peak tensor bytes, {top} tokens",
+               "bytes", "lower", TILED_PEAK_BAR, peaks[(top, 1, tiled)], base, _label(1, tiled))  # fmt: skip
     longest = {s: search[s]["longest"] for s in search}
     if longest.get(1) and longest.get(2):
-        figure = f"longest context within {fmt(budget, 'bytes')} of tensors per rank, S=2 / S=1"
-        made = row(ACCEPTANCE, "accept_longest", figure, "tokens", "higher", [longest[2]], [longest[1]],
-                   ours_label="S=2, untiled", peer_label="S=1, untiled")  # fmt: skip
-        rows.append(made)
-        acceptance.append({"name": "longest", "figure": figure, "ratio": made["ratio"], "bar": LONGEST_BAR,
-                           "better": "higher", "passed": made["ratio"] >= LONGEST_BAR})  # fmt: skip
-    return {"acceptance": acceptance, "search": search, "budget_bytes": budget,
-            "summaries": {"/".join(map(str, k)): v for k, v in sums.items()}}  # fmt: skip
+        accept("longest", f"longest context within {fmt(budget, 'bytes')} of tensors per rank, S=2 / S=1", "tokens",
+               "higher", LONGEST_BAR, [longest[2]], [longest[1]], "S=2, untiled")  # fmt: skip
+    return rows, {"acceptance": acceptance, "search": search, "budget_bytes": budget,
+                  "summaries": {"/".join(map(str, k)): v for k, v in sums.items()}}  # fmt: skip
 
 
 def render(results: dict[str, Any]) -> str:
