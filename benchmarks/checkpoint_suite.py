@@ -184,7 +184,6 @@ def analyse(run: dict[str, Any], steps: int) -> dict[str, Any]:
 
 
 def run(p: CheckpointPlan, *, cache: Path, model: Path | None = None) -> dict[str, Any]:
-    """Every run of the checkpoint suite; returns results.json's content."""
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {c: {"sync": [], "async": []} for c in p.cases}
     compared: dict[str, list[dict[str, Any]]] = {c: [] for c in p.cases}
     with session(p, "ckpt") as runner:

@@ -64,12 +64,9 @@ class DataPlan(Settings):
 def plan(*, quick: bool, rows: int | None, **launch: Any) -> DataPlan:
     """The full suite (1,000,000 rows) or the quick one (2,000); a build takes minutes, so no retry."""
     n = rows or (2_000 if quick else 1_000_000)
-    if quick:
-        p = DataPlan(n, (min(n, 2_000), max(8, min(n, 2_000) // 10)), build_reps=1, train_reps=1, quick=True,
-                     retries=0, launch_timeout_s=300.0, steps=3, warmup_steps=1)  # fmt: skip
-    else:
-        p = DataPlan(n, (min(n, RSS_ROWS[0]), min(n // 10, RSS_ROWS[1])), build_reps=1, train_reps=3, retries=0,
-                     launch_timeout_s=3600.0)  # fmt: skip
+    rss = (min(n, 2_000), max(8, min(n, 2_000) // 10)) if quick else (min(n, RSS_ROWS[0]), min(n // 10, RSS_ROWS[1]))
+    p = DataPlan(n, rss, build_reps=1, train_reps=1 if quick else 3, launch_timeout_s=300.0 if quick else 3600.0,
+                 quick=quick, retries=0, **(dict(steps=3, warmup_steps=1) if quick else {}))  # fmt: skip
     if p.rss_rows[1] < p.nproc * p.batch_size:
         raise ValueError(f"--rows {n}: too few rows for a {p.nproc}-rank step of batch {p.batch_size}")
     p.configure(**launch)
@@ -162,8 +159,7 @@ def preprocess(runner: Runner, what: str, rows: int, procs: int, cache_dir: Path
            "--dataset_cache_dir", str(cache_dir), "--dataset_samples", str(rows)]  # fmt: skip
     reset = (lambda: shutil.rmtree(cache_dir, ignore_errors=True)) if fresh else None
     result = runner.go(what, [cmd], [_env(runner.plan.threads)], reset=reset)
-    line = cache_line(result.log)
-    if line is None:
+    if (line := cache_line(result.log)) is None:
         raise RuntimeError(f"{what}: no 'tokenized cache' line in its output:\n{result.log}")
     return {"wall_s": result.wall_s, "foreign_cores": result.foreign_cores, "command": harness.shell(cmd), **line}
 
@@ -196,7 +192,6 @@ def train(runner: Runner, what: str, model: Path, data: Path, *, rows: int, cach
 
 
 def run(p: DataPlan, *, model: Path | None, cache: Path) -> dict[str, Any]:
-    """Every measurement of the data suite; returns results.json's content."""
     rows: list[dict[str, Any]] = []
     with session(p, "data", env=_env) as runner:
         model_dir = model or runner.model(harness.QUICK_MODEL, cache)

@@ -147,11 +147,15 @@ def longest_context(candidates: list[int], known: dict[int, bool], fits: Callabl
 
 
 def run(p: LongContextPlan, *, cache: Path, model: Path | None = None) -> dict[str, Any]:
-    """The grid, then the longest-context search; returns results.json's content."""
+    """The grid, then the longest-context search."""
     grid, runs = grid_runs(p), {}
 
     def peak(run: dict[str, Any]) -> int:
-        return summary(run, p.steps)["tensor_peak_bytes"]
+        return harness.step_peaks(run, p.steps)["tensor_peak_bytes"]
+
+    def untiled(size: int) -> dict[int, int]:
+        """Untiled runs of this S so far: context -> tensor peak (the first repetition's)."""
+        return dict(sorted((c, peak(r[0])) for (c, s, t), r in runs.items() if (s, t) == (size, 0)))
 
     with session(p, "long") as runner:
         model_dir = runner.model(p.model, cache)
@@ -170,16 +174,9 @@ def run(p: LongContextPlan, *, cache: Path, model: Path | None = None) -> dict[s
         budget = int(peak(runs[base][0] if base in runs else launch(base, 0)) * (1 + BUDGET_MARGIN))
         search: dict[int, dict[str, Any]] = {}
         for size in (s for s in (1, 2) if s in p.sizes):
-
-            def peaks(size: int = size) -> dict[int, int]:
-                """Untiled runs of this S so far: context -> tensor peak (the first repetition's)."""
-                return dict(sorted((c, peak(r[0])) for (c, s, t), r in runs.items() if (s, t) == (size, 0)))
-
-            def fits(context: int, size: int = size) -> bool:
-                return peak(launch((context, size, 0), 0)) <= budget
-
-            known = {c: b <= budget for c, b in peaks().items()}
-            search[size] = {"longest": longest_context(p.candidates(), known, fits), "peaks": peaks()}
+            known = {c: b <= budget for c, b in untiled(size).items()}
+            found = longest_context(p.candidates(), known, lambda c, s=size: peak(launch((c, s, 0), 0)) <= budget)
+            search[size] = {"longest": found, "peaks": untiled(size)}
         rows, details = _rows(p, runs, search, budget)
         details["runs"] = {"/".join(map(str, k)): [brief(r, KEEP) for r in v] for k, v in runs.items()}
         steps = "step 1" if p.steps == 2 else f"steps 1-{p.steps - 1}"

@@ -168,7 +168,6 @@ def train(runner: Runner, model: Path, name: str, data: dict[str, Any], rep: int
 
 
 def run(p: PreferencePlan, *, cache: Path, model: Path | None = None) -> dict[str, Any]:
-    """Every run of the preference suite; returns results.json's content."""
     with harness.session(p, "pref") as runner:
         model_dir = runner.model(p.model, cache)
         data = write_datasets(p, model_dir, runner.work / "data")
