@@ -256,11 +256,10 @@ def _first_step(runner: Runner, model: Path, data: Path, rows: list, details: di
         if rep:
             shutil.rmtree(cache_dir, ignore_errors=True)
         cache_dir = runner.work / f"first-step-{rep}"
-        for kind in ("first", "cached"):
-            what = f"time to first step, {kind} run, {p.rows} rows (rep {rep + 1})"
-            run = train(runner, what, model, data, rows=p.rows, cache_dir=cache_dir, nproc=1,
-                        steps=p.first_step_steps, fresh_cache=kind == "first", first_step=True)  # fmt: skip
-            runs[kind].append(run)
+        for kind, kept in runs.items():
+            kept.append(train(runner, f"time to first step, {kind} run, {p.rows} rows (rep {rep + 1})", model, data,
+                              rows=p.rows, cache_dir=cache_dir, nproc=1, steps=p.first_step_steps,
+                              fresh_cache=kind == "first", first_step=True))  # fmt: skip
     rows.append(row("cached start", "time_to_first_step_s", "time from launch to the end of step 1", "s", "lower",
                     [r["first_step_s"] for r in runs["cached"]], [r["first_step_s"] for r in runs["first"]],
                     ours_label="the run after it (the cache exists)", peer_label="the first run (builds the cache)",
