@@ -132,9 +132,6 @@ def parse_saves(text: str, *, async_save: bool, expected: list[int]) -> list[dic
     return [saves[s] for s in found]
 
 
-# The figures of a run
-
-
 def analyse(run: dict[str, Any], steps: int) -> dict[str, Any]:
     """A run's stalls, write times and step times; boundary b lies between step b's end and step b + 1's start."""
     m = {r["step"]: r for r in run["metrics"]}

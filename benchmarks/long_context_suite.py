@@ -237,8 +237,7 @@ def _rows(p: LongContextPlan, runs: dict[Key, list[dict[str, Any]]], search: dic
 
 def render(results: dict[str, Any]) -> str:
     """The tables, then every run's figures, the longest-context search and the bars."""
-    lines: list[str] = []
-    details = results.get("details", {})
+    lines, details, settings = [], results.get("details", {}), results.get("settings", {})
     if summaries := details.get("summaries", {}):
         lines += ["", "### Every run", "", "| context | S | --tiled_mlp | tensor peak / rank | RSS growth | peak RSS | "
                   "tokens/s | parameter bytes / rank |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
@@ -248,12 +247,12 @@ def render(results: dict[str, Any]) -> str:
             cells = [fmt(s[f], "bytes") for f in ("tensor_peak_bytes", "rss_peak_growth_bytes", "peak_rss_bytes")]
             cells += [fmt(s["tokens_per_s"], "tokens/s"), fmt(s["param_bytes_per_rank"], "bytes")]
             lines.append(f"| {context} | {size} | {tiled} | {' | '.join(cells)} |")
-    search, candidates = details.get("search", {}), results.get("settings", {}).get("candidates")
-    if search:
+    if search := details.get("search", {}):
+        candidates = settings["candidates"]
         lines += ["", "### Longest context", "",
                   f"Budget: {fmt(details['budget_bytes'], 'bytes')} of tensors per rank (S=1 untiled at "
-                  f"{results['settings']['base_context']} tokens + {BUDGET_MARGIN:.0%}); candidates "
-                  f"{candidates[0]}-{candidates[-1]} tokens in steps of {results['settings']['search_step']}.",
+                  f"{settings['base_context']} tokens + {BUDGET_MARGIN:.0%}); candidates "
+                  f"{candidates[0]}-{candidates[-1]} tokens in steps of {settings['search_step']}.",
                   ""]  # fmt: skip
         for size, s in search.items():
             tested = ", ".join(f"{c}: {fmt(b, 'bytes')}" for c, b in s["peaks"].items())
@@ -262,7 +261,6 @@ def render(results: dict[str, Any]) -> str:
     lines += report.acceptance("Against the issue's bars", [
         f"- {a['figure']}: {a['ratio']:.3f}x (bar {'<=' if a['better'] == 'lower' else '>='} {a['bar']}: "
         f"{report.verdict(a['passed'])})." for a in details.get("acceptance") or []])  # fmt: skip
-    s = results.get("settings", {})
-    if s.get("peaks"):
-        lines += ["", f"Step peaks: {s['peaks']}."]
+    if settings.get("peaks"):
+        lines += ["", f"Step peaks: {settings['peaks']}."]
     return report.render(results, lines)
