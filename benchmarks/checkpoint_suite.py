@@ -270,18 +270,13 @@ def render(results: dict[str, Any]) -> str:
     if summaries := details.get("summaries", {}):
         head = "| run | save after step | logged stall | stall from step times | complete after | found after step |"
         lines += ["", "### Saves", "", head, "|---|---:|---:|---:|---:|---:|"]
-        for case, sides in summaries.items():
-            for side, reps in sides.items():
-                for i, s in enumerate(reps):
-                    for x in s["saves"]:
-                        steps = f"{x['steps_stall_s']:.2f} s" if "steps_stall_s" in x else "-"
-                        lines.append(f"| {case} {side} (rep {i + 1}) | {x['step']} | {x['logged_stall_s']:.2f} s | "
-                                     f"{steps} | {x['saved_s']:.2f} s | {x['completed_after_step']} |")  # fmt: skip
+        lines += [f"| {case} {side} (rep {i + 1}) | {x['step']} | {x['logged_stall_s']:.2f} s | "
+                  f"{format(x['steps_stall_s'], '.2f') + ' s' if 'steps_stall_s' in x else '-'} | "
+                  f"{x['saved_s']:.2f} s | {x['completed_after_step']} |" for case, sides in summaries.items()
+                  for side, reps in sides.items() for i, s in enumerate(reps) for x in s["saves"]]  # fmt: skip
         lines += ["", "Steps while a background write is in flight (async) against the others, and the rest:", ""]
-        for case, sides in summaries.items():
-            for i, s in enumerate(sides["async"]):
-                if s["step_s_writing"] is not None and s["step_s_quiet"] is not None:
-                    lines.append(f"- {case} (rep {i + 1}): steps {s['steps_writing']} {s['step_s_writing']:.2f} s "
-                                 f"against {s['step_s_quiet']:.2f} s (sync run: "
-                                 f"{sides['sync'][i]['step_s']:.2f} s a step).")  # fmt: skip
+        lines += [f"- {case} (rep {i + 1}): steps {s['steps_writing']} {s['step_s_writing']:.2f} s against "
+                  f"{s['step_s_quiet']:.2f} s (sync run: {sides['sync'][i]['step_s']:.2f} s a step)."
+                  for case, sides in summaries.items() for i, s in enumerate(sides["async"])
+                  if s["step_s_writing"] is not None and s["step_s_quiet"] is not None]  # fmt: skip
     return report.render(results, lines)
