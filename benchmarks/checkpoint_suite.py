@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import harness, report
-from benchmarks.harness import Runner, Settings, brief, median, row, session
+from benchmarks.harness import Runner, Settings, brief, figure_rows, median, session
 from benchmarks.report import fmt
 
 CASES = ("full", "lora")
@@ -76,16 +76,14 @@ def check_plan(p: CheckpointPlan) -> None:
 
 def train(runner: Runner, what: str, model: Path, case: str, *, async_save: bool) -> dict[str, Any]:
     """One run under the step probe, rank 0's stdout teed by torchrun; its saves and last checkpoint."""
-    p = runner.plan
+    p, full = runner.plan, case == "full"
     flags = runner.flags(
         f"{case}-{'async' if async_save else 'sync'}", model=model, dataset="dummy", context_length=p.context_length,
         dataset_samples=p.nproc * p.batch_size * p.steps, batch_size=p.batch_size, max_steps=p.steps,
         gradient_checkpointing="false", seed=p.seed, save_steps=p.save_steps, save_total_limit=p.save_total_limit,
-        async_save=str(async_save).lower(), **({"train_type": "full", "quant": "none"} if case == "full" else
-                                                {"train_type": "lora", "quant": "bnb"}))  # fmt: skip
-    if case == "full":
-        for key in ("lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules"):
-            del flags[key]
+        async_save=str(async_save).lower(), train_type=case, quant="none" if full else "bnb")  # fmt: skip
+    if full:  # no adapters: no LoRA flags
+        flags = {k: v for k, v in flags.items() if not k.startswith("lora_")}
     out = Path(flags["output_dir"])
     logs, final = Path(f"{out}.logs"), out / f"checkpoint-{p.saves[-1]}"
     run = runner.train(what, flags, nproc=p.nproc, steps=p.steps, probe="steps", torchrun=True,
@@ -112,14 +110,12 @@ def train(runner: Runner, what: str, model: Path, case: str, *, async_save: bool
 
 def parse_saves(text: str, *, async_save: bool, expected: list[int]) -> list[dict[str, Any]]:
     """Rank 0's checkpoint lines, per save: the logged seconds, and after which step each was printed."""
-    after = 0
-    saves: dict[int, dict[str, Any]] = {}
+    after, saves = 0, {}
     for line in text.splitlines():
         if step := re.search(r"\bstep (\d+) loss\b", line):
             after = int(step[1])
         elif hit := GOES_ON.search(line) or SAVED.search(line):
-            number = re.search(r"checkpoint-(\d+)$", hit[1])
-            if number is None:
+            if (number := re.search(r"checkpoint-(\d+)$", hit[1])) is None:
                 raise RuntimeError(f"a checkpoint line names no checkpoint-STEP directory: {line!r}")
             entry = saves.setdefault(int(number[1]), {"step": int(number[1])})
             if hit.re is GOES_ON:
@@ -128,15 +124,12 @@ def parse_saves(text: str, *, async_save: bool, expected: list[int]) -> list[dic
                 entry |= {"saved_s": float(hit[2]), "completed_after_step": after}
     found = sorted(saves)
     want = {"goes_on_s", "saved_s"} if async_save else {"saved_s"}
-    incomplete = [s for s, e in saves.items() if not want <= set(e) or (not async_save and "goes_on_s" in e)]
+    incomplete = [s for s, e in saves.items() if set(e) & {"goes_on_s", "saved_s"} != want]
     if found != expected or incomplete:
         side = "async" if async_save else "sync"
         raise RuntimeError(f"{side} run: checkpoint lines for steps {found} (incomplete: {incomplete}), expected "
                            f"{expected}, each with {sorted(want)}:\n{text[-3000:]}")  # fmt: skip
     return [saves[s] for s in found]
-
-
-# The figures of a run
 
 
 def analyse(run: dict[str, Any], steps: int) -> dict[str, Any]:
@@ -188,7 +181,6 @@ def analyse(run: dict[str, Any], steps: int) -> dict[str, Any]:
 
 
 def run(p: CheckpointPlan, *, cache: Path, model: Path | None = None) -> dict[str, Any]:
-    """Every run of the checkpoint suite; returns results.json's content."""
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {c: {"sync": [], "async": []} for c in p.cases}
     compared: dict[str, list[dict[str, Any]]] = {c: [] for c in p.cases}
     with session(p, "ckpt") as runner:
@@ -197,18 +189,16 @@ def run(p: CheckpointPlan, *, cache: Path, model: Path | None = None) -> dict[st
               f"{p.context_length} tokens, {p.steps} steps, --save_steps {p.save_steps}")  # fmt: skip
         for rep in range(p.reps):
             for case in p.cases:
-                made = {}
-                for side in ("sync", "async") if rep % 2 == 0 else ("async", "sync"):
-                    what = f"{case} --async_save {str(side == 'async').lower()} (rep {rep + 1})"
-                    made[side] = train(runner, what, models[case], case, async_save=side == "async")
-                    runs[case][side].append(made[side])
+                made = {side: train(runner, f"{case} --async_save {str(side == 'async').lower()} (rep {rep + 1})",
+                                    models[case], case, async_save=side == "async")
+                        for side in (("sync", "async") if rep % 2 == 0 else ("async", "sync"))}  # fmt: skip
                 a, b = (str(Path(made[side]["checkpoint"]["path"]) / "sharded") for side in ("async", "sync"))
                 compared[case] += runner.worker(f"{case}: compare the async and sync checkpoints", "compare",
                                                 {"a": a, "b": b})  # fmt: skip
-                for side in made.values():
-                    shutil.rmtree(side["output_dir"], ignore_errors=True)  # gigabytes on the full case
-        rows: list[dict[str, Any]] = []
-        details = _rows(p, models, runs, compared, rows)
+                for side, done in made.items():
+                    runs[case][side].append(done)
+                    shutil.rmtree(done["output_dir"], ignore_errors=True)  # gigabytes on the full case
+        rows, details = _rows(p, models, runs, compared)
         details["runs"] = {c: {side: [brief(r, KEEP, drop=("saves",)) for r in v] for side, v in sides.items()}
                            for c, sides in runs.items()}  # fmt: skip
         return runner.results("cpu-checkpoint", rows, details, {
@@ -228,31 +218,28 @@ def run(p: CheckpointPlan, *, cache: Path, model: Path | None = None) -> dict[st
 
 
 def _rows(p: CheckpointPlan, models: dict[str, Path], runs: dict[str, dict[str, list[dict[str, Any]]]],
-          compared: dict[str, list[dict[str, Any]]], rows: list) -> dict[str, Any]:  # fmt: skip
-    """Each case's rows, async against sync; returns the acceptance record and every run's figures."""
+          compared: dict[str, list[dict[str, Any]]]) -> tuple[list[dict], dict[str, Any]]:  # fmt: skip
+    """Each case's rows, async against sync, and the acceptance record and every run's figures."""
     summaries = {c: {s: [analyse(r, p.steps) for r in v] for s, v in sides.items()} for c, sides in runs.items()}
     timed = ", ".join(str(s) for s in p.timed_saves)
     figures = (
-        ("stall_logged_s", "training's stall per save, as logged (async: until training goes on)", "s"),
-        ("stall_steps_s", f"training's stall per save, from the step times (saves after steps {timed})", "s"),
-        ("write_s", "seconds from a save until its checkpoint is complete", "s"),
-        ("step_s", f"seconds per step, steps 2-{p.steps}", "s"),
-        ("peak_rss_bytes", "peak RSS during training and saves, largest rank", "bytes"),
-        ("rss_rise_bytes", "peak RSS less the RSS before step 1, largest rank", "bytes"),
-        ("checkpoint_bytes", "checkpoint size on disk", "bytes"),
+        ("stall_logged_s", "training's stall per save, as logged (async: until training goes on)", "s", "lower"),
+        ("stall_steps_s", f"training's stall per save, from the step times (saves after steps {timed})", "s", "lower"),
+        ("write_s", "seconds from a save until its checkpoint is complete", "s", "lower"),
+        ("step_s", f"seconds per step, steps 2-{p.steps}", "s", "lower"),
+        ("peak_rss_bytes", "peak RSS during training and saves, largest rank", "bytes", "lower"),
+        ("rss_rise_bytes", "peak RSS less the RSS before step 1, largest rank", "bytes", "lower"),
+        ("checkpoint_bytes", "checkpoint size on disk", "bytes", "lower"),
     )
-    acceptance = []
+    rows, acceptance = [], []
     for case, sides in summaries.items():
-        ours, peer = sides["async"], sides["sync"]
-        params = ours[0]["trainable_parameters"]
+        params, total = sides["async"][0]["trainable_parameters"], harness.parameters(models[case])
         what = "--train_type full --quant none" if case == "full" else f"--quant bnb, LoRA r{p.lora_rank}"
-        total = harness.parameters(models[case])
         shape = f"{what}, {params:,} trainable of {total:,} parameters, {p.nproc} ranks, FSDP2"
-        kw = {"ours_label": f"--async_save true; {shape}", "peer_label": "--async_save false (the same CLI)",
-              "note": f"{case}: saves after steps {', '.join(map(str, p.saves))} of {p.steps}; {p.reps} repetition(s), "
-                      f"medians"}  # fmt: skip
-        made = {key: row(case, f"{key}_{case}", figure, unit, "lower", [s[key] for s in ours], [s[key] for s in peer],
-                         **kw) for key, figure, unit in figures}  # fmt: skip
+        made = {r["key"].removesuffix(f"_{case}"): r for r in figure_rows(
+            case, figures, sides["async"], sides["sync"], suffix=f"_{case}", ours_label=f"--async_save true; {shape}",
+            peer_label="--async_save false (the same CLI)", note=f"{case}: saves after steps "
+            f"{', '.join(map(str, p.saves))} of {p.steps}; {p.reps} repetition(s), medians")}  # fmt: skip
         rows += made.values()
         same = [c["identical"] for c in compared[case]]
         ratios = {k: made[f"stall_{k}_s"]["ratio"] for k in ("logged", "steps")}
@@ -263,7 +250,7 @@ def _rows(p: CheckpointPlan, models: dict[str, Path], runs: dict[str, dict[str, 
             "checkpoint_bytes": {"async": made["checkpoint_bytes"]["ours"], "sync": made["checkpoint_bytes"]["peer"]},
             "passed": all(same) and (bar is None or all(r <= bar for r in ratios.values())),
         })  # fmt: skip
-    return {"acceptance": acceptance, "summaries": summaries, "compared": compared}
+    return rows, {"acceptance": acceptance, "summaries": summaries, "compared": compared}
 
 
 def render(results: dict[str, Any]) -> str:
@@ -283,18 +270,13 @@ def render(results: dict[str, Any]) -> str:
     if summaries := details.get("summaries", {}):
         head = "| run | save after step | logged stall | stall from step times | complete after | found after step |"
         lines += ["", "### Saves", "", head, "|---|---:|---:|---:|---:|---:|"]
-        for case, sides in summaries.items():
-            for side, reps in sides.items():
-                for i, s in enumerate(reps):
-                    for x in s["saves"]:
-                        steps = f"{x['steps_stall_s']:.2f} s" if "steps_stall_s" in x else "-"
-                        lines.append(f"| {case} {side} (rep {i + 1}) | {x['step']} | {x['logged_stall_s']:.2f} s | "
-                                     f"{steps} | {x['saved_s']:.2f} s | {x['completed_after_step']} |")  # fmt: skip
+        lines += [f"| {case} {side} (rep {i + 1}) | {x['step']} | {x['logged_stall_s']:.2f} s | "
+                  f"{format(x['steps_stall_s'], '.2f') + ' s' if 'steps_stall_s' in x else '-'} | "
+                  f"{x['saved_s']:.2f} s | {x['completed_after_step']} |" for case, sides in summaries.items()
+                  for side, reps in sides.items() for i, s in enumerate(reps) for x in s["saves"]]  # fmt: skip
         lines += ["", "Steps while a background write is in flight (async) against the others, and the rest:", ""]
-        for case, sides in summaries.items():
-            for i, s in enumerate(sides["async"]):
-                if s["step_s_writing"] is not None and s["step_s_quiet"] is not None:
-                    lines.append(f"- {case} (rep {i + 1}): steps {s['steps_writing']} {s['step_s_writing']:.2f} s "
-                                 f"against {s['step_s_quiet']:.2f} s (sync run: "
-                                 f"{sides['sync'][i]['step_s']:.2f} s a step).")  # fmt: skip
+        lines += [f"- {case} (rep {i + 1}): steps {s['steps_writing']} {s['step_s_writing']:.2f} s against "
+                  f"{s['step_s_quiet']:.2f} s (sync run: {sides['sync'][i]['step_s']:.2f} s a step)."
+                  for case, sides in summaries.items() for i, s in enumerate(sides["async"])
+                  if s["step_s_writing"] is not None and s["step_s_quiet"] is not None]  # fmt: skip
     return report.render(results, lines)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import harness, report
-from benchmarks.harness import Runner, Settings, brief, row, session
+from benchmarks.harness import Runner, Settings, brief, figure_rows, row, session
 
 GENERATOR_VERSION = 1
 """Part of the synthetic file's name: raise it when the generator changes what it writes."""
@@ -63,17 +63,12 @@ class DataPlan(Settings):
 
 def plan(*, quick: bool, rows: int | None, **launch: Any) -> DataPlan:
     """The full suite (1,000,000 rows) or the quick one (2,000); a build takes minutes, so no retry."""
-    if quick:
-        n = rows or 2_000
-        p = DataPlan(n, (min(n, 2_000), max(8, min(n, 2_000) // 10)), build_reps=1, train_reps=1, quick=True,
-                     launch_timeout_s=300.0, steps=3, warmup_steps=1)  # fmt: skip
-    else:
-        n = rows or 1_000_000
-        p = DataPlan(n, (min(n, RSS_ROWS[0]), min(n // 10, RSS_ROWS[1])), build_reps=1, train_reps=3,
-                     launch_timeout_s=3600.0)  # fmt: skip
+    n = rows or (2_000 if quick else 1_000_000)
+    rss = (min(n, 2_000), max(8, min(n, 2_000) // 10)) if quick else (min(n, RSS_ROWS[0]), min(n // 10, RSS_ROWS[1]))
+    p = DataPlan(n, rss, build_reps=1, train_reps=1 if quick else 3, launch_timeout_s=300.0 if quick else 3600.0,
+                 quick=quick, retries=0, **(dict(steps=3, warmup_steps=1) if quick else {}))  # fmt: skip
     if p.rss_rows[1] < p.nproc * p.batch_size:
         raise ValueError(f"--rows {n}: too few rows for a {p.nproc}-rank step of batch {p.batch_size}")
-    p.retries = 0
     p.configure(**launch)
     return p
 
@@ -125,36 +120,30 @@ def _first_step_main(argv: list[str]) -> int:
     """`first-step RESULT METRICS -- CMD...`: run CMD, poll METRICS every 20 ms, write to RESULT how long after this
     process started (/proc/self/stat, to a clock tick) the first record appeared, and exit with CMD's status.
     metrics.jsonl is opened empty when training starts and gets a line-buffered record per step."""
-    result, metrics, sep, *cmd = argv
-    if sep != "--" or not cmd:
+    if argv[:1] != ["first-step"] or argv[3:4] != ["--"] or len(argv) < 5:
         raise SystemExit("usage: python -m benchmarks.data_suite first-step RESULT METRICS -- CMD...")
-    with open("/proc/self/stat") as fh:
-        started = int(fh.read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
-
-    def written() -> bool:
-        return Path(metrics).is_file() and Path(metrics).stat().st_size > 0
-
+    result, metrics, _, *cmd = argv[1:]
+    started = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
     proc, first = subprocess.Popen(cmd), None
-    while proc.poll() is None:
-        if first is None and written():
+    while True:
+        exited = proc.poll() is not None  # a record written in the last 20 ms still counts: an upper bound
+        if first is None and Path(metrics).is_file() and Path(metrics).stat().st_size > 0:
             first = time.clock_gettime(time.CLOCK_BOOTTIME) - started
+        if exited:
+            break
         time.sleep(0.02)
-    if first is None and written():
-        first = time.clock_gettime(time.CLOCK_BOOTTIME) - started  # written in the last 20 ms: an upper bound
     harness.write_json(result, {"first_step_s": first, "exit_s": time.clock_gettime(time.CLOCK_BOOTTIME) - started})
     return proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
 
 
 def cache_line(log: str) -> dict[str, Any] | None:
     """The "tokenized cache built/reused" line of a log, parsed."""
-    match = CACHE_LINE.search(log)
-    if match is None:
+    if (match := CACHE_LINE.search(log)) is None:
         return None
     g = match.groupdict()
-    out: dict[str, Any] = {"built": not g["reused"], "path": g["path"]}
-    if g["build_s"]:
-        out.update(build_s=float(g["build_s"]), processes=int(g["procs"]))
-    return {**out, **{k: int(g[k]) for k in ("examples", "samples", "tokens")}, "mib": float(g["mib"])}
+    built = {"build_s": float(g["build_s"]), "processes": int(g["procs"])} if g["build_s"] else {}
+    counts = {k: int(g[k]) for k in ("examples", "samples", "tokens")}
+    return {"built": not g["reused"], "path": g["path"], **built, **counts, "mib": float(g["mib"])}
 
 
 _env = functools.partial(harness.base_env, pin_tokenizers=False)
@@ -170,8 +159,7 @@ def preprocess(runner: Runner, what: str, rows: int, procs: int, cache_dir: Path
            "--dataset_cache_dir", str(cache_dir), "--dataset_samples", str(rows)]  # fmt: skip
     reset = (lambda: shutil.rmtree(cache_dir, ignore_errors=True)) if fresh else None
     result = runner.go(what, [cmd], [_env(runner.plan.threads)], reset=reset)
-    line = cache_line(result.log)
-    if line is None:
+    if (line := cache_line(result.log)) is None:
         raise RuntimeError(f"{what}: no 'tokenized cache' line in its output:\n{result.log}")
     return {"wall_s": result.wall_s, "foreign_cores": result.foreign_cores, "command": harness.shell(cmd), **line}
 
@@ -204,7 +192,6 @@ def train(runner: Runner, what: str, model: Path, data: Path, *, rows: int, cach
 
 
 def run(p: DataPlan, *, model: Path | None, cache: Path) -> dict[str, Any]:
-    """Every measurement of the data suite; returns results.json's content."""
     rows: list[dict[str, Any]] = []
     with session(p, "data", env=_env) as runner:
         model_dir = model or runner.model(harness.QUICK_MODEL, cache)
@@ -250,15 +237,13 @@ def _builds(runner: Runner, model: Path, data: Path, rows: list, details: dict) 
 
     runs = harness.alternating(p.build_reps, p.build_procs, measure)
     one, two = p.build_procs
-    kw = {"ours_label": f"--dataset_num_proc {two}", "peer_label": f"--dataset_num_proc {one}",
-          "note": f"scripts/preprocess.py on {p.rows:,} rows at --context_length {p.context_length}, a fresh "
-                  f"--dataset_cache_dir each; median over {p.build_reps} run(s)"}  # fmt: skip
-    for name, key, figure in (
-        ("build_wall_s", "wall_s", f"wall time of scripts/preprocess.py, first build, {p.rows:,} rows"),
-        ("build_s", "build_s", "the build's own time (its log line: read + tokenize + save)"),
-    ):
-        rows.append(row("cache build", name, figure, "s", "lower", [r[key] for r in runs[two]],
-                        [r[key] for r in runs[one]], **kw))  # fmt: skip
+    timed = {n: [{"build_wall_s": r["wall_s"], "build_s": r["build_s"]} for r in v] for n, v in runs.items()}
+    rows += figure_rows("cache build", (
+        ("build_wall_s", f"wall time of scripts/preprocess.py, first build, {p.rows:,} rows", "s", "lower"),
+        ("build_s", "the build's own time (its log line: read + tokenize + save)", "s", "lower"),
+    ), timed[two], timed[one], ours_label=f"--dataset_num_proc {two}", peer_label=f"--dataset_num_proc {one}",
+        note=f"scripts/preprocess.py on {p.rows:,} rows at --context_length {p.context_length}, a fresh "
+             f"--dataset_cache_dir each; median over {p.build_reps} run(s)")  # fmt: skip
     details["builds"] = {str(n): r for n, r in runs.items()}
 
 
@@ -271,11 +256,10 @@ def _first_step(runner: Runner, model: Path, data: Path, rows: list, details: di
         if rep:
             shutil.rmtree(cache_dir, ignore_errors=True)
         cache_dir = runner.work / f"first-step-{rep}"
-        for kind in ("first", "cached"):
-            what = f"time to first step, {kind} run, {p.rows} rows (rep {rep + 1})"
-            run = train(runner, what, model, data, rows=p.rows, cache_dir=cache_dir, nproc=1,
-                        steps=p.first_step_steps, fresh_cache=kind == "first", first_step=True)  # fmt: skip
-            runs[kind].append(run)
+        for kind, kept in runs.items():
+            kept.append(train(runner, f"time to first step, {kind} run, {p.rows} rows (rep {rep + 1})", model, data,
+                              rows=p.rows, cache_dir=cache_dir, nproc=1, steps=p.first_step_steps,
+                              fresh_cache=kind == "first", first_step=True))  # fmt: skip
     rows.append(row("cached start", "time_to_first_step_s", "time from launch to the end of step 1", "s", "lower",
                     [r["first_step_s"] for r in runs["cached"]], [r["first_step_s"] for r in runs["first"]],
                     ours_label="the run after it (the cache exists)", peer_label="the first run (builds the cache)",
@@ -312,14 +296,7 @@ def _memory_and_padding(runner: Runner, model: Path, data: Path, shared: Path, r
     runs = harness.alternating(p.train_reps, ("small", "large", "pad_to_context"), measure)
     shape = (f"{p.nproc} ranks (torchrun, gloo) x batch {p.batch_size} x --context_length {p.context_length}, "
              f"--quant none --train_type lora, --max_steps {p.steps}")  # fmt: skip
-    _memory_rows(p, runs, shape, rows, details)
-    _padding_rows(p, runs, shape, rows, details)
-    details["training_runs"] = {k: [brief(r, KEEP) for r in v] for k, v in runs.items()}
-
-
-def _memory_rows(p: DataPlan, runs: dict[str, list[dict[str, Any]]], shape: str, rows: list, details: dict) -> None:
-    """3: each rank's peak RSS on the large slice against the small one, and their difference against the bar."""
-    large, small = p.rss_rows
+    # 3: each rank's peak RSS on the large slice against the small one, and their difference against the bar.
     peaks = {n: [[max(m["peak_memory_bytes_per_rank"][r] for m in run["metrics"]) for r in range(p.nproc)]
                  for run in runs[kind]] for n, kind in ((large, "large"), (small, "small"))}  # fmt: skip
     note = (f"{shape}; each rank's largest peak_memory_bytes_per_rank (VmHWM) in metrics.jsonl; caches built "
@@ -340,28 +317,23 @@ def _memory_rows(p: DataPlan, runs: dict[str, list[dict[str, Any]]], shape: str,
                 peer_label=f"the bar, {RSS_BAR_BYTES / 1e6:.0f} MB (ratio <= 1 passes)"),
         ]  # fmt: skip
         details["memory"][f"growth_rank{r}_bytes"] = growth
-
-
-def _padding_rows(p: DataPlan, runs: dict[str, list[dict[str, Any]]], shape: str, rows: list, details: dict) -> None:
-    """4: real tokens/s and real tokens / row tokens of per-batch padding against --pad_to_context, same rows."""
+    # 4: real tokens/s and real tokens / row tokens of per-batch padding against --pad_to_context, the same rows.
     same_rows = all([m["tokens"] for m in a["metrics"]] == [m["tokens"] for m in b["metrics"]]
                     for a in runs["large"] for b in runs["pad_to_context"])  # fmt: skip
     if not same_rows:
         raise RuntimeError("per-batch padding and --pad_to_context trained different tokens per step")
-    speed = {pad: [_throughput(run, p.warmup_steps) for run in runs[kind]]
-             for pad, kind in ((False, "large"), (True, "pad_to_context"))}  # fmt: skip
-    kw = {"ours_label": "per-batch padding (longest row rounded up to 8)", "peer_label": "--pad_to_context true",
-          "note": f"{shape}, {p.rss_rows[0]:,} rows; steps {p.warmup_steps + 1}-{p.steps}: tokens / seconds and real "
-                  "tokens / row tokens summed over them; the same rows at every step on both sides; row tokens as the "
-                  f"trainer counts them (every rank's padded batches, summed); median over {p.train_reps} run(s)",
-          }  # fmt: skip
-    rows += [
-        row("padding", "tokens_per_s", "real tokens/s (all ranks)", "tokens/s", "higher",
-            [s[0] for s in speed[False]], [s[0] for s in speed[True]], **kw),
-        row("padding", "packing_efficiency", "real tokens / row tokens (packing_efficiency)", "fraction", "higher",
-            [s[1] for s in speed[False]], [s[1] for s in speed[True]], **kw),
-    ]  # fmt: skip
-    details["padding"] = {"per_batch": speed[False], "pad_to_context": speed[True], "same_rows_per_step": same_rows}
+    speed = {kind: [_throughput(run, p.warmup_steps) for run in runs[kind]] for kind in ("large", "pad_to_context")}
+    ours, peer = ([{"tokens_per_s": t, "packing_efficiency": e} for t, e in speed[k]] for k in speed)
+    rows += figure_rows("padding", (
+        ("tokens_per_s", "real tokens/s (all ranks)", "tokens/s", "higher"),
+        ("packing_efficiency", "real tokens / row tokens (packing_efficiency)", "fraction", "higher"),
+    ), ours, peer, ours_label="per-batch padding (longest row rounded up to 8)", peer_label="--pad_to_context true",
+        note=f"{shape}, {large:,} rows; steps {p.warmup_steps + 1}-{p.steps}: tokens / seconds and real tokens / row "
+             "tokens summed over them; the same rows at every step on both sides; row tokens as the trainer counts "
+             f"them (every rank's padded batches, summed); median over {p.train_reps} run(s)")  # fmt: skip
+    details["padding"] = {"per_batch": speed["large"], "pad_to_context": speed["pad_to_context"],
+                          "same_rows_per_step": same_rows}  # fmt: skip
+    details["training_runs"] = {k: [brief(r, KEEP) for r in v] for k, v in runs.items()}
 
 
 def render(results: dict[str, Any]) -> str:
@@ -384,6 +356,4 @@ def render(results: dict[str, Any]) -> str:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "first-step":
-        sys.exit(_first_step_main(sys.argv[2:]))
-    raise SystemExit("usage: python -m benchmarks.data_suite first-step RESULT METRICS -- CMD...")
+    sys.exit(_first_step_main(sys.argv[1:]))

@@ -39,10 +39,8 @@ class GenerationPlan(Settings):
 
 def plan(*, quick: bool, **launch: Any) -> GenerationPlan:
     """The full suite (171M model, 3 x 4 steps, 64-token completions) or the quick one (2 layers, 8 tokens)."""
-    if quick:
-        p = GenerationPlan(dict(harness.QUICK_MODEL), reps=1, steps=2, max_completion_length=8, quick=True)
-    else:
-        p = GenerationPlan(dict(harness.FULL_MODEL), reps=3, steps=4)
+    p = (GenerationPlan(dict(harness.QUICK_MODEL), reps=1, steps=2, max_completion_length=8, quick=True) if quick
+         else GenerationPlan(dict(harness.FULL_MODEL), reps=3, steps=4))  # fmt: skip
     p.configure(**launch)
     return p
 
@@ -51,10 +49,9 @@ def check_same(runs: dict[str, list[dict[str, Any]]]) -> None:
     """Both modes sampled the same completions and trained the same: every step's SAME figures agree."""
     for a, b in zip(runs["sharded"], runs["gathered"], strict=True):
         for x, y in zip(a["steps"], b["steps"], strict=True):
-            for key in SAME:
-                if not math.isclose(x[key], y[key], rel_tol=1e-5, abs_tol=1e-7):
-                    raise RuntimeError(f"step {x['step']}: {key} {x[key]} sharded, {y[key]} gathered: the modes "
-                                       "did not sample or train the same")  # fmt: skip
+            if key := next((k for k in SAME if not math.isclose(x[k], y[k], rel_tol=1e-5, abs_tol=1e-7)), None):
+                raise RuntimeError(f"step {x['step']}: {key} {x[key]} sharded, {y[key]} gathered: the modes did not "
+                                   "sample or train the same")  # fmt: skip
 
 
 def summary(run: dict[str, Any]) -> dict[str, float]:
@@ -66,7 +63,6 @@ def summary(run: dict[str, Any]) -> dict[str, float]:
 
 
 def run(p: GenerationPlan, *, cache: Path, model: Path | None = None) -> dict[str, Any]:
-    """Every run of the generation suite; returns results.json's content."""
     with session(p, "generation") as runner:
         model_dir = runner.model(p.model, cache)
         print(f"{p.reps} x {len(MODES)} runs of {p.steps} GRPO steps on {p.nproc} ranks")

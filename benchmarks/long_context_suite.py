@@ -61,13 +61,10 @@ class LongContextPlan(Settings):
 
 def plan(*, quick: bool, **launch: Any) -> LongContextPlan:
     """The full suite (4k-16k tokens x S = 1, 2, 4 x tiled; hours) or the quick one (1024 tokens, S = 1, 2)."""
-    if quick:
-        p = LongContextPlan(dict(QUICK_MODEL), contexts=(1024,), base_context=512, search_step=512, sizes=(1, 2),
-                            tiled_sizes=(1,), reps=1, quick=True, launch_timeout_s=180.0)  # fmt: skip
-    else:
-        p = LongContextPlan(dict(FULL_MODEL), contexts=(4096, 8192, 16384), base_context=4096, search_step=512,
-                            sizes=(1, 2, 4), tiled_sizes=(1, 2, 4), reps=1, launch_timeout_s=7200.0)  # fmt: skip
-    p.retries = 0
+    p = (LongContextPlan(dict(QUICK_MODEL), contexts=(1024,), base_context=512, search_step=512, sizes=(1, 2),
+                         tiled_sizes=(1,), reps=1, quick=True, retries=0, launch_timeout_s=180.0) if quick else
+         LongContextPlan(dict(FULL_MODEL), contexts=(4096, 8192, 16384), base_context=4096, search_step=512, reps=1,
+                         sizes=(1, 2, 4), tiled_sizes=(1, 2, 4), retries=0, launch_timeout_s=7200.0))  # fmt: skip
     p.configure(**launch)
     check_plan(p)
     return p
@@ -147,11 +144,15 @@ def longest_context(candidates: list[int], known: dict[int, bool], fits: Callabl
 
 
 def run(p: LongContextPlan, *, cache: Path, model: Path | None = None) -> dict[str, Any]:
-    """The grid, then the longest-context search; returns results.json's content."""
+    """The grid, then the longest-context search."""
     grid, runs = grid_runs(p), {}
 
     def peak(run: dict[str, Any]) -> int:
-        return summary(run, p.steps)["tensor_peak_bytes"]
+        return harness.step_peaks(run, p.steps)["tensor_peak_bytes"]
+
+    def untiled(size: int) -> dict[int, int]:
+        """Untiled runs of this S so far: context -> tensor peak (the first repetition's)."""
+        return dict(sorted((c, peak(r[0])) for (c, s, t), r in runs.items() if (s, t) == (size, 0)))
 
     with session(p, "long") as runner:
         model_dir = runner.model(p.model, cache)
@@ -170,18 +171,10 @@ def run(p: LongContextPlan, *, cache: Path, model: Path | None = None) -> dict[s
         budget = int(peak(runs[base][0] if base in runs else launch(base, 0)) * (1 + BUDGET_MARGIN))
         search: dict[int, dict[str, Any]] = {}
         for size in (s for s in (1, 2) if s in p.sizes):
-
-            def peaks(size: int = size) -> dict[int, int]:
-                """Untiled runs of this S so far: context -> tensor peak (the first repetition's)."""
-                return dict(sorted((c, peak(r[0])) for (c, s, t), r in runs.items() if (s, t) == (size, 0)))
-
-            def fits(context: int, size: int = size) -> bool:
-                return peak(launch((context, size, 0), 0)) <= budget
-
-            known = {c: b <= budget for c, b in peaks().items()}
-            search[size] = {"longest": longest_context(p.candidates(), known, fits), "peaks": peaks()}
-        rows: list[dict[str, Any]] = []
-        details = _rows(p, runs, search, budget, rows)
+            known = {c: b <= budget for c, b in untiled(size).items()}
+            found = longest_context(p.candidates(), known, lambda c, s=size: peak(launch((c, s, 0), 0)) <= budget)
+            search[size] = {"longest": found, "peaks": untiled(size)}
+        rows, details = _rows(p, runs, search, budget)
         details["runs"] = {"/".join(map(str, k)): [brief(r, KEEP) for r in v] for k, v in runs.items()}
         steps = "step 1" if p.steps == 2 else f"steps 1-{p.steps - 1}"
         return runner.results("cpu-long-context", rows, details, {
@@ -204,53 +197,47 @@ def _label(size: int, tiled: int) -> str:
     return f"S={size}" + (f", --tiled_mlp {tiled}" if tiled else "")
 
 
-def _rows(p: LongContextPlan, runs: dict[Key, list[dict[str, Any]]], search: dict[int, dict[str, Any]], budget: int,
-          rows: list) -> dict[str, Any]:  # fmt: skip
-    """The grid's rows against S = 1 untiled, then the acceptance rows; the record behind them."""
+def _rows(p: LongContextPlan, runs: dict[Key, list[dict[str, Any]]], search: dict[int, dict[str, Any]],
+          budget: int) -> tuple[list[dict], dict[str, Any]]:  # fmt: skip
+    """The grid's rows against S = 1 untiled, then the acceptance rows, and the record behind them."""
     sums = {k: [summary(r, p.steps) for r in v] for k, v in runs.items()}
-    for context in p.contexts:
-        peer = sums[(context, 1, 0)]
-        kw = {"peer_label": "S=1, untiled (the same CLI, 1 rank)",
-              "note": f"1 row of {context} tokens a step, {p.precision}; {p.reps} repetition(s), medians"}  # fmt: skip
-        for (c, size, tiled), ours in sums.items():
-            if c != context or (size, tiled) == (1, 0) or (c, size, tiled) not in grid_runs(p):
-                continue
-            rows += figure_rows(f"{context} tokens", FIGURES, ours, peer, prefix=f"{_label(size, tiled)}: ",
-                                suffix=f"_{context}_s{size}" + "_tiled" * bool(tiled),
-                                ours_label=f"{size} rank(s), {_label(size, tiled)}", **kw)  # fmt: skip
-    top = p.contexts[-1]
-    acceptance = []
-    tiled = tiles(p, top, 1)
-    checks = [
-        ("sp_peak", (top, 2, 0), SP_PEAK_BAR, f"S=2 / S=1: step's peak tensor bytes per rank, {top} tokens"),
-        ("tiled_peak", (top, 1, tiled), TILED_PEAK_BAR,
-         f"tiled / untiled MLP (S=1, --tiled_mlp {tiled}): step's peak tensor bytes, {top} tokens"),
-    ]  # fmt: skip
-    for name, ours_key, bar, figure in checks:
-        if ours_key in sums:
-            made = row(ACCEPTANCE, f"accept_{name}", figure, "bytes", "lower",
-                       [s["tensor_peak_bytes"] for s in sums[ours_key]],
-                       [s["tensor_peak_bytes"] for s in sums[(top, 1, 0)]],
-                       ours_label=_label(*ours_key[1:]), peer_label="S=1, untiled")  # fmt: skip
-            rows.append(made)
-            acceptance.append({"name": name, "figure": figure, "ratio": made["ratio"], "bar": bar, "better": "lower",
-                               "passed": made["ratio"] <= bar})  # fmt: skip
+    rows, acceptance = [], []
+    for c, size, tiled in grid_runs(p):
+        if (size, tiled) != (1, 0):
+            rows += figure_rows(f"{c} tokens", FIGURES, sums[(c, size, tiled)], sums[(c, 1, 0)],
+                                prefix=f"{_label(size, tiled)}: ", suffix=f"_{c}_s{size}" + "_tiled" * bool(tiled),
+                                ours_label=f"{size} rank(s), {_label(size, tiled)}",
+                                peer_label="S=1, untiled (the same CLI, 1 rank)", note=f"1 row of {c} tokens a step, "
+                                f"{p.precision}; {p.reps} repetition(s), medians")  # fmt: skip
+
+    def accept(name: str, figure: str, unit: str, better: str, bar: float, ours: list, peer: list, label: str) -> None:
+        made = row(ACCEPTANCE, f"accept_{name}", figure, unit, better, ours, peer, ours_label=label,
+                   peer_label="S=1, untiled")  # fmt: skip
+        rows.append(made)
+        passed = made["ratio"] <= bar if better == "lower" else made["ratio"] >= bar
+        acceptance.append({"name": name, "figure": figure, "ratio": made["ratio"], "bar": bar, "better": better,
+                           "passed": passed})  # fmt: skip
+
+    top, tiled = p.contexts[-1], tiles(p, p.contexts[-1], 1)
+    peaks = {k: [s["tensor_peak_bytes"] for s in v] for k, v in sums.items()}
+    base = peaks[(top, 1, 0)]
+    if (top, 2, 0) in peaks:
+        accept("sp_peak", f"S=2 / S=1: step's peak tensor bytes per rank, {top} tokens", "bytes", "lower",
+               SP_PEAK_BAR, peaks[(top, 2, 0)], base, _label(2, 0))  # fmt: skip
+    if (top, 1, tiled) in peaks:
+        accept("tiled_peak", f"tiled / untiled MLP (S=1, --tiled_mlp {tiled}): step's peak tensor bytes, {top} tokens",
+               "bytes", "lower", TILED_PEAK_BAR, peaks[(top, 1, tiled)], base, _label(1, tiled))  # fmt: skip
     longest = {s: search[s]["longest"] for s in search}
     if longest.get(1) and longest.get(2):
-        figure = f"longest context within {fmt(budget, 'bytes')} of tensors per rank, S=2 / S=1"
-        made = row(ACCEPTANCE, "accept_longest", figure, "tokens", "higher", [longest[2]], [longest[1]],
-                   ours_label="S=2, untiled", peer_label="S=1, untiled")  # fmt: skip
-        rows.append(made)
-        acceptance.append({"name": "longest", "figure": figure, "ratio": made["ratio"], "bar": LONGEST_BAR,
-                           "better": "higher", "passed": made["ratio"] >= LONGEST_BAR})  # fmt: skip
-    return {"acceptance": acceptance, "search": search, "budget_bytes": budget,
-            "summaries": {"/".join(map(str, k)): v for k, v in sums.items()}}  # fmt: skip
+        accept("longest", f"longest context within {fmt(budget, 'bytes')} of tensors per rank, S=2 / S=1", "tokens",
+               "higher", LONGEST_BAR, [longest[2]], [longest[1]], "S=2, untiled")  # fmt: skip
+    return rows, {"acceptance": acceptance, "search": search, "budget_bytes": budget,
+                  "summaries": {"/".join(map(str, k)): v for k, v in sums.items()}}  # fmt: skip
 
 
 def render(results: dict[str, Any]) -> str:
     """The tables, then every run's figures, the longest-context search and the bars."""
-    lines: list[str] = []
-    details = results.get("details", {})
+    lines, details, settings = [], results.get("details", {}), results.get("settings", {})
     if summaries := details.get("summaries", {}):
         lines += ["", "### Every run", "", "| context | S | --tiled_mlp | tensor peak / rank | RSS growth | peak RSS | "
                   "tokens/s | parameter bytes / rank |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
@@ -260,12 +247,12 @@ def render(results: dict[str, Any]) -> str:
             cells = [fmt(s[f], "bytes") for f in ("tensor_peak_bytes", "rss_peak_growth_bytes", "peak_rss_bytes")]
             cells += [fmt(s["tokens_per_s"], "tokens/s"), fmt(s["param_bytes_per_rank"], "bytes")]
             lines.append(f"| {context} | {size} | {tiled} | {' | '.join(cells)} |")
-    search, candidates = details.get("search", {}), results.get("settings", {}).get("candidates")
-    if search:
+    if search := details.get("search", {}):
+        candidates = settings["candidates"]
         lines += ["", "### Longest context", "",
                   f"Budget: {fmt(details['budget_bytes'], 'bytes')} of tensors per rank (S=1 untiled at "
-                  f"{results['settings']['base_context']} tokens + {BUDGET_MARGIN:.0%}); candidates "
-                  f"{candidates[0]}-{candidates[-1]} tokens in steps of {results['settings']['search_step']}.",
+                  f"{settings['base_context']} tokens + {BUDGET_MARGIN:.0%}); candidates "
+                  f"{candidates[0]}-{candidates[-1]} tokens in steps of {settings['search_step']}.",
                   ""]  # fmt: skip
         for size, s in search.items():
             tested = ", ".join(f"{c}: {fmt(b, 'bytes')}" for c, b in s["peaks"].items())
@@ -274,7 +261,6 @@ def render(results: dict[str, Any]) -> str:
     lines += report.acceptance("Against the issue's bars", [
         f"- {a['figure']}: {a['ratio']:.3f}x (bar {'<=' if a['better'] == 'lower' else '>='} {a['bar']}: "
         f"{report.verdict(a['passed'])})." for a in details.get("acceptance") or []])  # fmt: skip
-    s = results.get("settings", {})
-    if s.get("peaks"):
-        lines += ["", f"Step peaks: {s['peaks']}."]
+    if settings.get("peaks"):
+        lines += ["", f"Step peaks: {settings['peaks']}."]
     return report.render(results, lines)

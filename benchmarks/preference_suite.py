@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import harness, report
-from benchmarks.harness import QUICK_MODEL, Runner, Settings, alternating, brief, check_steps, llama, median, row
+from benchmarks.harness import Runner, Settings, alternating, brief, check_steps, figure_rows, llama, median
 from benchmarks.report import fmt
 
 OBJECTIVES = ("dpo", "ipo", "orpo", "simpo")
@@ -58,14 +58,12 @@ class PreferencePlan(Settings):
 
 def plan(*, quick: bool, objectives: tuple[str, ...] | None = None, **launch: Any) -> PreferencePlan:
     """The full suite (34M model, 4 objectives) or the quick one (DPO alone); peaks are memory: no retry."""
-    if quick:
-        p = PreferencePlan(dict(QUICK_MODEL), reps=1, pairs_per_rank=1, prompt_tokens=40, reply_tokens=23, steps=3,
-                           objectives=("dpo",), quick=True, launch_timeout_s=180.0)  # fmt: skip
-    else:
-        p = PreferencePlan(dict(FULL_MODEL), reps=1, pairs_per_rank=4, prompt_tokens=95, reply_tokens=288, steps=4)
+    p = (PreferencePlan(dict(harness.QUICK_MODEL), reps=1, pairs_per_rank=1, prompt_tokens=40, reply_tokens=23,
+                        steps=3, objectives=("dpo",), quick=True, retries=0, launch_timeout_s=180.0) if quick else
+         PreferencePlan(dict(FULL_MODEL), reps=1, pairs_per_rank=4, prompt_tokens=95, reply_tokens=288, steps=4,
+                        retries=0))  # fmt: skip
     if objectives is not None:
         p.objectives = harness.choose("--objectives", objectives, OBJECTIVES)
-    p.retries = 0
     p.configure(**launch)
     check_plan(p)
     return p
@@ -130,12 +128,11 @@ def write_datasets(plan: PreferencePlan, model: Path, out: Path) -> dict[str, An
         pairs.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
         sft += [{"prompt": format_prompt(prompt), "completion": side} for side in (chosen, rejected)]
     out.mkdir(parents=True, exist_ok=True)
-    files = {"pairs": out / "pairs.jsonl", "sft": out / "sft.jsonl"}
     for name, rows in (("pairs", pairs), ("sft", sft)):
-        files[name].write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (out / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return {"pairs": len(pairs), "sft_rows": len(sft), "prompt_tokens": plan.prompt_tokens,
             "reply_tokens": plan.reply_tokens, "sequence_tokens": plan.sequence_tokens,
-            "files": {k: str(v) for k, v in files.items()},
+            "files": {k: str(out / f"{k}.jsonl") for k in ("pairs", "sft")},
             "words": f"{len(texts.words)} words of data/alpaca_tiny.jsonl (1-3 tokens each), seed {plan.seed}",
             }  # fmt: skip
 
@@ -169,15 +166,13 @@ def train(runner: Runner, model: Path, name: str, data: dict[str, Any], rep: int
 
 
 def run(p: PreferencePlan, *, cache: Path, model: Path | None = None) -> dict[str, Any]:
-    """Every run of the preference suite; returns results.json's content."""
     with harness.session(p, "pref") as runner:
         model_dir = runner.model(p.model, cache)
         data = write_datasets(p, model_dir, runner.work / "data")
         print(f"{p.reps} x SFT and {', '.join(p.objectives)}: {p.nproc} ranks x {p.pairs_per_rank} pairs "
               f"({2 * p.pairs_per_rank} sequences) of {p.sequence_tokens} tokens, {p.steps} steps")  # fmt: skip
         runs = alternating(p.reps, ("sft", *p.objectives), lambda name, rep: train(runner, model_dir, name, data, rep))
-        rows: list[dict[str, Any]] = []
-        details = _rows(p, runs, rows)
+        rows, details = _rows(p, runs)
         details["runs"] = {k: [{**brief(r, KEEP), "rss_growth_bytes_per_rank_step": rss_growth(r)} for r in v]
                            for k, v in runs.items()}  # fmt: skip
         return runner.results("cpu-preference", rows, details, {
@@ -195,23 +190,23 @@ def run(p: PreferencePlan, *, cache: Path, model: Path | None = None) -> dict[st
            data={k: v for k, v in data.items() if k != "files"})  # fmt: skip
 
 
-def _rows(p: PreferencePlan, runs: dict[str, list[dict[str, Any]]], rows: list) -> dict[str, Any]:
-    """Each objective's rows against SFT's; returns the acceptance record and every run's summary."""
+def _rows(p: PreferencePlan, runs: dict[str, list[dict[str, Any]]]) -> tuple[list[dict], dict[str, Any]]:
+    """Each objective's rows against SFT's, and the acceptance record and every run's summary."""
     summaries = {k: [summary(r, p.steps) for r in v] for k, v in runs.items()}
+    # The figures by row key: the largest rank's parameter bytes, the step time under its row's name.
+    flat = {k: [{**s, "param_bytes_per_rank": max(s["param_bytes_per_rank"]), "step_time_s": s["step_s"]} for s in v]
+            for k, v in summaries.items()}  # fmt: skip
     shape = (f"{p.nproc} ranks, FSDP2, bnb, {p.precision}, gradient checkpointing; per rank {p.pairs_per_rank} "
              f"pairs = {2 * p.pairs_per_rank} sequences of {p.sequence_tokens} tokens a step")  # fmt: skip
     last = p.steps - 1
     figures = (
-        ("param_bytes_per_rank", "resident parameter bytes per rank (largest rank)", "bytes",
-         lambda s: max(s["param_bytes_per_rank"])),
-        ("rss_peak_growth_bytes", "a step's peak RSS less the RSS before step 1", "bytes",
-         lambda s: s["rss_peak_growth_bytes"]),
-        ("tensor_peak_bytes", "a step's peak of live tensor bytes above the step's start", "bytes",
-         lambda s: s["tensor_peak_bytes"]),
-        ("peak_rss_bytes", "a step's peak RSS, whole process", "bytes", lambda s: s["peak_rss_bytes"]),
-        ("step_time_s", f"seconds per step, steps 2-{last}", "s", lambda s: s["step_s"]),
-    )  # fmt: skip
-    acceptance = []
+        ("param_bytes_per_rank", "resident parameter bytes per rank (largest rank)", "bytes", "lower"),
+        ("rss_peak_growth_bytes", "a step's peak RSS less the RSS before step 1", "bytes", "lower"),
+        ("tensor_peak_bytes", "a step's peak of live tensor bytes above the step's start", "bytes", "lower"),
+        ("peak_rss_bytes", "a step's peak RSS, whole process", "bytes", "lower"),
+        ("step_time_s", f"seconds per step, steps 2-{last}", "s", "lower"),
+    )
+    rows, acceptance = [], []
     for name in p.objectives:
         ours, sft = summaries[name], summaries["sft"]
         extra = " + a reference forward (adapters off, no_grad)" if name in REFERENCE else ""
@@ -220,18 +215,16 @@ def _rows(p: PreferencePlan, runs: dict[str, list[dict[str, Any]]], rows: list) 
                             "prompt/completion rows",
               "note": f"RSS peak: steps 1-{last}; tensor peak: step {p.steps} (profiled); step time: median of steps "
                       f"2-{last}; {p.reps} repetition(s), medians"}  # fmt: skip
-        made = {key: row(name.upper(), f"{key}_{name}", f"{name}: {figure}", unit, "lower",
-                         [value(s) for s in ours], [value(s) for s in sft], **kw)
-                for key, figure, unit, value in figures}  # fmt: skip
+        made = {r["key"].removesuffix(f"_{name}"): r for r in figure_rows(
+            name.upper(), figures, flat[name], flat["sft"], suffix=f"_{name}", prefix=f"{name}: ", **kw)}  # fmt: skip
         rows += made.values()
         identical = all(o["param_bytes_per_rank"] == s["param_bytes_per_rank"] for o, s in zip(ours, sft, strict=True))
         bar = PEAK_BAR if name == "dpo" else None
         ratios = {"rss": made["rss_peak_growth_bytes"]["ratio"], "tensor": made["tensor_peak_bytes"]["ratio"]}
+        passed = identical and (bar is None or all(r <= bar for r in ratios.values()))
         acceptance.append({"objective": name, "param_bytes_identical": identical, "peak_ratio": ratios,
-                           "peak_bar": bar,
-                           "passed": identical and (bar is None or all(r <= bar for r in ratios.values())),
-                           })  # fmt: skip
-    return {"acceptance": acceptance, "summaries": summaries}
+                           "peak_bar": bar, "passed": passed})  # fmt: skip
+    return rows, {"acceptance": acceptance, "summaries": summaries}
 
 
 def render(results: dict[str, Any]) -> str:
