@@ -28,11 +28,9 @@ def tensor_bytes(t: torch.Tensor) -> int:
 
 def _tensors_in(obj: Any) -> list[torch.Tensor]:
     """Every tensor in a (nested) dict such as HQQ's meta or a bnb QuantState.as_dict()."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
     if isinstance(obj, dict):
         return [t for v in obj.values() for t in _tensors_in(v)]
-    return []
+    return [obj] if isinstance(obj, torch.Tensor) else []
 
 
 def quant_state_tensors(module: nn.Module) -> list[torch.Tensor]:
@@ -53,10 +51,9 @@ def model_bytes(model: nn.Module, *, exclude: tuple[str, ...] = ()) -> dict[str,
     out = {"params": 0, "buffers": 0, "quant_state": 0}
     for kind, tensors in (("params", model.named_parameters()), ("buffers", model.named_buffers())):
         for name, t in tensors:
-            if t.is_meta or t.data_ptr() in seen or name.startswith(exclude):
-                continue
-            seen.add(t.data_ptr())
-            out[kind] += tensor_bytes(t)
+            if not (t.is_meta or t.data_ptr() in seen or name.startswith(exclude)):
+                seen.add(t.data_ptr())
+                out[kind] += tensor_bytes(t)
     for name, module in model.named_modules():
         if not name.startswith(exclude):
             out["quant_state"] += sum(tensor_bytes(t) for t in quant_state_tensors(module) if not t.is_meta)
