@@ -278,10 +278,9 @@ def _loss(runner: Runner, model: Path, cache: Path, rows: list, details: dict) -
     """--suite cpu-loss: chunked against whole logits; memory is what vocabulary 128256 adds over 512."""
     p = runner.plan
     peaks: dict[tuple[int, int], list[int]] = {}
-    speed: dict[int, list[float]] = {LOSS_CHUNK: [], 0: []}
     models = {vocab: runner.model({**LOSS_MODEL, "vocab_size": vocab}, cache) for vocab in LOSS_VOCABS}
 
-    def measure(chunk: int, rep: int) -> None:
+    def measure(chunk: int, rep: int) -> float:
         for vocab, small in models.items():
             what = f"loss memory, vocabulary {vocab}, --loss_chunk_tokens {chunk} (rep {rep + 1})"
             _, rss = train_cli(runner, what, small, "bnb", nproc=1, version=2,
@@ -289,9 +288,9 @@ def _loss(runner: Runner, model: Path, cache: Path, rows: list, details: dict) -
             peaks.setdefault((vocab, chunk), []).append(rss[0])
         metrics, _ = train_cli(runner, f"loss speed, --loss_chunk_tokens {chunk} (rep {rep + 1})", model, "bnb",
                                nproc=1, version=2, flags={"loss_chunk_tokens": chunk})  # fmt: skip
-        speed[chunk].append(median([m["tokens_per_s"] for m in metrics[p.warmup_steps :]]))
+        return median([m["tokens_per_s"] for m in metrics[p.warmup_steps :]])
 
-    alternating(p.reps, (LOSS_CHUNK, 0), measure)
+    speed = alternating(p.reps, (LOSS_CHUNK, 0), measure)
     small_vocab, large_vocab = LOSS_VOCABS
     growth = {c: [b - s for b, s in zip(peaks[(large_vocab, c)], peaks[(small_vocab, c)], strict=True)]
               for c in (LOSS_CHUNK, 0)}  # fmt: skip
