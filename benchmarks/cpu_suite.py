@@ -164,9 +164,8 @@ def _loading(runner: Runner, model: Path, rows: list, details: dict) -> dict[int
         rows += figure_rows("loading", LOAD_FIGURES, [_load_summary(r, ours_model) for r in runs], peer_sums,
                             suffix=f"_fsdp{version}", prefix=f"FSDP{version}: ", peer_label=PEER_LOAD,
                             ours_label=f"qlora-fsdp FSDP{version}, 2 ranks (gloo), streaming")  # fmt: skip
-    rows.append(row("loading", "quantized_model_bytes",
-                    "quantized model bytes (packed + quant state + unquantized weights)", "bytes", "lower",
-                    [ours_model], [peer_model["total"]],
+    rows.append(row("loading", "quantized_model_bytes", "quantized model bytes (packed + quant state + unquantized "
+                    "weights)", "bytes", "lower", [ours_model], [peer_model["total"]],
                     ours_label=f"qlora-fsdp, bnb nf4, {runner.plan.precision}", peer_label=PEER_LOAD))  # fmt: skip
     return ours
 
