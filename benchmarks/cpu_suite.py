@@ -50,10 +50,10 @@ class CpuPlan(Settings):
 
     model: dict[str, int]
     reps: int
-    batch_size: int
-    context_length: int
-    warmup_steps: int
-    measured_steps: int
+    batch_size: int = 4
+    context_length: int = 256
+    warmup_steps: int = 2
+    measured_steps: int = 3
     gradient_checkpointing: bool = False
     world_sizes: tuple[int, ...] = (1, 2, 4)
     train_runs: tuple[tuple[str, str, int, int], ...] = TRAIN_RUNS
@@ -63,20 +63,17 @@ class CpuPlan(Settings):
 
 def plan(*, quick: bool, kind: str = "cpu", **launch: Any) -> CpuPlan:
     """The full suite (about 33 minutes on 2 cores), --quick (what the test runs), or one of the single sections."""
-    model, n = (QUICK_MODEL, 1) if quick else (FULL_MODEL, 3)
-    if kind in ("cpu-packing", "cpu-loss"):  # packing: 2 ranks on data/alpaca_tiny.jsonl; loss: memory on LOSS_MODEL
-        p = CpuPlan(model=model, reps=n, batch_size=4, context_length=512 if kind == "cpu-packing" else 256,
-                    warmup_steps=2, measured_steps=3)  # fmt: skip
-    elif kind == "cpu-large":
+    if kind == "cpu-large":
         p = CpuPlan(model=harness.LARGE_MODEL, reps=1, batch_size=1, context_length=64, warmup_steps=0,
                     measured_steps=0)  # fmt: skip
-    elif quick:
+    elif quick and kind == "cpu":
         # 4 ranks on 2 cores show nothing 2 do not; one process and one torchrun job cover both launch paths.
-        p = CpuPlan(model=model, reps=1, batch_size=2, context_length=64, warmup_steps=1, measured_steps=2,
+        p = CpuPlan(model=QUICK_MODEL, reps=1, batch_size=2, context_length=64, warmup_steps=1, measured_steps=2,
                     retries=0, launch_timeout_s=180.0, world_sizes=(1, 2),
                     train_runs=tuple(r for r in TRAIN_RUNS if r[0] in ("bnb_1proc", "bnb_2ranks_fsdp2")))  # fmt: skip
-    else:
-        p = CpuPlan(model=model, reps=3, batch_size=4, context_length=256, warmup_steps=2, measured_steps=3)
+    else:  # the full suite; packing: 2 ranks on data/alpaca_tiny.jsonl; loss: memory on LOSS_MODEL
+        p = CpuPlan(model=QUICK_MODEL if quick else FULL_MODEL, reps=1 if quick else 3,
+                    context_length=512 if kind == "cpu-packing" else 256)  # fmt: skip
     p.kind, p.quick = kind, quick and kind != "cpu-large"
     p.configure(**launch)
     return p
@@ -167,9 +164,8 @@ def _loading(runner: Runner, model: Path, rows: list, details: dict) -> dict[int
         rows += figure_rows("loading", LOAD_FIGURES, [_load_summary(r, ours_model) for r in runs], peer_sums,
                             suffix=f"_fsdp{version}", prefix=f"FSDP{version}: ", peer_label=PEER_LOAD,
                             ours_label=f"qlora-fsdp FSDP{version}, 2 ranks (gloo), streaming")  # fmt: skip
-    rows.append(row("loading", "quantized_model_bytes",
-                    "quantized model bytes (packed + quant state + unquantized weights)", "bytes", "lower",
-                    [ours_model], [peer_model["total"]],
+    rows.append(row("loading", "quantized_model_bytes", "quantized model bytes (packed + quant state + unquantized "
+                    "weights)", "bytes", "lower", [ours_model], [peer_model["total"]],
                     ours_label=f"qlora-fsdp, bnb nf4, {runner.plan.precision}", peer_label=PEER_LOAD))  # fmt: skip
     return ours
 
@@ -222,8 +218,7 @@ def _training(runner: Runner, model: Path, rows: list, details: dict) -> None:
     """Section 3: tokens/s and peak RSS of our CLI (bnb, hqq; 1 and 2 ranks) against HF + PEFT."""
     p, skip = runner.plan, runner.plan.warmup_steps
     peer_tps, peer_rss = [], []
-    ours: dict[str, list[float]] = {key: [] for key, *_ in p.train_runs}
-    ours_rss: dict[str, list[float]] = {key: [] for key, *_ in p.train_runs}
+    ours, ours_rss = ({key: [] for key, *_ in p.train_runs} for _ in range(2))
     peer_args = {"model": str(model), "precision": p.precision, "lora_rank": p.lora_rank, "lora_alpha": p.lora_alpha,
                  "batch_size": p.batch_size, "context_length": p.context_length,
                  "steps": p.warmup_steps + p.measured_steps, "checkpointing": p.gradient_checkpointing}  # fmt: skip
@@ -282,10 +277,9 @@ def _loss(runner: Runner, model: Path, cache: Path, rows: list, details: dict) -
     """--suite cpu-loss: chunked against whole logits; memory is what vocabulary 128256 adds over 512."""
     p = runner.plan
     peaks: dict[tuple[int, int], list[int]] = {}
-    speed: dict[int, list[float]] = {LOSS_CHUNK: [], 0: []}
     models = {vocab: runner.model({**LOSS_MODEL, "vocab_size": vocab}, cache) for vocab in LOSS_VOCABS}
 
-    def measure(chunk: int, rep: int) -> None:
+    def measure(chunk: int, rep: int) -> float:
         for vocab, small in models.items():
             what = f"loss memory, vocabulary {vocab}, --loss_chunk_tokens {chunk} (rep {rep + 1})"
             _, rss = train_cli(runner, what, small, "bnb", nproc=1, version=2,
@@ -293,9 +287,9 @@ def _loss(runner: Runner, model: Path, cache: Path, rows: list, details: dict) -
             peaks.setdefault((vocab, chunk), []).append(rss[0])
         metrics, _ = train_cli(runner, f"loss speed, --loss_chunk_tokens {chunk} (rep {rep + 1})", model, "bnb",
                                nproc=1, version=2, flags={"loss_chunk_tokens": chunk})  # fmt: skip
-        speed[chunk].append(median([m["tokens_per_s"] for m in metrics[p.warmup_steps :]]))
+        return median([m["tokens_per_s"] for m in metrics[p.warmup_steps :]])
 
-    alternating(p.reps, (LOSS_CHUNK, 0), measure)
+    speed = alternating(p.reps, (LOSS_CHUNK, 0), measure)
     small_vocab, large_vocab = LOSS_VOCABS
     growth = {c: [b - s for b, s in zip(peaks[(large_vocab, c)], peaks[(small_vocab, c)], strict=True)]
               for c in (LOSS_CHUNK, 0)}  # fmt: skip

@@ -4,7 +4,6 @@ rank, for jobs): `python -m benchmarks.cpu_workers NAME JSON_ARGS`.
 
 from __future__ import annotations
 
-import functools
 import importlib
 import shutil
 import time
@@ -29,11 +28,9 @@ def tensor_bytes(t: torch.Tensor) -> int:
 
 def _tensors_in(obj: Any) -> list[torch.Tensor]:
     """Every tensor in a (nested) dict such as HQQ's meta or a bnb QuantState.as_dict()."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
     if isinstance(obj, dict):
         return [t for v in obj.values() for t in _tensors_in(v)]
-    return []
+    return [obj] if isinstance(obj, torch.Tensor) else []
 
 
 def quant_state_tensors(module: nn.Module) -> list[torch.Tensor]:
@@ -54,10 +51,9 @@ def model_bytes(model: nn.Module, *, exclude: tuple[str, ...] = ()) -> dict[str,
     out = {"params": 0, "buffers": 0, "quant_state": 0}
     for kind, tensors in (("params", model.named_parameters()), ("buffers", model.named_buffers())):
         for name, t in tensors:
-            if t.is_meta or t.data_ptr() in seen or name.startswith(exclude):
-                continue
-            seen.add(t.data_ptr())
-            out[kind] += tensor_bytes(t)
+            if not (t.is_meta or t.data_ptr() in seen or name.startswith(exclude)):
+                seen.add(t.data_ptr())
+                out[kind] += tensor_bytes(t)
     for name, module in model.named_modules():
         if not name.startswith(exclude):
             out["quant_state"] += sum(tensor_bytes(t) for t in quant_state_tensors(module) if not t.is_meta)
@@ -108,9 +104,8 @@ def load_ours(args: dict[str, Any]) -> None:
     start = time.perf_counter()
     fsdp = FSDPConfig(fsdp_version=args["fsdp_version"], sharding_strategy="full_shard", gradient_checkpointing=False)
     sharder = make_sharder(fsdp, env=env, precision=precision, ignore=(QuantizedLinear,), adapters_own_units=False)
-    layout = sharder.layout
-    backend = make_backend(QuantConfig(quant=args["quant"]), storage_dtype=layout.storage_dtype,
-                           compute_dtype=precision.compute_dtype, shard_state=layout.state_sharded)  # fmt: skip
+    backend = make_backend(QuantConfig(quant=args["quant"]), storage_dtype=sharder.layout.storage_dtype,
+                           compute_dtype=precision.compute_dtype, shard_state=sharder.layout.state_sharded)  # fmt: skip
     skeleton = build_skeleton(ModelConfig(model=args["model"]), backend=backend, param_dtype=precision.param_dtype)
     for param in skeleton.model.parameters():
         param.requires_grad_(False)  # as under LoRA: the base is frozen
@@ -142,8 +137,7 @@ def load_ours(args: dict[str, Any]) -> None:
 def read_bytes() -> int:
     """Bytes this process has read through read(2) and its kin (/proc/self/io rchar): what a load reads from its
     files, whether the page cache or the disk serves them."""
-    return int(next(line for line in Path("/proc/self/io").read_text().splitlines() if line.startswith("rchar:"))
-               .split()[1])  # fmt: skip
+    return int(Path("/proc/self/io").read_text().split("rchar:")[1].split()[0])
 
 
 def write_formats(args: dict[str, Any]) -> None:
@@ -220,17 +214,18 @@ def quant_quality(args: dict[str, Any]) -> None:
     for fmt in args["formats"]:
         cfg = QuantConfig(**fmt["config"])
         backend = make_backend(cfg, storage_dtype=torch.uint8, compute_dtype=torch.bfloat16)
-        ours, reference = functools.partial(_our_quantize, backend), functools.partial(_reference_quantize, cfg)
-        results[fmt["name"]] = {"ours": _errors(weights, ours), "reference": _errors(weights, reference)}
+        results[fmt["name"]] = {"ours": _errors(weights, _our_quantize, backend),
+                                "reference": _errors(weights, _reference_quantize, cfg)}  # fmt: skip
     write_json(args["result"], {"formats": results, "matrices": len(weights),
                                 "params": sum(w.numel() for w in weights)})  # fmt: skip
 
 
-def _errors(weights: list[torch.Tensor], quantize: Callable[[torch.Tensor], tuple[Any, int]]) -> dict[str, float]:
-    """Stored bits per parameter and the mean and max absolute error of `quantize` over `weights`."""
+def _errors(weights: list[torch.Tensor], quantize: Callable[[Any, torch.Tensor], tuple[Any, int]],
+            how: Any) -> dict[str, float]:  # fmt: skip
+    """Stored bits per parameter and the mean and max absolute error of `quantize(how, w)` over `weights`."""
     stored = err_sum = err_max = 0.0
     for w in weights:
-        deq, nbytes = quantize(w)
+        deq, nbytes = quantize(how, w)
         diff = (deq - w).abs()
         stored += nbytes
         err_sum += float(diff.double().sum())
@@ -243,7 +238,7 @@ def _our_quantize(backend: Any, w: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Our backend's path into the module our loader builds: (dequantized fp32 weight, stored bytes)."""
     module = backend.make_module(nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta"))
     backend.load_weight(module, w, device=torch.device("cpu"))
-    stored = tensor_bytes(module.packed_bytes()) + sum(tensor_bytes(t) for t in module.state_bytes().values())
+    stored = tensor_bytes(module.packed_bytes()) + sum(map(tensor_bytes, module.state_bytes().values()))
     return module.dequantize().float(), stored
 
 
@@ -255,17 +250,15 @@ def _reference_quantize(cfg: Any, w: Any) -> tuple[Any, int]:
         # What HF's 4-bit loading does: cast to the compute dtype, quantize in 64-element blocks, uint8 storage.
         packed, state = bnbf.quantize_4bit(w.to(torch.bfloat16), blocksize=64, quant_type=cfg.bnb_quant_type,
                                            compress_statistics=cfg.bnb_double_quant)  # fmt: skip
-        deq = bnbf.dequantize_4bit(packed, state).float()
-        states = [t for t in state.as_dict(packed=True).values() if isinstance(t, torch.Tensor)]
-        return deq, tensor_bytes(packed) + sum(tensor_bytes(t) for t in states)
+        states = _tensors_in(state.as_dict(packed=True))
+        return bnbf.dequantize_4bit(packed, state).float(), tensor_bytes(packed) + sum(map(tensor_bytes, states))
     from hqq.core.quantize import BaseQuantizeConfig, HQQLinear
 
     linear = nn.Linear(w.shape[1], w.shape[0], bias=False)
     linear.weight.data = w.clone()
     module = HQQLinear(linear, BaseQuantizeConfig(nbits=cfg.hqq_bits, group_size=cfg.hqq_group_size),
                        compute_dtype=torch.bfloat16, device="cpu")  # fmt: skip
-    deq = module.dequantize().float()
-    return deq, tensor_bytes(module.W_q) + sum(tensor_bytes(t) for t in quant_state_tensors(module))
+    return module.dequantize().float(), tensor_bytes(module.W_q) + sum(map(tensor_bytes, quant_state_tensors(module)))
 
 
 def moe_peer(args: dict[str, Any]) -> None:
@@ -304,14 +297,12 @@ def compare(args: dict[str, Any]) -> None:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-    metas = []
+    layouts = []
     for path in (args["a"], args["b"]):
         items = dcp.FileSystemReader(path).read_metadata().state_dict_metadata.items()
-        metas.append({k: v for k, v in items if isinstance(v, TensorStorageMetadata)})
-    a, b = metas
-    layout = {k: (tuple(v.size), v.properties.dtype) for k, v in a.items()}
-    same_layout = layout == {k: (tuple(v.size), v.properties.dtype) for k, v in b.items()}
-    size = {k: v.size.numel() * v.properties.dtype.itemsize for k, v in a.items()}
+        layouts.append({k: (v.size, v.properties.dtype) for k, v in items if isinstance(v, TensorStorageMetadata)})
+    layout, same_layout = layouts[0], layouts[0] == layouts[1]
+    size = {k: shape.numel() * dtype.itemsize for k, (shape, dtype) in layout.items()}
     chunks: list[list[str]] = [[]]
     for key in sorted(layout) if same_layout else []:
         if chunks[-1] and sum(size[k] for k in chunks[-1]) + size[key] > COMPARE_CHUNK_BYTES:
@@ -319,18 +310,15 @@ def compare(args: dict[str, Any]) -> None:
         chunks[-1].append(key)
     differing, max_diff = [], 0.0
     for chunk in filter(None, chunks):
-        loaded = []
-        for path in (args["a"], args["b"]):
-            state = {k: torch.empty(layout[k][0], dtype=layout[k][1]) for k in chunk}
-            dcp.load(state, checkpoint_id=path, no_dist=True)
-            loaded.append(state)
+        x, y = ({k: torch.empty(layout[k][0], dtype=layout[k][1]) for k in chunk} for _ in range(2))
+        dcp.load(x, checkpoint_id=args["a"], no_dist=True)
+        dcp.load(y, checkpoint_id=args["b"], no_dist=True)
         for k in chunk:
-            x, y = loaded[0][k], loaded[1][k]
-            if not torch.equal(x, y):
+            if not torch.equal(x[k], y[k]):
                 differing.append(k)
-                max_diff = max(max_diff, (x.double() - y.double()).abs().max().item())
+                max_diff = max(max_diff, (x[k].double() - y[k].double()).abs().max().item())
     write_json(args["result"], {
-        "tensors": len(a), "tensor_bytes": sum(size.values()), "same_layout": same_layout, "differing": differing,
+        "tensors": len(layout), "tensor_bytes": sum(size.values()), "same_layout": same_layout, "differing": differing,
         "max_abs_diff": max_diff, "identical": same_layout and not differing,
     })  # fmt: skip
 

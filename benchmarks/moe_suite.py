@@ -75,20 +75,19 @@ def dense_sizes(moe: dict[str, int], vocab_size: int) -> dict[str, int]:
 
 def describe(model: Path, *, experts: int = 0, top_k: int = 0) -> dict[str, Any]:
     """Parameters and bytes on disk from the headers; for an MoE its experts' share and active parameters."""
-    tensors = harness.tensor_headers(model)
-    config = json.loads((model / "config.json").read_text())
-    total = sum(math.prod(t["shape"]) for t in tensors.values())
+    tensors, config = harness.tensor_headers(model), harness.read_json(model / "config.json")
+    params = {k: math.prod(t["shape"]) for k, t in tensors.items()}
+    disk = {k: n * DTYPE_BYTES[tensors[k]["dtype"]] for k, n in params.items()}
+    total = sum(params.values())
     info: dict[str, Any] = {
         "path": str(model), "architecture": (config.get("architectures") or ["?"])[0], "parameters": total,
-        "bytes_on_disk": sum(math.prod(t["shape"]) * DTYPE_BYTES[t["dtype"]] for t in tensors.values()),
-        "dtypes_on_disk": sorted({t["dtype"] for t in tensors.values()}),
+        "bytes_on_disk": sum(disk.values()), "dtypes_on_disk": sorted({t["dtype"] for t in tensors.values()}),
         "sizes": {k: config.get(k) for k in SIZE_KEYS}, "active_parameters": total,
     }  # fmt: skip
     if experts:  # per-expert tensors (...experts.E.w1/w2/w3) or fused 3-D ones
-        routed = [t for k, t in tensors.items() if ".experts." in k or k.endswith((".gate_up_proj", ".down_proj"))]
-        expert_params = sum(math.prod(t["shape"]) for t in routed)
-        info.update(expert_parameters=expert_params,
-                    expert_bytes_on_disk=sum(math.prod(t["shape"]) * DTYPE_BYTES[t["dtype"]] for t in routed),
+        routed = [k for k in tensors if ".experts." in k or k.endswith((".gate_up_proj", ".down_proj"))]
+        expert_params = sum(params[k] for k in routed)
+        info.update(expert_parameters=expert_params, expert_bytes_on_disk=sum(disk[k] for k in routed),
                     active_parameters=total - expert_params + expert_params * top_k // experts)  # fmt: skip
     return info
 
@@ -104,7 +103,7 @@ def ensure_models(runner: Runner, cache: Path) -> tuple[Path, Path]:
         args = {"out": str(moe), "tokenizer_from": str(dense), "seed": p.seed, "sizes": p.moe}
         cmd = harness.worker_cmd("benchmarks.cpu_workers", "build_moe", args)
         harness.launch([cmd], [harness.base_env(p.threads)], timeout_s=p.launch_timeout_s).check(f"building {name}")
-    a, b = (json.loads((m / "config.json").read_text()) for m in (moe, dense))
+    a, b = (harness.read_json(m / "config.json") for m in (moe, dense))
     same = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size")
     wrong = [f"{k}: {a.get(k)} vs {b.get(k)}" for k in same if a.get(k) != b.get(k)]
     if a["num_experts_per_tok"] * a["intermediate_size"] != b["intermediate_size"]:
@@ -234,8 +233,7 @@ def run(p: MoePlan, *, cache: Path, model: Path | None = None) -> dict[str, Any]
 
 def render(results: dict[str, Any]) -> str:
     """The tables after the two models, where HF's bytes are, sharding efficiency and peak RSS."""
-    lines, models = [], results.get("models")
-    details = results.get("details", {})
+    lines, models, details = [], results.get("models"), results.get("details", {})
     if models:
         moe, dense, s = models["moe"], models["dense"], models["moe"]["sizes"]
         lines += ["", "### Models", "",
@@ -263,9 +261,8 @@ def render(results: dict[str, Any]) -> str:
             lines[-1] += (f" For scale, the checkpoint's {'/'.join(models['moe']['dtypes_on_disk'])} weights are "
                           f"{fmt(disk, 'bytes')}: HF's 4-bit model is {b['total'] / disk:.2f}x of them.")  # fmt: skip
     if memory := details.get("memory"):
-        efficiency = "; ".join(f"{q} " + ", ".join(f"{n} ranks {r['sharding_efficiency']:.3f}"
-                                                   for n, r in by_n.items() if n != "1")
-                               for q, by_n in memory.items())  # fmt: skip
+        efficiency = "; ".join(f"{q} " + ", ".join(f"{n} ranks {r['sharding_efficiency']:.3f}" for n, r in by_n.items()
+                                                   if n != "1") for q, by_n in memory.items())  # fmt: skip
         # Not a ratio row: our peak covers loading and training steps, the peer's its loading alone.
         peaks = "; ".join(f"{q} " + ", ".join(f"{n} rank(s) {fmt(r['peak_rss_bytes'], 'bytes')}"
                                               for n, r in by_n.items()) for q, by_n in memory.items())  # fmt: skip
