@@ -53,6 +53,14 @@ class CheckpointPlan(Settings):
         """Saves with a step after them, whose stall the step times show."""
         return [s for s in self.saves if s < self.steps]
 
+    def check(self) -> None:
+        """A quiet boundary (after step 1) for the baseline, and a save with a step after it."""
+        if self.save_steps < 2:
+            raise ValueError("--save_steps must be >= 2: the boundary after step 1 is the baseline of the step times")
+        if not self.timed_saves:
+            raise ValueError(f"--max_steps {self.steps} leaves no save before the last step (--save_steps "
+                             f"{self.save_steps})")  # fmt: skip
+
 
 def plan(*, quick: bool, **launch: Any) -> CheckpointPlan:
     """The full suite (483M full, 171M LoRA) or the quick one (1.6M both); a full run is minutes, so no retry."""
@@ -62,16 +70,7 @@ def plan(*, quick: bool, **launch: Any) -> CheckpointPlan:
     p.configure(**launch)
     if not quick and p.precision == "fp32":
         p.full_model["num_layers"] = FULL_LAYERS_FP32
-    check_plan(p)
     return p
-
-
-def check_plan(p: CheckpointPlan) -> None:
-    """A quiet boundary (after step 1) for the baseline, and a save with a step after it."""
-    if p.save_steps < 2:
-        raise ValueError("--save_steps must be >= 2: the boundary after step 1 is the baseline of the step times")
-    if not p.timed_saves:
-        raise ValueError(f"--max_steps {p.steps} leaves no save before the last step (--save_steps {p.save_steps})")
 
 
 def train(runner: Runner, what: str, model: Path, case: str, *, async_save: bool) -> dict[str, Any]:

@@ -60,6 +60,13 @@ class DataPlan(Settings):
     """Item 4 measures the steps after these."""
     seed: int = 0
 
+    def check(self) -> None:
+        """The small run's rows fill a step of every rank."""
+        if self.rss_rows[1] < self.nproc * self.batch_size:
+            raise ValueError(
+                f"--rows {self.rows}: too few rows for a {self.nproc}-rank step of batch {self.batch_size}"
+            )
+
 
 def plan(*, quick: bool, rows: int | None, **launch: Any) -> DataPlan:
     """The full suite (1,000,000 rows) or the quick one (2,000); a build takes minutes, so no retry."""
@@ -67,8 +74,6 @@ def plan(*, quick: bool, rows: int | None, **launch: Any) -> DataPlan:
     rss = (min(n, 2_000), max(8, min(n, 2_000) // 10)) if quick else (min(n, RSS_ROWS[0]), min(n // 10, RSS_ROWS[1]))
     p = DataPlan(n, rss, build_reps=1, train_reps=1 if quick else 3, launch_timeout_s=300.0 if quick else 3600.0,
                  quick=quick, retries=0, **(dict(steps=3, warmup_steps=1) if quick else {}))  # fmt: skip
-    if p.rss_rows[1] < p.nproc * p.batch_size:
-        raise ValueError(f"--rows {n}: too few rows for a {p.nproc}-rank step of batch {p.batch_size}")
     p.configure(**launch)
     return p
 

@@ -345,7 +345,7 @@ class Settings:
 
     def configure(self, *, threads: int = 2, precision: str | None = None, idle_wait_s: float | None = None,
                   reps: int | None = None) -> None:  # fmt: skip
-        """The command line's launch flags; a quick plan waits for nobody unless told to."""
+        """The command line's launch flags, then `check`; a quick plan waits for nobody unless told to."""
         flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
         self.threads = threads
         self.precision = precision or ("bf16" if "avx512_bf16" in flags or "amx_bf16" in flags else "fp32")
@@ -353,6 +353,11 @@ class Settings:
         for name in ("reps", "build_reps", "train_reps"):
             if reps is not None and hasattr(self, name):
                 setattr(self, name, reps)
+        self.check()
+
+    def check(self) -> None:
+        """A suite's refusal (ValueError) of sizes it cannot measure with; configure ends with it, so every plan
+        the command line makes is checked."""
 
 
 class Runner:

@@ -55,6 +55,13 @@ class PreferencePlan(Settings):
         """Pairs in the file: one epoch of the run, so SFT trains every sequence DPO does."""
         return self.nproc * self.pairs_per_rank * self.steps
 
+    def check(self) -> None:
+        """Unpadded batches, and a step on each side of every measure."""
+        if self.sequence_tokens % 8:
+            raise ValueError(f"a sequence of {self.sequence_tokens} tokens would be padded to a multiple of 8")
+        if self.steps < 3:
+            raise ValueError("--max_steps must be >= 3: step 1 (one-time costs), a timed step, the profiled last step")
+
 
 def plan(*, quick: bool, objectives: tuple[str, ...] | None = None, **launch: Any) -> PreferencePlan:
     """The full suite (34M model, 4 objectives) or the quick one (DPO alone); peaks are memory: no retry."""
@@ -65,16 +72,7 @@ def plan(*, quick: bool, objectives: tuple[str, ...] | None = None, **launch: An
     if objectives is not None:
         p.objectives = harness.choose("--objectives", objectives, OBJECTIVES)
     p.configure(**launch)
-    check_plan(p)
     return p
-
-
-def check_plan(p: PreferencePlan) -> None:
-    """Unpadded batches, and a step on each side of every measure."""
-    if p.sequence_tokens % 8:
-        raise ValueError(f"a sequence of {p.sequence_tokens} tokens would be padded to a multiple of 8")
-    if p.steps < 3:
-        raise ValueError("--max_steps must be >= 3: step 1 (one-time costs), a timed step, the profiled last step")
 
 
 class Texts:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.checkpoint_suite import CASES, STALL_BAR, analyse, check_plan, parse_saves, plan
+from benchmarks.checkpoint_suite import CASES, STALL_BAR, analyse, parse_saves, plan
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ROW_FIELDS = ("section", "key", "figure", "unit", "better", "ours", "peer", "ratio", "runs")
@@ -152,6 +152,6 @@ def test_plan_checks() -> None:
     assert full.saves == [2, 4, 6] and full.timed_saves == [2, 4] and full.full_model["num_layers"] == 8
     assert plan(quick=False, threads=2, reps=None, idle_wait_s=None, precision="fp32").full_model["num_layers"] == 4
     with pytest.raises(ValueError, match=">= 2"):
-        check_plan(dataclasses.replace(full, save_steps=1))
+        dataclasses.replace(full, save_steps=1).check()
     with pytest.raises(ValueError, match="no save before the last step"):
-        check_plan(dataclasses.replace(full, steps=2))
+        dataclasses.replace(full, steps=2).check()

@@ -18,7 +18,6 @@ from benchmarks.long_context_suite import (
     LONGEST_BAR,
     SP_PEAK_BAR,
     TILED_PEAK_BAR,
-    check_plan,
     grid_runs,
     longest_context,
     plan,
@@ -119,7 +118,7 @@ def test_plan_checks() -> None:
         (dict(model={**full.model, "num_heads": 12, "num_kv_heads": 3}), "do not split"),
     ):
         with pytest.raises(ValueError, match=match):
-            check_plan(dataclasses.replace(full, **bad))
+            dataclasses.replace(full, **bad).check()
 
 
 def test_tiles_follow_auto_with_a_floor() -> None:

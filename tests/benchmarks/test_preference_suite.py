@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.preference_suite import OBJECTIVES, PEAKS, check_plan, plan, write_datasets
+from benchmarks.preference_suite import OBJECTIVES, PEAKS, plan, write_datasets
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ROW_FIELDS = ("section", "key", "figure", "unit", "better", "ours", "peer", "ratio", "runs")
@@ -114,6 +114,6 @@ def test_plan_checks() -> None:
     with pytest.raises(ValueError, match="--objectives"):
         plan(quick=True, threads=2, reps=None, idle_wait_s=None, objectives=("kto",))
     with pytest.raises(ValueError, match="multiple of 8"):
-        check_plan(dataclasses.replace(full, reply_tokens=full.reply_tokens + 1))
+        dataclasses.replace(full, reply_tokens=full.reply_tokens + 1).check()
     with pytest.raises(ValueError, match=">= 3"):
-        check_plan(dataclasses.replace(full, steps=2))
+        dataclasses.replace(full, steps=2).check()
