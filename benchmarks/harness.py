@@ -494,7 +494,8 @@ class Runner:
 
     def results(self, suite: str, rows: list[dict[str, Any]], details: dict[str, Any], settings: dict[str, Any],
                 **extra: Any) -> dict[str, Any]:  # fmt: skip
-        """results.json's content: the plan and `settings`, rows, details, every launch's conditions."""
+        """results.json's content: the plan and `settings` (precision as the flag, unless a suite says more), rows,
+        details, every launch's conditions."""
         launches = self.launches
         foreign = [e["foreign_cores"] for e in launches if not e["discarded"]]
         conditions = {"build_model_s": round(self.build_s, 1), "launches": launches,
@@ -504,8 +505,9 @@ class Runner:
                       "discarded_launches": sum(e["discarded"] for e in launches),
                       "aborted_at_exit_after_finishing": sum("aborted_at_exit_after_finishing" in e for e in launches),
                       }  # fmt: skip
-        return {"suite": suite, "quick": self.plan.quick, **extra, "settings": {**asdict(self.plan), **settings},
-                "rows": rows, "details": details, "conditions": conditions,
+        settings = {**asdict(self.plan), "precision": f"--precision {self.plan.precision}", **settings}
+        return {"suite": suite, "quick": self.plan.quick, **extra, "settings": settings, "rows": rows,
+                "details": details, "conditions": conditions,
                 "wall_time_s": time.perf_counter() - self.started}  # fmt: skip
 
 

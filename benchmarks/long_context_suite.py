@@ -177,7 +177,7 @@ def run(p: LongContextPlan, *, cache: Path, model: Path | None = None) -> dict[s
         details["runs"] = {"/".join(map(str, k)): [brief(r, KEEP) for r in v] for k, v in runs.items()}
         steps = "step 1" if p.steps == 2 else f"steps 1-{p.steps - 1}"
         return runner.results("cpu-long-context", rows, details, {
-            "candidates": p.candidates(), "budget_bytes": budget, "precision": f"--precision {p.precision}",
+            "candidates": p.candidates(), "budget_bytes": budget,
             "threads": f"OMP_NUM_THREADS={p.threads} // S per rank (at least 1)",
             "our_training": f"torchrun --nproc_per_node S train.py --sequence_parallel_size S --quant bnb, FSDP2 "
                             f"full_shard, gradient checkpointing (the default), LoRA r{p.lora_rank} on every linear "

@@ -174,7 +174,7 @@ def run(p: PreferencePlan, *, cache: Path, model: Path | None = None) -> dict[st
         details["runs"] = {k: [{**brief(r, KEEP), "rss_growth_bytes_per_rank_step": rss_growth(r)} for r in v]
                            for k, v in runs.items()}  # fmt: skip
         return runner.results("cpu-preference", rows, details, {
-            "sequence_tokens": p.sequence_tokens, "pairs": p.pairs, "precision": f"--precision {p.precision}",
+            "sequence_tokens": p.sequence_tokens, "pairs": p.pairs,
             "threads": f"OMP_NUM_THREADS={max(1, p.threads // p.nproc)} per rank",
             "our_training": f"torchrun --nproc_per_node {p.nproc} train.py --quant bnb, FSDP2 full_shard, gradient "
                             f"checkpointing (the default), LoRA r{p.lora_rank} on every linear but the head, "
