@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import harness, report
-from benchmarks.harness import Runner, Settings, brief, figure_rows, median, session
+from benchmarks.harness import Runner, Settings, brief, clears, keyed_rows, median, session
 from benchmarks.report import fmt
 
 CASES = ("full", "lora")
@@ -235,10 +235,10 @@ def _rows(p: CheckpointPlan, models: dict[str, Path], runs: dict[str, dict[str, 
         params, total = sides["async"][0]["trainable_parameters"], harness.parameters(models[case])
         what = "--train_type full --quant none" if case == "full" else f"--quant bnb, LoRA r{p.lora_rank}"
         shape = f"{what}, {params:,} trainable of {total:,} parameters, {p.nproc} ranks, FSDP2"
-        made = {r["key"].removesuffix(f"_{case}"): r for r in figure_rows(
-            case, figures, sides["async"], sides["sync"], suffix=f"_{case}", ours_label=f"--async_save true; {shape}",
-            peer_label="--async_save false (the same CLI)", note=f"{case}: saves after steps "
-            f"{', '.join(map(str, p.saves))} of {p.steps}; {p.reps} repetition(s), medians")}  # fmt: skip
+        made = keyed_rows(case, figures, sides["async"], sides["sync"], suffix=f"_{case}",
+                          ours_label=f"--async_save true; {shape}", peer_label="--async_save false (the same CLI)",
+                          note=f"{case}: saves after steps {', '.join(map(str, p.saves))} of {p.steps}; {p.reps} "
+                          "repetition(s), medians")  # fmt: skip
         rows += made.values()
         same = [c["identical"] for c in compared[case]]
         ratios = {k: made[f"stall_{k}_s"]["ratio"] for k in ("logged", "steps")}
@@ -247,7 +247,7 @@ def _rows(p: CheckpointPlan, models: dict[str, Path], runs: dict[str, dict[str, 
             "case": case, "stall_ratio": ratios, "stall_bar": bar, "checkpoints_identical": all(same),
             "stall_s": {side: {k: made[f"stall_{k}_s"][side] for k in ratios} for side in ("ours", "peer")},
             "checkpoint_bytes": {"async": made["checkpoint_bytes"]["ours"], "sync": made["checkpoint_bytes"]["peer"]},
-            "passed": all(same) and (bar is None or all(r <= bar for r in ratios.values())),
+            "passed": all(same) and all(clears(r, bar) for r in ratios.values()),
         })  # fmt: skip
     return rows, {"acceptance": acceptance, "summaries": summaries, "compared": compared}
 

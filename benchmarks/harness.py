@@ -286,6 +286,17 @@ def figure_rows(section: str, figures: Iterable[tuple[str, str, str, str]], ours
                 [s[key] for s in peer], **labels) for key, figure, unit, better in figures]  # fmt: skip
 
 
+def keyed_rows(section: str, figures: Sequence[tuple[str, str, str, str]], ours: Sequence[dict[str, Any]],
+               peer: Sequence[dict[str, Any]], **kw: Any) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """figure_rows by each figure's own key (without `suffix`): a suite reads the ratios its bars are judged on."""
+    return dict(zip((f[0] for f in figures), figure_rows(section, figures, ours, peer, **kw), strict=True))
+
+
+def clears(value: float, bar: float | None, better: str = "lower") -> bool:
+    """Whether a figure meets its bar (None: it has none): at most the bar where lower is better, else at least."""
+    return bar is None or (value <= bar if better == "lower" else value >= bar)
+
+
 def behind(rows: Sequence[dict[str, Any]], n: int = 3) -> list[dict[str, Any]]:
     """The `n` rows where we trail the peer most."""
     badness = {id(r): r["ratio"] if r["better"] == "lower" else 1.0 / r["ratio"] for r in rows}

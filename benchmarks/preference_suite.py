@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import harness, report
-from benchmarks.harness import Runner, Settings, alternating, brief, check_steps, figure_rows, llama, median
+from benchmarks.harness import Runner, Settings, alternating, brief, check_steps, clears, keyed_rows, llama, median
 from benchmarks.report import fmt
 
 OBJECTIVES = ("dpo", "ipo", "orpo", "simpo")
@@ -213,13 +213,12 @@ def _rows(p: PreferencePlan, runs: dict[str, list[dict[str, Any]]]) -> tuple[lis
                             "prompt/completion rows",
               "note": f"RSS peak: steps 1-{last}; tensor peak: step {p.steps} (profiled); step time: median of steps "
                       f"2-{last}; {p.reps} repetition(s), medians"}  # fmt: skip
-        made = {r["key"].removesuffix(f"_{name}"): r for r in figure_rows(
-            name.upper(), figures, flat[name], flat["sft"], suffix=f"_{name}", prefix=f"{name}: ", **kw)}  # fmt: skip
+        made = keyed_rows(name.upper(), figures, flat[name], flat["sft"], suffix=f"_{name}", prefix=f"{name}: ", **kw)
         rows += made.values()
         identical = all(o["param_bytes_per_rank"] == s["param_bytes_per_rank"] for o, s in zip(ours, sft, strict=True))
         bar = PEAK_BAR if name == "dpo" else None
         ratios = {"rss": made["rss_peak_growth_bytes"]["ratio"], "tensor": made["tensor_peak_bytes"]["ratio"]}
-        passed = identical and (bar is None or all(r <= bar for r in ratios.values()))
+        passed = identical and all(clears(r, bar) for r in ratios.values())
         acceptance.append({"objective": name, "param_bytes_identical": identical, "peak_ratio": ratios,
                            "peak_bar": bar, "passed": passed})  # fmt: skip
     return rows, {"acceptance": acceptance, "summaries": summaries}
