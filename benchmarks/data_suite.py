@@ -78,9 +78,9 @@ def plan(*, quick: bool, rows: int | None, **launch: Any) -> DataPlan:
     return p
 
 
-def synthetic_rows(n: int, words: list[str], costs: list[int], *, seed: int):
+def synthetic_rows(n: int, word_tokens: dict[str, int], *, seed: int):
     """n alpaca rows of a drawn token count: a fifth instruction, half with an input, the rest the output."""
-    rng = random.Random(seed)
+    rng, words, costs = random.Random(seed), list(word_tokens), list(word_tokens.values())
     for _ in range(n):
         target, chosen, total = rng.randint(*FIELD_TOKENS), [], 0
         while total < target:
@@ -95,11 +95,7 @@ def synthetic_rows(n: int, words: list[str], costs: list[int], *, seed: int):
 
 def ensure_dataset(plan: DataPlan, model: Path, cache: Path) -> tuple[Path, dict]:
     """The synthetic JSONL (written once under `cache`) and its first rows' token counts."""
-    from tokenizers import Tokenizer  # the Rust library alone: the harness stays without torch and transformers
-
-    tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
-    words = harness.bundled_words()
-    costs = [len(tokenizer.encode(" " + w, add_special_tokens=False).ids) for w in words]
+    tokenizer, costs = harness.word_tokens(model / "tokenizer.json")
     digest = hashlib.sha256((model / "tokenizer.json").read_bytes()).hexdigest()[:10]
     path = cache / "data" / f"synthetic-alpaca-v{GENERATOR_VERSION}-seed{plan.seed}-tok{digest}-{plan.rows}.jsonl"
     written_s = 0.0
@@ -107,7 +103,7 @@ def ensure_dataset(plan: DataPlan, model: Path, cache: Path) -> tuple[Path, dict
         path.parent.mkdir(parents=True, exist_ok=True)
         started, tmp = time.perf_counter(), path.with_name(f"{path.name}.tmp-{os.getpid()}")
         with open(tmp, "w", encoding="utf-8") as fh:
-            fh.writelines(json.dumps(r) + "\n" for r in synthetic_rows(plan.rows, words, costs, seed=plan.seed))
+            fh.writelines(json.dumps(r) + "\n" for r in synthetic_rows(plan.rows, costs, seed=plan.seed))
         tmp.replace(path)
         written_s = time.perf_counter() - started
         print(f"wrote {plan.rows} synthetic rows to {path} in {written_s:.0f} s")

@@ -77,6 +77,15 @@ def bundled_words() -> list[str]:
     return sorted({w for line in lines for v in json.loads(line).values() for w in re.findall(r"[A-Za-z]+", str(v))})
 
 
+def word_tokens(tokenizer_file: Path) -> tuple[Any, dict[str, int]]:
+    """The tokenizer (the Rust library alone: the harness stays without torch) and the tokens each bundled word
+    takes after a space, in bundled_words' order: what synthetic rows of a chosen token count are built from."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    return tokenizer, {w: len(tokenizer.encode(" " + w, add_special_tokens=False).ids) for w in bundled_words()}
+
+
 def write_long_rows(path: Path, *, rows: int, words: int, seed: int) -> Path:
     """`rows` rows of `words` random bundled words (seeded): a word is a token or more, so rows fill any context."""
     rng, choices = random.Random(seed), bundled_words()

@@ -79,10 +79,7 @@ class Texts:
     """Texts of an exact token count in the model's tokenizer, from the bundled data's words (seeded)."""
 
     def __init__(self, tokenizer_file: Path, seed: int) -> None:
-        from tokenizers import Tokenizer  # the Rust library alone: the harness stays without torch
-
-        self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
-        self.cost = {w: self.count(" " + w) for w in harness.bundled_words()}
+        self.tokenizer, self.cost = harness.word_tokens(tokenizer_file)
         self.words = [w for w, c in self.cost.items() if 1 <= c <= 3]
         self.ones = [w for w in self.words if self.cost[w] == 1 and self.count(w) == 1]
         if not self.ones:
