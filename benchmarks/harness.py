@@ -295,15 +295,9 @@ def figure_rows(section: str, figures: Iterable[tuple[str, str, str, str]], ours
                 [s[key] for s in peer], **labels) for key, figure, unit, better in figures]  # fmt: skip
 
 
-def keyed_rows(section: str, figures: Sequence[tuple[str, str, str, str]], ours: Sequence[dict[str, Any]],
-               peer: Sequence[dict[str, Any]], **kw: Any) -> dict[str, dict[str, Any]]:  # fmt: skip
+def keyed_rows(section: str, figures: Sequence[tuple[str, ...]], *sides: Any, **kw: Any) -> dict[str, dict]:
     """figure_rows by each figure's own key (without `suffix`): a suite reads the ratios its bars are judged on."""
-    return dict(zip((f[0] for f in figures), figure_rows(section, figures, ours, peer, **kw), strict=True))
-
-
-def clears(value: float, bar: float | None, better: str = "lower") -> bool:
-    """Whether a figure meets its bar (None: it has none): at most the bar where lower is better, else at least."""
-    return bar is None or (value <= bar if better == "lower" else value >= bar)
+    return dict(zip((f[0] for f in figures), figure_rows(section, figures, *sides, **kw), strict=True))
 
 
 def behind(rows: Sequence[dict[str, Any]], n: int = 3) -> list[dict[str, Any]]:
@@ -376,8 +370,7 @@ class Settings:
         self.check()
 
     def check(self) -> None:
-        """A suite's refusal (ValueError) of sizes it cannot measure with; configure ends with it, so every plan
-        the command line makes is checked."""
+        """A suite's refusal (ValueError) of sizes it cannot measure with; `configure` ends with it."""
 
 
 class Runner:
@@ -514,8 +507,7 @@ class Runner:
 
     def results(self, suite: str, rows: list[dict[str, Any]], details: dict[str, Any], settings: dict[str, Any],
                 **extra: Any) -> dict[str, Any]:  # fmt: skip
-        """results.json's content: the plan and `settings` (precision as the flag, unless a suite says more), rows,
-        details, every launch's conditions."""
+        """results.json: the plan and `settings` (precision as its flag by default), rows, details, every launch."""
         launches = self.launches
         foreign = [e["foreign_cores"] for e in launches if not e["discarded"]]
         conditions = {"build_model_s": round(self.build_s, 1), "launches": launches,

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from benchmarks.gpu_suite import NAMES, parse_only
-from benchmarks.harness import behind, clears, keyed_rows, row
+from benchmarks.harness import behind, keyed_rows, row
 from benchmarks.report import fmt, render
 from tests.benchmarks.suites import ROW_FIELDS, env, positive, run, run_suite
 
@@ -221,11 +221,9 @@ def test_rows_ratio_and_report() -> None:
         row("s", "k", "f", "x", "sideways", [1.0], [1.0])
 
 
-def test_keyed_rows_and_bars() -> None:
-    """keyed_rows gives figure_rows by each figure's key, suffix left off; clears reads a bar either way."""
+def test_keyed_rows() -> None:
+    """keyed_rows gives figure_rows by each figure's key, the suffix left off."""
     figures = (("a", "A", "s", "lower"), ("b", "B", "tokens/s", "higher"))
     made = keyed_rows("x", figures, [{"a": 2.0, "b": 3.0}], [{"a": 4.0, "b": 1.0}], suffix="_dpo", note="n")
     assert list(made) == ["a", "b"] and [r["key"] for r in made.values()] == ["a_dpo", "b_dpo"]
     assert made["a"]["ratio"] == 0.5 and made["b"]["ratio"] == 3.0 and made["a"]["note"] == "n"
-    assert clears(0.5, 0.5) and not clears(0.6, 0.5) and clears(9.0, None)
-    assert clears(2.0, 1.8, "higher") and not clears(1.7, 1.8, "higher")
