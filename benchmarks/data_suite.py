@@ -73,8 +73,7 @@ def plan(*, quick: bool, rows: int | None, **launch: Any) -> DataPlan:
     rss = (min(n, 2_000), max(8, min(n, 2_000) // 10)) if quick else (min(n, RSS_ROWS[0]), min(n // 10, RSS_ROWS[1]))
     p = DataPlan(n, rss, build_reps=1, train_reps=1 if quick else 3, launch_timeout_s=300.0 if quick else 3600.0,
                  quick=quick, retries=0, **(dict(steps=3, warmup_steps=1) if quick else {}))  # fmt: skip
-    p.configure(**launch)
-    return p
+    return p.configure(**launch)
 
 
 def synthetic_rows(n: int, word_tokens: dict[str, int], *, seed: int):

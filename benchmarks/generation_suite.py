@@ -41,8 +41,7 @@ def plan(*, quick: bool, **launch: Any) -> GenerationPlan:
     """The full suite (171M model, 3 x 4 steps, 64-token completions) or the quick one (2 layers, 8 tokens)."""
     p = (GenerationPlan(dict(harness.QUICK_MODEL), reps=1, steps=2, max_completion_length=8, quick=True) if quick
          else GenerationPlan(dict(harness.FULL_MODEL), reps=3, steps=4))  # fmt: skip
-    p.configure(**launch)
-    return p
+    return p.configure(**launch)
 
 
 def check_same(runs: dict[str, list[dict[str, Any]]]) -> None:

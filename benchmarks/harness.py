@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FAILED_RANK_GRACE_S = 10.0
@@ -358,8 +358,8 @@ class Settings:
     lora_alpha: float = 32.0
 
     def configure(self, *, threads: int = 2, precision: str | None = None, idle_wait_s: float | None = None,
-                  reps: int | None = None) -> None:  # fmt: skip
-        """The command line's launch flags, then `check`; a quick plan waits for nobody unless told to."""
+                  reps: int | None = None) -> Self:  # fmt: skip
+        """The command line's launch flags, then `check`: the plan, ready; a quick plan waits for nobody unless told."""
         flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
         self.threads = threads
         self.precision = precision or ("bf16" if "avx512_bf16" in flags or "amx_bf16" in flags else "fp32")
@@ -368,6 +368,7 @@ class Settings:
             if reps is not None and hasattr(self, name):
                 setattr(self, name, reps)
         self.check()
+        return self
 
     def check(self) -> None:
         """A suite's refusal (ValueError) of sizes it cannot measure with; `configure` ends with it."""

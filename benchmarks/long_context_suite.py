@@ -81,8 +81,7 @@ def plan(*, quick: bool, **launch: Any) -> LongContextPlan:
                          tiled_sizes=(1,), reps=1, quick=True, retries=0, launch_timeout_s=180.0) if quick else
          LongContextPlan(dict(FULL_MODEL), contexts=(4096, 8192, 16384), base_context=4096, search_step=512, reps=1,
                          sizes=(1, 2, 4), tiled_sizes=(1, 2, 4), retries=0, launch_timeout_s=7200.0))  # fmt: skip
-    p.configure(**launch)
-    return p
+    return p.configure(**launch)
 
 
 def tiles(p: LongContextPlan, context: int, size: int) -> int:

@@ -71,8 +71,7 @@ def plan(*, quick: bool, objectives: tuple[str, ...] | None = None, **launch: An
                         retries=0))  # fmt: skip
     if objectives is not None:
         p.objectives = harness.choose("--objectives", objectives, OBJECTIVES)
-    p.configure(**launch)
-    return p
+    return p.configure(**launch)
 
 
 class Texts:
