@@ -63,14 +63,6 @@ def alternating(reps: int, items: Sequence[Any], measure: Callable[[Any, int], A
     return runs
 
 
-def check_steps(what: str, metrics: Sequence[dict[str, Any]], want: tuple[int, int, float]) -> None:
-    """Every step trained `want` (tokens, label tokens, packing efficiency): rows that fill, unpadded."""
-    got = [(m["tokens"], m["label_tokens"], m["packing_efficiency"]) for m in metrics]
-    if any(g != want for g in got):
-        raise RuntimeError(f"{what}: (tokens, label tokens, packing efficiency) per step {got}, expected {want} at "
-                           "every step")  # fmt: skip
-
-
 def bundled_words() -> list[str]:
     """The words of data/alpaca_tiny.jsonl, sorted: every tiny model's tokenizer was trained on them."""
     lines = filter(str.strip, WORDS.read_text().splitlines())
@@ -450,12 +442,18 @@ class Runner:
                 "lora_target_modules": "all", "lr": 1e-5, "log_to": "stdout", "save_model": "false",
                 "device": "cpu", "output_dir": self.result_path(stem), **flags}  # fmt: skip
 
-    def profiled(self, what: str, stem: str, *, nproc: int, steps: int, **flags: Any) -> dict[str, Any]:
-        """A torchrun job of bnb LoRA under the step probe, its last step profiled (the log left out)."""
+    def profiled(self, what: str, stem: str, *, nproc: int, steps: int, fills: tuple[int, int, float],
+                 **flags: Any) -> dict[str, Any]:  # fmt: skip
+        """A torchrun job of bnb LoRA under the step probe, its last step profiled (the log left out); every step
+        must train `fills` (tokens, label tokens, packing efficiency): rows that fill, unpadded."""
         flags = self.flags(stem, quant="bnb", dataset_cache_dir=self.work / "tokenized", dataset_num_proc=1,
                            max_steps=steps, profile="true", profile_steps=f"{steps},{steps}", **flags)  # fmt: skip
         run = self.train(what, flags, nproc=nproc, steps=steps, probe="steps", torchrun=True)
         del run["log"]
+        got = [(m["tokens"], m["label_tokens"], m["packing_efficiency"]) for m in run["metrics"]]
+        if any(g != fills for g in got):
+            raise RuntimeError(f"{what}: (tokens, label tokens, packing efficiency) per step {got}, expected {fills} "
+                               "at every step")  # fmt: skip
         return run
 
     def train(self, what: str, flags: dict[str, Any], *, nproc: int, steps: int, probe: str = "peak",

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import harness, report
-from benchmarks.harness import Runner, Settings, alternating, brief, check_steps, keyed_rows, llama, median
+from benchmarks.harness import Runner, Settings, alternating, brief, keyed_rows, llama, median
 from benchmarks.report import fmt
 
 OBJECTIVES = ("dpo", "ipo", "orpo", "simpo")
@@ -151,11 +151,11 @@ def train(runner: Runner, model: Path, name: str, data: dict[str, Any], rep: int
     p, sft = runner.plan, name == "sft"
     batch = 2 * p.pairs_per_rank if sft else p.pairs_per_rank
     what = f"{name} x{p.nproc} ranks, batch {batch} {'rows' if sft else 'pairs'} (rep {rep + 1})"
+    sequences = p.nproc * 2 * p.pairs_per_rank
     run = runner.profiled(what, f"train-{name}", nproc=p.nproc, steps=p.steps, model=model, objective=name,
                           dataset=data["files"]["sft" if sft else "pairs"], context_length=p.sequence_tokens,
-                          batch_size=batch, seed=p.seed)  # fmt: skip
-    sequences = p.nproc * 2 * p.pairs_per_rank
-    check_steps(what, run["metrics"], (sequences * p.sequence_tokens, sequences * (p.reply_tokens + 1), 1.0))
+                          batch_size=batch, seed=p.seed,
+                          fills=(sequences * p.sequence_tokens, sequences * (p.reply_tokens + 1), 1.0))  # fmt: skip
     return {"objective": name, "batch_size": batch, **run}
 
 
