@@ -70,9 +70,8 @@ def bundled_words() -> list[str]:
 
 
 def word_tokens(tokenizer_file: Path) -> tuple[Any, dict[str, int]]:
-    """The tokenizer (the Rust library alone: the harness stays without torch) and the tokens each bundled word
-    takes after a space, in bundled_words' order: what synthetic rows of a chosen token count are built from."""
-    from tokenizers import Tokenizer
+    """The tokenizer and each bundled word's tokens after a space: what rows of a chosen token count are built of."""
+    from tokenizers import Tokenizer  # the Rust library alone: the harness stays without torch
 
     tokenizer = Tokenizer.from_file(str(tokenizer_file))
     return tokenizer, {w: len(tokenizer.encode(" " + w, add_special_tokens=False).ids) for w in bundled_words()}
