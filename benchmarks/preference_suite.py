@@ -149,9 +149,8 @@ def summary(run: dict[str, Any], steps: int) -> dict[str, Any]:
 def train(runner: Runner, model: Path, name: str, data: dict[str, Any], rep: int) -> dict[str, Any]:
     """One 2-rank run of an objective (SFT: the same sequences as rows); every step checked full and unpadded."""
     p, sft = runner.plan, name == "sft"
-    batch = 2 * p.pairs_per_rank if sft else p.pairs_per_rank
+    batch, sequences = (2 if sft else 1) * p.pairs_per_rank, p.nproc * 2 * p.pairs_per_rank
     what = f"{name} x{p.nproc} ranks, batch {batch} {'rows' if sft else 'pairs'} (rep {rep + 1})"
-    sequences = p.nproc * 2 * p.pairs_per_rank
     run = runner.profiled(what, f"train-{name}", nproc=p.nproc, steps=p.steps, model=model, objective=name,
                           dataset=data["files"]["sft" if sft else "pairs"], context_length=p.sequence_tokens,
                           batch_size=batch, seed=p.seed,
