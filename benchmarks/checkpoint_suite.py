@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import harness, report
-from benchmarks.harness import Runner, Settings, brief, figure_rows, median, session
+from benchmarks.harness import Runner, Settings, brief, keyed_rows, median, session
 from benchmarks.report import fmt
 
 CASES = ("full", "lora")
@@ -53,6 +53,14 @@ class CheckpointPlan(Settings):
         """Saves with a step after them, whose stall the step times show."""
         return [s for s in self.saves if s < self.steps]
 
+    def check(self) -> None:
+        """A quiet boundary (after step 1) for the baseline, and a save with a step after it."""
+        if self.save_steps < 2:
+            raise ValueError("--save_steps must be >= 2: the boundary after step 1 is the baseline of the step times")
+        if not self.timed_saves:
+            raise ValueError(f"--max_steps {self.steps} leaves no save before the last step (--save_steps "
+                             f"{self.save_steps})")  # fmt: skip
+
 
 def plan(*, quick: bool, **launch: Any) -> CheckpointPlan:
     """The full suite (483M full, 171M LoRA) or the quick one (1.6M both); a full run is minutes, so no retry."""
@@ -62,16 +70,7 @@ def plan(*, quick: bool, **launch: Any) -> CheckpointPlan:
     p.configure(**launch)
     if not quick and p.precision == "fp32":
         p.full_model["num_layers"] = FULL_LAYERS_FP32
-    check_plan(p)
     return p
-
-
-def check_plan(p: CheckpointPlan) -> None:
-    """A quiet boundary (after step 1) for the baseline, and a save with a step after it."""
-    if p.save_steps < 2:
-        raise ValueError("--save_steps must be >= 2: the boundary after step 1 is the baseline of the step times")
-    if not p.timed_saves:
-        raise ValueError(f"--max_steps {p.steps} leaves no save before the last step (--save_steps {p.save_steps})")
 
 
 def train(runner: Runner, what: str, model: Path, case: str, *, async_save: bool) -> dict[str, Any]:
@@ -236,10 +235,10 @@ def _rows(p: CheckpointPlan, models: dict[str, Path], runs: dict[str, dict[str, 
         params, total = sides["async"][0]["trainable_parameters"], harness.parameters(models[case])
         what = "--train_type full --quant none" if case == "full" else f"--quant bnb, LoRA r{p.lora_rank}"
         shape = f"{what}, {params:,} trainable of {total:,} parameters, {p.nproc} ranks, FSDP2"
-        made = {r["key"].removesuffix(f"_{case}"): r for r in figure_rows(
-            case, figures, sides["async"], sides["sync"], suffix=f"_{case}", ours_label=f"--async_save true; {shape}",
-            peer_label="--async_save false (the same CLI)", note=f"{case}: saves after steps "
-            f"{', '.join(map(str, p.saves))} of {p.steps}; {p.reps} repetition(s), medians")}  # fmt: skip
+        made = keyed_rows(case, figures, sides["async"], sides["sync"], suffix=f"_{case}",
+                          ours_label=f"--async_save true; {shape}", peer_label="--async_save false (the same CLI)",
+                          note=f"{case}: saves after steps {', '.join(map(str, p.saves))} of {p.steps}; {p.reps} "
+                          "repetition(s), medians")  # fmt: skip
         rows += made.values()
         same = [c["identical"] for c in compared[case]]
         ratios = {k: made[f"stall_{k}_s"]["ratio"] for k in ("logged", "steps")}

@@ -60,6 +60,12 @@ class DataPlan(Settings):
     """Item 4 measures the steps after these."""
     seed: int = 0
 
+    def check(self) -> None:
+        """The small run's rows fill a step of every rank."""
+        if self.rss_rows[1] < self.nproc * self.batch_size:
+            raise ValueError(f"--rows {self.rows}: too few rows for a {self.nproc}-rank step of batch "
+                             f"{self.batch_size}")  # fmt: skip
+
 
 def plan(*, quick: bool, rows: int | None, **launch: Any) -> DataPlan:
     """The full suite (1,000,000 rows) or the quick one (2,000); a build takes minutes, so no retry."""
@@ -67,15 +73,12 @@ def plan(*, quick: bool, rows: int | None, **launch: Any) -> DataPlan:
     rss = (min(n, 2_000), max(8, min(n, 2_000) // 10)) if quick else (min(n, RSS_ROWS[0]), min(n // 10, RSS_ROWS[1]))
     p = DataPlan(n, rss, build_reps=1, train_reps=1 if quick else 3, launch_timeout_s=300.0 if quick else 3600.0,
                  quick=quick, retries=0, **(dict(steps=3, warmup_steps=1) if quick else {}))  # fmt: skip
-    if p.rss_rows[1] < p.nproc * p.batch_size:
-        raise ValueError(f"--rows {n}: too few rows for a {p.nproc}-rank step of batch {p.batch_size}")
-    p.configure(**launch)
-    return p
+    return p.configure(**launch)
 
 
-def synthetic_rows(n: int, words: list[str], costs: list[int], *, seed: int):
+def synthetic_rows(n: int, word_tokens: dict[str, int], *, seed: int):
     """n alpaca rows of a drawn token count: a fifth instruction, half with an input, the rest the output."""
-    rng = random.Random(seed)
+    rng, words, costs = random.Random(seed), list(word_tokens), list(word_tokens.values())
     for _ in range(n):
         target, chosen, total = rng.randint(*FIELD_TOKENS), [], 0
         while total < target:
@@ -90,11 +93,7 @@ def synthetic_rows(n: int, words: list[str], costs: list[int], *, seed: int):
 
 def ensure_dataset(plan: DataPlan, model: Path, cache: Path) -> tuple[Path, dict]:
     """The synthetic JSONL (written once under `cache`) and its first rows' token counts."""
-    from tokenizers import Tokenizer  # the Rust library alone: the harness stays without torch and transformers
-
-    tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
-    words = harness.bundled_words()
-    costs = [len(tokenizer.encode(" " + w, add_special_tokens=False).ids) for w in words]
+    tokenizer, costs = harness.word_tokens(model / "tokenizer.json")
     digest = hashlib.sha256((model / "tokenizer.json").read_bytes()).hexdigest()[:10]
     path = cache / "data" / f"synthetic-alpaca-v{GENERATOR_VERSION}-seed{plan.seed}-tok{digest}-{plan.rows}.jsonl"
     written_s = 0.0
@@ -102,7 +101,7 @@ def ensure_dataset(plan: DataPlan, model: Path, cache: Path) -> tuple[Path, dict
         path.parent.mkdir(parents=True, exist_ok=True)
         started, tmp = time.perf_counter(), path.with_name(f"{path.name}.tmp-{os.getpid()}")
         with open(tmp, "w", encoding="utf-8") as fh:
-            fh.writelines(json.dumps(r) + "\n" for r in synthetic_rows(plan.rows, words, costs, seed=plan.seed))
+            fh.writelines(json.dumps(r) + "\n" for r in synthetic_rows(plan.rows, costs, seed=plan.seed))
         tmp.replace(path)
         written_s = time.perf_counter() - started
         print(f"wrote {plan.rows} synthetic rows to {path} in {written_s:.0f} s")
@@ -215,7 +214,6 @@ def run(p: DataPlan, *, model: Path | None, cache: Path) -> dict[str, Any]:
                     "passed": r["ours"] <= mb} for r in rows if r["key"].startswith("train_peak_rss_growth")
                    ]  # fmt: skip
         return runner.results("cpu-data", rows, details, {
-            "precision": f"--precision {p.precision}",
             "threads": f"OMP_NUM_THREADS={p.threads} for one-process runs, {max(1, p.threads // p.nproc)} per rank "
                        f"for {p.nproc}-rank jobs; TOKENIZERS_PARALLELISM left to the package",
             "our_training": "the real CLI: python train.py / torchrun train.py, metrics.jsonl; scripts/preprocess.py "

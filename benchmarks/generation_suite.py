@@ -41,8 +41,7 @@ def plan(*, quick: bool, **launch: Any) -> GenerationPlan:
     """The full suite (171M model, 3 x 4 steps, 64-token completions) or the quick one (2 layers, 8 tokens)."""
     p = (GenerationPlan(dict(harness.QUICK_MODEL), reps=1, steps=2, max_completion_length=8, quick=True) if quick
          else GenerationPlan(dict(harness.FULL_MODEL), reps=3, steps=4))  # fmt: skip
-    p.configure(**launch)
-    return p
+    return p.configure(**launch)
 
 
 def check_same(runs: dict[str, list[dict[str, Any]]]) -> None:
@@ -87,7 +86,6 @@ def run(p: GenerationPlan, *, cache: Path, model: Path | None = None) -> dict[st
                            peer_label="--generation_mode sharded (the default)")  # fmt: skip
         return runner.results("cpu-generation", rows, {
             "summaries": sums, "steps": {m: [r["steps"] for r in runs[m]] for m in MODES}}, {
-            "precision": f"--precision {p.precision}",
             "threads": f"OMP_NUM_THREADS={p.threads} // {p.nproc} per rank",
             "our_training": f"torchrun --nproc_per_node {p.nproc} train.py --objective grpo --quant bnb, FSDP2 "
                             f"full_shard, --reward_funcs {REWARD}, LoRA r{p.lora_rank} on every linear but the head, "

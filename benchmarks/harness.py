@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FAILED_RANK_GRACE_S = 10.0
@@ -63,18 +63,18 @@ def alternating(reps: int, items: Sequence[Any], measure: Callable[[Any, int], A
     return runs
 
 
-def check_steps(what: str, metrics: Sequence[dict[str, Any]], want: tuple[int, int, float]) -> None:
-    """Every step trained `want` (tokens, label tokens, packing efficiency): rows that fill, unpadded."""
-    got = [(m["tokens"], m["label_tokens"], m["packing_efficiency"]) for m in metrics]
-    if any(g != want for g in got):
-        raise RuntimeError(f"{what}: (tokens, label tokens, packing efficiency) per step {got}, expected {want} at "
-                           "every step")  # fmt: skip
-
-
 def bundled_words() -> list[str]:
     """The words of data/alpaca_tiny.jsonl, sorted: every tiny model's tokenizer was trained on them."""
     lines = filter(str.strip, WORDS.read_text().splitlines())
     return sorted({w for line in lines for v in json.loads(line).values() for w in re.findall(r"[A-Za-z]+", str(v))})
+
+
+def word_tokens(tokenizer_file: Path) -> tuple[Any, dict[str, int]]:
+    """The tokenizer and each bundled word's tokens after a space: what rows of a chosen token count are built of."""
+    from tokenizers import Tokenizer  # the Rust library alone: the harness stays without torch
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    return tokenizer, {w: len(tokenizer.encode(" " + w, add_special_tokens=False).ids) for w in bundled_words()}
 
 
 def write_long_rows(path: Path, *, rows: int, words: int, seed: int) -> Path:
@@ -286,6 +286,11 @@ def figure_rows(section: str, figures: Iterable[tuple[str, str, str, str]], ours
                 [s[key] for s in peer], **labels) for key, figure, unit, better in figures]  # fmt: skip
 
 
+def keyed_rows(section: str, figures: Sequence[tuple[str, ...]], *sides: Any, **kw: Any) -> dict[str, dict]:
+    """figure_rows by each figure's own key (without `suffix`): a suite reads the ratios its bars are judged on."""
+    return dict(zip((f[0] for f in figures), figure_rows(section, figures, *sides, **kw), strict=True))
+
+
 def behind(rows: Sequence[dict[str, Any]], n: int = 3) -> list[dict[str, Any]]:
     """The `n` rows where we trail the peer most."""
     badness = {id(r): r["ratio"] if r["better"] == "lower" else 1.0 / r["ratio"] for r in rows}
@@ -344,8 +349,8 @@ class Settings:
     lora_alpha: float = 32.0
 
     def configure(self, *, threads: int = 2, precision: str | None = None, idle_wait_s: float | None = None,
-                  reps: int | None = None) -> None:  # fmt: skip
-        """The command line's launch flags; a quick plan waits for nobody unless told to."""
+                  reps: int | None = None) -> Self:  # fmt: skip
+        """The command line's launch flags, then `check`: the plan, ready; a quick plan waits for nobody unless told."""
         flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
         self.threads = threads
         self.precision = precision or ("bf16" if "avx512_bf16" in flags or "amx_bf16" in flags else "fp32")
@@ -353,6 +358,11 @@ class Settings:
         for name in ("reps", "build_reps", "train_reps"):
             if reps is not None and hasattr(self, name):
                 setattr(self, name, reps)
+        self.check()
+        return self
+
+    def check(self) -> None:
+        """A suite's refusal (ValueError) of sizes it cannot measure with; `configure` ends with it."""
 
 
 class Runner:
@@ -431,12 +441,18 @@ class Runner:
                 "lora_target_modules": "all", "lr": 1e-5, "log_to": "stdout", "save_model": "false",
                 "device": "cpu", "output_dir": self.result_path(stem), **flags}  # fmt: skip
 
-    def profiled(self, what: str, stem: str, *, nproc: int, steps: int, **flags: Any) -> dict[str, Any]:
-        """A torchrun job of bnb LoRA under the step probe, its last step profiled (the log left out)."""
+    def profiled(self, what: str, stem: str, *, nproc: int, steps: int, fills: tuple[int, int, float],
+                 **flags: Any) -> dict[str, Any]:  # fmt: skip
+        """A torchrun job of bnb LoRA under the step probe, its last step profiled (the log left out); every step
+        must train `fills` (tokens, label tokens, packing efficiency): rows that fill, unpadded."""
         flags = self.flags(stem, quant="bnb", dataset_cache_dir=self.work / "tokenized", dataset_num_proc=1,
                            max_steps=steps, profile="true", profile_steps=f"{steps},{steps}", **flags)  # fmt: skip
         run = self.train(what, flags, nproc=nproc, steps=steps, probe="steps", torchrun=True)
         del run["log"]
+        got = [(m["tokens"], m["label_tokens"], m["packing_efficiency"]) for m in run["metrics"]]
+        if any(g != fills for g in got):
+            raise RuntimeError(f"{what}: (tokens, label tokens, packing efficiency) per step {got}, expected {fills} "
+                               "at every step")  # fmt: skip
         return run
 
     def train(self, what: str, flags: dict[str, Any], *, nproc: int, steps: int, probe: str = "peak",
@@ -489,7 +505,7 @@ class Runner:
 
     def results(self, suite: str, rows: list[dict[str, Any]], details: dict[str, Any], settings: dict[str, Any],
                 **extra: Any) -> dict[str, Any]:  # fmt: skip
-        """results.json's content: the plan and `settings`, rows, details, every launch's conditions."""
+        """results.json: the plan and `settings` (precision as its flag by default), rows, details, every launch."""
         launches = self.launches
         foreign = [e["foreign_cores"] for e in launches if not e["discarded"]]
         conditions = {"build_model_s": round(self.build_s, 1), "launches": launches,
@@ -499,8 +515,9 @@ class Runner:
                       "discarded_launches": sum(e["discarded"] for e in launches),
                       "aborted_at_exit_after_finishing": sum("aborted_at_exit_after_finishing" in e for e in launches),
                       }  # fmt: skip
-        return {"suite": suite, "quick": self.plan.quick, **extra, "settings": {**asdict(self.plan), **settings},
-                "rows": rows, "details": details, "conditions": conditions,
+        settings = {**asdict(self.plan), "precision": f"--precision {self.plan.precision}", **settings}
+        return {"suite": suite, "quick": self.plan.quick, **extra, "settings": settings, "rows": rows,
+                "details": details, "conditions": conditions,
                 "wall_time_s": time.perf_counter() - self.started}  # fmt: skip
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import harness, report
-from benchmarks.harness import Runner, Settings, brief, check_steps, figure_rows, llama, median, row, session
+from benchmarks.harness import Runner, Settings, brief, figure_rows, llama, median, row, session
 from benchmarks.report import fmt
 
 SP_PEAK_BAR = 0.6
@@ -58,6 +58,22 @@ class LongContextPlan(Settings):
     def candidates(self) -> list[int]:
         return list(range(self.base_context, self.contexts[-1] + 1, self.search_step))
 
+    def check(self) -> None:
+        """What the measurement needs: unpadded rows that split evenly, a baseline, a step before the profiled one."""
+        if self.steps < 2:
+            raise ValueError("--max_steps must be >= 2: RSS and tokens/s from the first, the tensor peak from the last")
+        if 1 not in self.sizes or not set(self.tiled_sizes) <= set(self.sizes):
+            raise ValueError(f"sizes {self.sizes} need S = 1 (the baseline) and every tiled size {self.tiled_sizes}")
+        if list(self.contexts) != sorted(set(self.contexts)) or not self.base_context <= self.contexts[-1]:
+            raise ValueError(f"contexts {self.contexts} must ascend and reach the base context {self.base_context}")
+        multiple = 8 * max(self.sizes)
+        if uneven := [c for c in (*self.contexts, *self.candidates()) if c % multiple]:
+            raise ValueError(f"contexts {uneven} are not multiples of {multiple}: rows would be padded or split "
+                             "unevenly")  # fmt: skip
+        heads, kv = self.model["num_heads"], self.model["num_kv_heads"]
+        if any(heads % s or (kv % s and s % kv) for s in self.sizes):
+            raise ValueError(f"{heads} heads, {kv} KV heads do not split over sizes {self.sizes}")
+
 
 def plan(*, quick: bool, **launch: Any) -> LongContextPlan:
     """The full suite (4k-16k tokens x S = 1, 2, 4 x tiled; hours) or the quick one (1024 tokens, S = 1, 2)."""
@@ -65,25 +81,7 @@ def plan(*, quick: bool, **launch: Any) -> LongContextPlan:
                          tiled_sizes=(1,), reps=1, quick=True, retries=0, launch_timeout_s=180.0) if quick else
          LongContextPlan(dict(FULL_MODEL), contexts=(4096, 8192, 16384), base_context=4096, search_step=512, reps=1,
                          sizes=(1, 2, 4), tiled_sizes=(1, 2, 4), retries=0, launch_timeout_s=7200.0))  # fmt: skip
-    p.configure(**launch)
-    check_plan(p)
-    return p
-
-
-def check_plan(p: LongContextPlan) -> None:
-    """What the measurement needs: unpadded rows that split evenly, a baseline, and a step before the profiled one."""
-    if p.steps < 2:
-        raise ValueError("--max_steps must be >= 2: RSS and tokens/s from the first, the tensor peak from the last")
-    if 1 not in p.sizes or not set(p.tiled_sizes) <= set(p.sizes):
-        raise ValueError(f"sizes {p.sizes} need S = 1 (the baseline) and every tiled size {p.tiled_sizes}")
-    if list(p.contexts) != sorted(set(p.contexts)) or not p.base_context <= p.contexts[-1]:
-        raise ValueError(f"contexts {p.contexts} must ascend and reach the base context {p.base_context}")
-    multiple = 8 * max(p.sizes)
-    if uneven := [c for c in (*p.contexts, *p.candidates()) if c % multiple]:
-        raise ValueError(f"contexts {uneven} are not multiples of {multiple}: rows would be padded or split unevenly")
-    heads, kv = p.model["num_heads"], p.model["num_kv_heads"]
-    if any(heads % s or (kv % s and s % kv) for s in p.sizes):
-        raise ValueError(f"{heads} heads, {kv} KV heads do not split over sizes {p.sizes}")
+    return p.configure(**launch)
 
 
 def tiles(p: LongContextPlan, context: int, size: int) -> int:
@@ -106,8 +104,7 @@ def train(runner: Runner, what: str, model: Path, data: Path, context: int, size
     p = runner.plan
     run = runner.profiled(what, f"train-{context}-s{size}-t{tiled}", nproc=size, steps=p.steps, model=model,
                           dataset=data, context_length=context, batch_size=1, seed=p.seed,
-                          sequence_parallel_size=size, tiled_mlp=tiled)  # fmt: skip
-    check_steps(what, run["metrics"], (context, context - 1, 1.0))
+                          sequence_parallel_size=size, tiled_mlp=tiled, fills=(context, context - 1, 1.0))  # fmt: skip
     return {"context": context, "size": size, "tiled_mlp": tiled, **run}
 
 
@@ -178,7 +175,7 @@ def run(p: LongContextPlan, *, cache: Path, model: Path | None = None) -> dict[s
         details["runs"] = {"/".join(map(str, k)): [brief(r, KEEP) for r in v] for k, v in runs.items()}
         steps = "step 1" if p.steps == 2 else f"steps 1-{p.steps - 1}"
         return runner.results("cpu-long-context", rows, details, {
-            "candidates": p.candidates(), "budget_bytes": budget, "precision": f"--precision {p.precision}",
+            "candidates": p.candidates(), "budget_bytes": budget,
             "threads": f"OMP_NUM_THREADS={p.threads} // S per rank (at least 1)",
             "our_training": f"torchrun --nproc_per_node S train.py --sequence_parallel_size S --quant bnb, FSDP2 "
                             f"full_shard, gradient checkpointing (the default), LoRA r{p.lora_rank} on every linear "

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import harness, report
-from benchmarks.harness import Runner, Settings, alternating, brief, check_steps, figure_rows, llama, median
+from benchmarks.harness import Runner, Settings, alternating, brief, keyed_rows, llama, median
 from benchmarks.report import fmt
 
 OBJECTIVES = ("dpo", "ipo", "orpo", "simpo")
@@ -55,6 +55,13 @@ class PreferencePlan(Settings):
         """Pairs in the file: one epoch of the run, so SFT trains every sequence DPO does."""
         return self.nproc * self.pairs_per_rank * self.steps
 
+    def check(self) -> None:
+        """Unpadded batches, and a step on each side of every measure."""
+        if self.sequence_tokens % 8:
+            raise ValueError(f"a sequence of {self.sequence_tokens} tokens would be padded to a multiple of 8")
+        if self.steps < 3:
+            raise ValueError("--max_steps must be >= 3: step 1 (one-time costs), a timed step, the profiled last step")
+
 
 def plan(*, quick: bool, objectives: tuple[str, ...] | None = None, **launch: Any) -> PreferencePlan:
     """The full suite (34M model, 4 objectives) or the quick one (DPO alone); peaks are memory: no retry."""
@@ -64,27 +71,14 @@ def plan(*, quick: bool, objectives: tuple[str, ...] | None = None, **launch: An
                         retries=0))  # fmt: skip
     if objectives is not None:
         p.objectives = harness.choose("--objectives", objectives, OBJECTIVES)
-    p.configure(**launch)
-    check_plan(p)
-    return p
-
-
-def check_plan(p: PreferencePlan) -> None:
-    """Unpadded batches, and a step on each side of every measure."""
-    if p.sequence_tokens % 8:
-        raise ValueError(f"a sequence of {p.sequence_tokens} tokens would be padded to a multiple of 8")
-    if p.steps < 3:
-        raise ValueError("--max_steps must be >= 3: step 1 (one-time costs), a timed step, the profiled last step")
+    return p.configure(**launch)
 
 
 class Texts:
     """Texts of an exact token count in the model's tokenizer, from the bundled data's words (seeded)."""
 
     def __init__(self, tokenizer_file: Path, seed: int) -> None:
-        from tokenizers import Tokenizer  # the Rust library alone: the harness stays without torch
-
-        self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
-        self.cost = {w: self.count(" " + w) for w in harness.bundled_words()}
+        self.tokenizer, self.cost = harness.word_tokens(tokenizer_file)
         self.words = [w for w, c in self.cost.items() if 1 <= c <= 3]
         self.ones = [w for w in self.words if self.cost[w] == 1 and self.count(w) == 1]
         if not self.ones:
@@ -155,13 +149,12 @@ def summary(run: dict[str, Any], steps: int) -> dict[str, Any]:
 def train(runner: Runner, model: Path, name: str, data: dict[str, Any], rep: int) -> dict[str, Any]:
     """One 2-rank run of an objective (SFT: the same sequences as rows); every step checked full and unpadded."""
     p, sft = runner.plan, name == "sft"
-    batch = 2 * p.pairs_per_rank if sft else p.pairs_per_rank
+    batch, sequences = (2 if sft else 1) * p.pairs_per_rank, p.nproc * 2 * p.pairs_per_rank
     what = f"{name} x{p.nproc} ranks, batch {batch} {'rows' if sft else 'pairs'} (rep {rep + 1})"
     run = runner.profiled(what, f"train-{name}", nproc=p.nproc, steps=p.steps, model=model, objective=name,
                           dataset=data["files"]["sft" if sft else "pairs"], context_length=p.sequence_tokens,
-                          batch_size=batch, seed=p.seed)  # fmt: skip
-    sequences = p.nproc * 2 * p.pairs_per_rank
-    check_steps(what, run["metrics"], (sequences * p.sequence_tokens, sequences * (p.reply_tokens + 1), 1.0))
+                          batch_size=batch, seed=p.seed,
+                          fills=(sequences * p.sequence_tokens, sequences * (p.reply_tokens + 1), 1.0))  # fmt: skip
     return {"objective": name, "batch_size": batch, **run}
 
 
@@ -176,7 +169,7 @@ def run(p: PreferencePlan, *, cache: Path, model: Path | None = None) -> dict[st
         details["runs"] = {k: [{**brief(r, KEEP), "rss_growth_bytes_per_rank_step": rss_growth(r)} for r in v]
                            for k, v in runs.items()}  # fmt: skip
         return runner.results("cpu-preference", rows, details, {
-            "sequence_tokens": p.sequence_tokens, "pairs": p.pairs, "precision": f"--precision {p.precision}",
+            "sequence_tokens": p.sequence_tokens, "pairs": p.pairs,
             "threads": f"OMP_NUM_THREADS={max(1, p.threads // p.nproc)} per rank",
             "our_training": f"torchrun --nproc_per_node {p.nproc} train.py --quant bnb, FSDP2 full_shard, gradient "
                             f"checkpointing (the default), LoRA r{p.lora_rank} on every linear but the head, "
@@ -215,8 +208,7 @@ def _rows(p: PreferencePlan, runs: dict[str, list[dict[str, Any]]]) -> tuple[lis
                             "prompt/completion rows",
               "note": f"RSS peak: steps 1-{last}; tensor peak: step {p.steps} (profiled); step time: median of steps "
                       f"2-{last}; {p.reps} repetition(s), medians"}  # fmt: skip
-        made = {r["key"].removesuffix(f"_{name}"): r for r in figure_rows(
-            name.upper(), figures, flat[name], flat["sft"], suffix=f"_{name}", prefix=f"{name}: ", **kw)}  # fmt: skip
+        made = keyed_rows(name.upper(), figures, flat[name], flat["sft"], suffix=f"_{name}", prefix=f"{name}: ", **kw)
         rows += made.values()
         identical = all(o["param_bytes_per_rank"] == s["param_bytes_per_rank"] for o, s in zip(ours, sft, strict=True))
         bar = PEAK_BAR if name == "dpo" else None

@@ -5,44 +5,26 @@ timing thresholds."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from benchmarks.checkpoint_suite import CASES, STALL_BAR, analyse, check_plan, parse_saves, plan
+from benchmarks.checkpoint_suite import CASES, STALL_BAR, analyse, parse_saves, plan
+from tests.benchmarks.suites import run_suite
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-ROW_FIELDS = ("section", "key", "figure", "unit", "better", "ours", "peer", "ratio", "runs")
 FIGURES = ("stall_logged_s", "stall_steps_s", "write_s", "step_s", "peak_rss_bytes", "rss_rise_bytes",
            "checkpoint_bytes")  # fmt: skip
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(REPO_ROOT), "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "offline"}
 
 
 @pytest.mark.distributed
 @pytest.mark.benchmark
 def test_checkpoint_suite_quick(tmp_path: Path) -> None:
-    out = tmp_path / "results"
-    cmd = [sys.executable, "benchmarks/run.py", "--suite", "cpu-checkpoint", "--quick", "--out", str(out)]
-    proc = subprocess.run([*cmd, "--cache", str(tmp_path / "cache")], cwd=REPO_ROOT, env=_env(), capture_output=True,
-                          text=True, timeout=600, check=False)  # fmt: skip
-    assert proc.returncode == 0, f"exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-
-    results = json.loads((out / "results.json").read_text())
-    assert results["suite"] == "cpu-checkpoint" and results["quick"] is True
+    results, report = run_suite(tmp_path, "cpu-checkpoint")
     rows = {r["key"]: r for r in results["rows"]}
-    assert len(rows) == len(results["rows"]) and set(rows) == {f"{f}_{c}" for f in FIGURES for c in CASES}
+    assert set(rows) == {f"{f}_{c}" for f in FIGURES for c in CASES}
     for key, r in rows.items():
-        assert all(name in r for name in ROW_FIELDS), key
         assert r["better"] == "lower" and len(r["runs"]["ours"]) == len(r["runs"]["peer"]) == 1, key
-        assert math.isclose(r["ratio"], r["ours"] / r["peer"], rel_tol=1e-9), key
         # An async save may print 0.00 s; every synchronous figure is a real cost.
         assert r["peer"] > 0 and r["ours"] >= 0 and math.isfinite(r["ratio"]), key
 
@@ -72,9 +54,6 @@ def test_checkpoint_suite_quick(tmp_path: Path) -> None:
     assert acceptance["lora"]["stall_bar"] is None
     assert all(isinstance(a["passed"], bool) and a["checkpoints_identical"] for a in acceptance.values())
 
-    report = (out / "results.md").read_text()
-    for r in results["rows"]:
-        assert r["figure"] in report, r["key"]
     for heading in ("### full", "### lora", "### Acceptance", "### Saves", "### Launches"):
         assert heading in report
 
@@ -152,6 +131,6 @@ def test_plan_checks() -> None:
     assert full.saves == [2, 4, 6] and full.timed_saves == [2, 4] and full.full_model["num_layers"] == 8
     assert plan(quick=False, threads=2, reps=None, idle_wait_s=None, precision="fp32").full_model["num_layers"] == 4
     with pytest.raises(ValueError, match=">= 2"):
-        check_plan(dataclasses.replace(full, save_steps=1))
+        dataclasses.replace(full, save_steps=1).check()
     with pytest.raises(ValueError, match="no save before the last step"):
-        check_plan(dataclasses.replace(full, steps=2))
+        dataclasses.replace(full, steps=2).check()

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,11 +19,9 @@ from typing import Any
 import pytest
 
 from benchmarks.gpu_suite import NAMES, parse_only
-from benchmarks.harness import behind, row
+from benchmarks.harness import behind, keyed_rows, row
 from benchmarks.report import fmt, render
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-ROW_FIELDS = ("section", "key", "figure", "unit", "better", "ours", "peer", "ratio", "runs")
+from tests.benchmarks.suites import ROW_FIELDS, env, positive, run, run_suite
 
 LOAD = (
     "load_wall_s", "load_peak_rss_rank0_bytes", "load_peak_rss_rank1_bytes", "load_rss_growth_rank0_bytes",
@@ -61,33 +58,6 @@ GPU_DRY_KEYS = {
      for context in (128, 256)} | {"longest_context_long"}  # fmt: skip
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(PYTHONPATH=str(REPO_ROOT), TOKENIZERS_PARALLELISM="false", WANDB_MODE="offline")
-    return env
-
-
-def _run(cmd: list[str], *, timeout: float, env: dict[str, str] | None = None) -> None:
-    proc = subprocess.run(
-        cmd, cwd=REPO_ROOT, env=env or _env(), capture_output=True, text=True, timeout=timeout, check=False
-    )
-    output = f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}\n{output}"
-
-
-def _positive_numbers(obj: Any, where: str, *, may_be_zero: tuple[str, ...] = ()) -> None:
-    """Every number below `obj` is > 0 (booleans and strings are not figures), except under `may_be_zero` keys."""
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            if k not in may_be_zero:
-                _positive_numbers(v, f"{where}.{k}", may_be_zero=may_be_zero)
-    elif isinstance(obj, list):
-        for i, v in enumerate(obj):
-            _positive_numbers(v, f"{where}[{i}]")
-    elif isinstance(obj, (int, float)) and not isinstance(obj, bool):
-        assert obj > 0 and math.isfinite(obj), f"{where} = {obj}"
-
-
 def _check_rows(results: dict[str, Any], expected: set[str]) -> None:
     rows = results["rows"]
     keys = [r["key"] for r in rows]
@@ -97,7 +67,7 @@ def _check_rows(results: dict[str, Any], expected: set[str]) -> None:
         for name in ROW_FIELDS:
             assert name in r, f"{r.get('key')}: no {name}"
         assert r["better"] in ("higher", "lower")
-        _positive_numbers({k: r[k] for k in ("ours", "peer", "ratio", "runs")}, r["key"])
+        positive({k: r[k] for k in ("ours", "peer", "ratio", "runs")}, r["key"])
         assert r["runs"]["ours"] and r["runs"]["peer"], r["key"]
         assert math.isclose(r["ratio"], r["ours"] / r["peer"], rel_tol=1e-9), r["key"]
     assert results["wall_time_s"] > 0
@@ -106,19 +76,14 @@ def _check_rows(results: dict[str, Any], expected: set[str]) -> None:
 @pytest.mark.distributed
 @pytest.mark.benchmark
 def test_cpu_suite_quick(tmp_path: Path) -> None:
-    out = tmp_path / "results"
-    cmd = [sys.executable, "benchmarks/run.py", "--suite", "cpu", "--quick", "--out", str(out)]
-    _run([*cmd, "--cache", str(tmp_path / "cache")], timeout=600)
-
-    results = json.loads((out / "results.json").read_text())
-    assert results["suite"] == "cpu" and results["quick"] is True
+    results, _ = run_suite(tmp_path, "cpu")
     _check_rows(results, CPU_KEYS)
-    _positive_numbers(results["details"], "details", may_be_zero=("replicated_state_bytes",))
+    positive(results["details"], "details", may_be_zero=("replicated_state_bytes",))
     # FSDP2 shards the quantization state with the weights; FSDP1 keeps a copy of it on every rank.
     for combo, sizes in results["details"]["world_sizes"].items():
         state = [b for n in sizes.values() for b in n["replicated_state_bytes"]]
         assert all(b == 0 for b in state) if combo.startswith("fsdp2") else all(b > 0 for b in state), combo
-    _positive_numbers(results["model"], "model")
+    positive(results["model"], "model")
     by_key = {r["key"]: r for r in results["rows"]}
     # Sharding really divides what each rank holds; the peer holds the whole model at any world size. FSDP2 shards
     # the quantization state too, so its resident bytes divide almost exactly; FSDP1 replicates the state.
@@ -136,10 +101,6 @@ def test_cpu_suite_quick(tmp_path: Path) -> None:
     assert bits == sorted(bits, reverse=True) and errors == sorted(errors)
     assert by_key["bits_per_param_bnb_nf4_dq"]["ours"] < by_key["bits_per_param_bnb_nf4"]["ours"]
 
-    report = (out / "results.md").read_text()
-    for r in results["rows"]:
-        assert r["figure"] in report, r["key"]
-
 
 @pytest.mark.distributed
 @pytest.mark.benchmark
@@ -147,13 +108,13 @@ def test_cpu_suite_quick(tmp_path: Path) -> None:
 def test_gpu_script_dry_run(tmp_path: Path) -> None:
     out = tmp_path / "gpu"
     cmd = ["bash", "benchmarks/gpu.sh", str(out), "--dry-run"]
-    _run(cmd, timeout=1200, env={**_env(), "PYTHON": os.environ.get("QLORA_GPU_PYTHON", sys.executable)})
+    run(cmd, timeout=1200, environ={**env(), "PYTHON": os.environ.get("QLORA_GPU_PYTHON", sys.executable)})
 
     results = json.loads((out / "results.json").read_text())
     assert results["suite"] == "gpu" and results["dry_run"] is True and not results["errors"]
     assert results["plan"] == list(NAMES) and not results["missing"]
     _check_rows(results, GPU_DRY_KEYS)
-    _positive_numbers(results["details"], "details")
+    positive(results["details"], "details")
     assert results["model"]["parameters"] > 0
     # The GPU tier is collected and skipped on a machine without CUDA, and nothing in it fails to import.
     tier = results["tests"]
@@ -258,3 +219,11 @@ def test_rows_ratio_and_report() -> None:
     assert "s: memory: 3.00x (lower is better)" in text
     with pytest.raises(ValueError):
         row("s", "k", "f", "x", "sideways", [1.0], [1.0])
+
+
+def test_keyed_rows() -> None:
+    """keyed_rows gives figure_rows by each figure's key, the suffix left off."""
+    figures = (("a", "A", "s", "lower"), ("b", "B", "tokens/s", "higher"))
+    made = keyed_rows("x", figures, [{"a": 2.0, "b": 3.0}], [{"a": 4.0, "b": 1.0}], suffix="_dpo", note="n")
+    assert list(made) == ["a", "b"] and [r["key"] for r in made.values()] == ["a_dpo", "b_dpo"]
+    assert made["a"]["ratio"] == 0.5 and made["b"]["ratio"] == 3.0 and made["a"]["note"] == "n"
