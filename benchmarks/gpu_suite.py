@@ -225,7 +225,7 @@ class GpuRun:
             self.done(key, job, missing=missing)
 
 
-def run(out_dir: Path, *, dry_run: bool, peak_flops: float, budget_s: float | None, quick: bool = False,
+def run(*, dry_run: bool, peak_flops: float, budget_s: float | None, quick: bool = False,
         only: tuple[str, ...] = NAMES, save: Callable[[dict[str, Any]], None]) -> dict[str, Any]:  # fmt: skip
     """Run the selected plan in priority order within the budget; `save(results)` after every job."""
     state = GpuRun(dry_run, peak_flops, budget_s, quick, only, save)

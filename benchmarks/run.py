@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         # gpu.sh's hard stop sends SIGTERM: as an exception it lets the launcher kill the running worker, which has
         # a session of its own and would otherwise keep the GPU after this process is gone.
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-        results = suite.run(args.out, dry_run=args.dry_run, peak_flops=args.peak_flops, budget_s=args.budget_s,
+        results = suite.run(dry_run=args.dry_run, peak_flops=args.peak_flops, budget_s=args.budget_s,
                             quick=args.quick, only=args.only or suite.NAMES, save=save)  # fmt: skip
     else:
         extra = {name: getattr(args, name) for name, owner in OPTIONS.items() if owner == args.suite}
