@@ -294,7 +294,14 @@ def _memory_and_padding(runner: Runner, model: Path, data: Path, shared: Path, r
     runs = harness.alternating(p.train_reps, ("small", "large", "pad_to_context"), measure)
     shape = (f"{p.nproc} ranks (torchrun, gloo) x batch {p.batch_size} x --context_length {p.context_length}, "
              f"--quant none --train_type lora, --max_steps {p.steps}")  # fmt: skip
-    # 3: each rank's peak RSS on the large slice against the small one, and their difference against the bar.
+    _memory_rows(p, runs, shape, rows, details)
+    _padding_rows(p, runs, shape, rows, details)
+    details["training_runs"] = {k: [brief(r, KEEP) for r in v] for k, v in runs.items()}
+
+
+def _memory_rows(p: DataPlan, runs: dict[str, list[dict[str, Any]]], shape: str, rows: list, details: dict) -> None:
+    """3: each rank's peak RSS on the large slice against the small one, and their difference against the bar."""
+    large, small = p.rss_rows
     peaks = {n: [[max(m["peak_memory_bytes_per_rank"][r] for m in run["metrics"]) for r in range(p.nproc)]
                  for run in runs[kind]] for n, kind in ((large, "large"), (small, "small"))}  # fmt: skip
     note = (f"{shape}; each rank's largest peak_memory_bytes_per_rank (VmHWM) in metrics.jsonl; caches built "
@@ -315,7 +322,10 @@ def _memory_and_padding(runner: Runner, model: Path, data: Path, shared: Path, r
                 peer_label=f"the bar, {RSS_BAR_BYTES / 1e6:.0f} MB (ratio <= 1 passes)"),
         ]  # fmt: skip
         details["memory"][f"growth_rank{r}_bytes"] = growth
-    # 4: real tokens/s and real tokens / row tokens of per-batch padding against --pad_to_context, the same rows.
+
+
+def _padding_rows(p: DataPlan, runs: dict[str, list[dict[str, Any]]], shape: str, rows: list, details: dict) -> None:
+    """4: real tokens/s and real tokens / row tokens of per-batch padding against --pad_to_context, the same rows."""
     same_rows = all([m["tokens"] for m in a["metrics"]] == [m["tokens"] for m in b["metrics"]]
                     for a in runs["large"] for b in runs["pad_to_context"])  # fmt: skip
     if not same_rows:
@@ -326,12 +336,12 @@ def _memory_and_padding(runner: Runner, model: Path, data: Path, shared: Path, r
         ("tokens_per_s", "real tokens/s (all ranks)", "tokens/s", "higher"),
         ("packing_efficiency", "real tokens / row tokens (packing_efficiency)", "fraction", "higher"),
     ), ours, peer, ours_label="per-batch padding (longest row rounded up to 8)", peer_label="--pad_to_context true",
-        note=f"{shape}, {large:,} rows; steps {p.warmup_steps + 1}-{p.steps}: tokens / seconds and real tokens / row "
-             "tokens summed over them; the same rows at every step on both sides; row tokens as the trainer counts "
-             f"them (every rank's padded batches, summed); median over {p.train_reps} run(s)")  # fmt: skip
+        note=f"{shape}, {p.rss_rows[0]:,} rows; steps {p.warmup_steps + 1}-{p.steps}: tokens / seconds and real "
+             "tokens / row tokens summed over them; the same rows at every step on both sides; row tokens as the "
+             "trainer counts them (every rank's padded batches, summed); median over "
+             f"{p.train_reps} run(s)")  # fmt: skip
     details["padding"] = {"per_batch": speed["large"], "pad_to_context": speed["pad_to_context"],
                           "same_rows_per_step": same_rows}  # fmt: skip
-    details["training_runs"] = {k: [brief(r, KEEP) for r in v] for k, v in runs.items()}
 
 
 def render(results: dict[str, Any]) -> str:
