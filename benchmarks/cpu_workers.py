@@ -4,6 +4,7 @@ rank, for jobs): `python -m benchmarks.cpu_workers NAME JSON_ARGS`.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import shutil
 import time
@@ -214,18 +215,17 @@ def quant_quality(args: dict[str, Any]) -> None:
     for fmt in args["formats"]:
         cfg = QuantConfig(**fmt["config"])
         backend = make_backend(cfg, storage_dtype=torch.uint8, compute_dtype=torch.bfloat16)
-        results[fmt["name"]] = {"ours": _errors(weights, _our_quantize, backend),
-                                "reference": _errors(weights, _reference_quantize, cfg)}  # fmt: skip
+        ours, reference = functools.partial(_our_quantize, backend), functools.partial(_reference_quantize, cfg)
+        results[fmt["name"]] = {"ours": _errors(weights, ours), "reference": _errors(weights, reference)}
     write_json(args["result"], {"formats": results, "matrices": len(weights),
                                 "params": sum(w.numel() for w in weights)})  # fmt: skip
 
 
-def _errors(weights: list[torch.Tensor], quantize: Callable[[Any, torch.Tensor], tuple[Any, int]],
-            how: Any) -> dict[str, float]:  # fmt: skip
-    """Stored bits per parameter and the mean and max absolute error of `quantize(how, w)` over `weights`."""
+def _errors(weights: list[torch.Tensor], quantize: Callable[[torch.Tensor], tuple[Any, int]]) -> dict[str, float]:
+    """Stored bits per parameter and the mean and max absolute error of `quantize` over `weights`."""
     stored = err_sum = err_max = 0.0
     for w in weights:
-        deq, nbytes = quantize(how, w)
+        deq, nbytes = quantize(w)
         diff = (deq - w).abs()
         stored += nbytes
         err_sum += float(diff.double().sum())

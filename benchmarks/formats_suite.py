@@ -39,9 +39,12 @@ def plan(*, quick: bool, **launch: Any) -> FormatsPlan:
 
 
 def summary(ranks: list[dict[str, Any]], checkpoint: Path) -> dict[str, float]:
-    """One load's FIGURES: the files' size, then the largest rank's figure (its total_s for the wall time)."""
-    out = {"checkpoint_bytes": float(sum(f.stat().st_size for f in checkpoint.glob("*.safetensors")))}
-    return out | {k: float(max(r["total_s" if k == "load_wall_s" else k] for r in ranks)) for k, *_ in FIGURES[1:]}
+    """One load's FIGURES: the files' size, then the largest rank's figure."""
+    return {"checkpoint_bytes": float(sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))),
+            "read_bytes": float(max(r["read_bytes"] for r in ranks)),
+            "peak_rss_bytes": float(max(r["peak_rss_bytes"] for r in ranks)),
+            "load_wall_s": max(r["total_s"] for r in ranks),
+            "resident_bytes": float(max(r["resident_bytes"] for r in ranks))}  # fmt: skip
 
 
 def check_same_model(sums: dict[str, list[dict[str, float]]]) -> None:
