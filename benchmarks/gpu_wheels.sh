@@ -28,7 +28,7 @@ PLATFORMS+=(--platform manylinux2014_x86_64 --platform manylinux1_x86_64)
 DISABLE_CUDA=1 "$PY" -m pip wheel --quiet --disable-pip-version-check --no-deps --no-cache-dir --no-binary hqq \
     -w .whl "$(pinned hqq)"
 
-wheels=$(cat .whl/*.whl | wc -c)
+wheels=$(stat -c %s .whl/*.whl | awk '{s += $1} END {print s}')
 repo=$(git ls-files -z --cached --others --exclude-standard | xargs -0 stat -c %s 2>/dev/null | awk '{s += $1} END {print s}')
 find .whl -type f -name '*.whl' -printf '%s %f\n' | sort -rn | awk '{printf "%8.1f MiB  %s\n", $1 / 1048576, $2}'
 awk -v w="$wheels" -v r="$repo" -v limit="$LIMIT_MIB" 'BEGIN {
