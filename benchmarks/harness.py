@@ -15,7 +15,6 @@ import re
 import resource
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -98,9 +97,9 @@ def base_env(threads: int, *, pin_tokenizers: bool = True) -> dict[str, str]:
 
 def rank_envs(nproc: int, threads: int) -> list[dict[str, str]]:
     """torchrun's variables for `nproc` local ranks, so workers join one job directly (a fresh port each launch)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
+    from qlora_fsdp.parallel.distributed import free_port  # here: the harness imports no torch of its own
+
+    port = str(free_port())
     return [{**base_env(threads), "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc),
              "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
             for r in range(nproc)]  # fmt: skip

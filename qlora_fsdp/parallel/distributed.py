@@ -5,9 +5,11 @@ from __future__ import annotations
 import datetime
 import gc
 import os
+import random
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeVar
 
 import torch
@@ -18,6 +20,9 @@ from qlora_fsdp.config.options import FSDPConfig
 from qlora_fsdp.errors import InternalError, UserError
 
 T = TypeVar("T")
+
+# The lowest port free_port draws: above the registered services most hosts run.
+PORT_FLOOR = 20000
 
 
 @dataclass(frozen=True)
@@ -94,10 +99,31 @@ class DistEnv:
 
 
 def free_port() -> int:
-    """A loopback port free now, for a group's store (a one-process run, a test's launch)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A loopback port free now, for a launcher to hand its ranks (the tests', the benchmarks').
+
+    It is drawn below the kernel's ephemeral range: a port that bind(0) hands out can be handed again, as another
+    connection's source port, before rank 0 binds it (EADDRINUSE, seen in CI). Drawn by the system's randomness,
+    as two test workers that seeded `random` alike would draw the same ports.
+    """
+    draw = random.SystemRandom()
+    for _ in range(100):
+        port = draw.randrange(PORT_FLOOR, _ephemeral_floor())
+        with socket.socket() as sock:
+            try:
+                sock.bind(("", port))
+            except OSError:
+                continue
+            return port
+    raise UserError(f"no free port found between {PORT_FLOOR} and {_ephemeral_floor()}: set MASTER_PORT yourself")
+
+
+def _ephemeral_floor() -> int:
+    """The lowest port the kernel hands out on its own (Linux's default, 32768, where it does not say)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+    return max(low, PORT_FLOOR + 1000)
 
 
 def resolve_device(preference: str, local_rank: int) -> torch.device:
@@ -148,7 +174,7 @@ def init_distributed(
     """Join the torchrun job (or make a one-process group) so FSDP runs the same code at any world size, and lay its
     ranks out as the mesh `fsdp` and `sequence_parallel` ask for (default: full sharding, no sequence parallelism).
 
-    Without torchrun, a single-rank group on a free loopback port is created. A caller that joined already keeps
+    Without torchrun, a single-rank group is created. A caller that joined already keeps
     its group: each call builds a mesh of its own, for its own flags.
     """
     rank = int(os.environ.get("RANK", 0))
@@ -164,14 +190,16 @@ def init_distributed(
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if not dist.is_initialized():
-        if "MASTER_ADDR" not in os.environ:
-            os.environ["MASTER_ADDR"] = "127.0.0.1"
-            os.environ["MASTER_PORT"] = str(free_port())
+        timeout = datetime.timedelta(seconds=timeout_s)
+        # Without torchrun, the one rank's store listens on a port the kernel picks as it binds: nothing can take
+        # it between choosing and binding.
+        store = None if "MASTER_ADDR" in os.environ else dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timeout)
         dist.init_process_group(
             backend=backend,
+            store=store,
             rank=rank,
             world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            timeout=timeout,
             device_id=dev if dev.type == "cuda" else None,
         )
     return DistEnv(rank, local_rank, world_size, local_world_size, dev, backend, JobMesh.build(dev.type, shape))
