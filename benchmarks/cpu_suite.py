@@ -69,7 +69,7 @@ def plan(*, quick: bool, kind: str = "cpu", **launch: Any) -> CpuPlan:
     elif quick and kind == "cpu":
         # 4 ranks on 2 cores show nothing 2 do not; one process and one torchrun job cover both launch paths.
         p = CpuPlan(model=QUICK_MODEL, reps=1, batch_size=2, context_length=64, warmup_steps=1, measured_steps=2,
-                    retries=0, launch_timeout_s=180.0, world_sizes=(1, 2),
+                    launch_timeout_s=180.0, world_sizes=(1, 2),
                     train_runs=tuple(r for r in TRAIN_RUNS if r[0] in ("bnb_1proc", "bnb_2ranks_fsdp2")))  # fmt: skip
     else:  # the full suite; packing: 2 ranks on data/alpaca_tiny.jsonl; loss: memory on LOSS_MODEL
         p = CpuPlan(model=QUICK_MODEL if quick else FULL_MODEL, reps=1 if quick else 3,

@@ -349,11 +349,13 @@ class Settings:
 
     def configure(self, *, threads: int = 2, precision: str | None = None, idle_wait_s: float | None = None,
                   reps: int | None = None) -> Self:  # fmt: skip
-        """The command line's launch flags, then `check`: the plan, ready; a quick plan waits for nobody unless told."""
+        """The command line's launch flags, then `check`: the plan, ready. A quick plan waits for nobody unless told,
+        and keeps a contended launch (its figures mean nothing; a test's other worker keeps the machine busy)."""
         flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
         self.threads = threads
         self.precision = precision or ("bf16" if "avx512_bf16" in flags or "amx_bf16" in flags else "fp32")
         self.idle_wait_s = idle_wait_s if idle_wait_s is not None else 0.0 if self.quick else self.idle_wait_s
+        self.retries = 0 if self.quick else self.retries
         for name in ("reps", "build_reps", "train_reps"):
             if reps is not None and hasattr(self, name):
                 setattr(self, name, reps)

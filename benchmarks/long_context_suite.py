@@ -78,7 +78,7 @@ class LongContextPlan(Settings):
 def plan(*, quick: bool, **launch: Any) -> LongContextPlan:
     """The full suite (4k-16k tokens x S = 1, 2, 4 x tiled; hours) or the quick one (1024 tokens, S = 1, 2)."""
     p = (LongContextPlan(dict(QUICK_MODEL), contexts=(1024,), base_context=512, search_step=512, sizes=(1, 2),
-                         tiled_sizes=(1,), reps=1, quick=True, retries=0, launch_timeout_s=180.0) if quick else
+                         tiled_sizes=(1,), reps=1, quick=True, launch_timeout_s=180.0) if quick else
          LongContextPlan(dict(FULL_MODEL), contexts=(4096, 8192, 16384), base_context=4096, search_step=512, reps=1,
                          sizes=(1, 2, 4), tiled_sizes=(1, 2, 4), retries=0, launch_timeout_s=7200.0))  # fmt: skip
     return p.configure(**launch)

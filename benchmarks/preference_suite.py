@@ -66,7 +66,7 @@ class PreferencePlan(Settings):
 def plan(*, quick: bool, objectives: tuple[str, ...] | None = None, **launch: Any) -> PreferencePlan:
     """The full suite (34M model, 4 objectives) or the quick one (DPO alone); peaks are memory: no retry."""
     p = (PreferencePlan(dict(harness.QUICK_MODEL), reps=1, pairs_per_rank=1, prompt_tokens=40, reply_tokens=23,
-                        steps=3, objectives=("dpo",), quick=True, retries=0, launch_timeout_s=180.0) if quick else
+                        steps=3, objectives=("dpo",), quick=True, launch_timeout_s=180.0) if quick else
          PreferencePlan(dict(FULL_MODEL), reps=1, pairs_per_rank=4, prompt_tokens=95, reply_tokens=288, steps=4,
                         retries=0))  # fmt: skip
     if objectives is not None:

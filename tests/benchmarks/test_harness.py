@@ -9,6 +9,7 @@ a module that machine lacks fails here. Without it, this venv's Python.
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
@@ -21,6 +22,7 @@ import pytest
 from benchmarks.gpu_suite import NAMES, parse_only
 from benchmarks.harness import behind, keyed_rows, row
 from benchmarks.report import fmt, render
+from benchmarks.run import OPTIONS, SUITES
 from tests.benchmarks.suites import ROW_FIELDS, env, positive, run, run_suite
 
 LOAD = (
@@ -163,6 +165,18 @@ def test_gpu_failure_cause_is_the_last_error_line(code: str, cause: str) -> None
     noise = "import atexit; atexit.register(print, 'teardown noise after the error')"  # the log's last line
     job = launch([[sys.executable, "-c", f"{noise}\n{code}"]], [base_env(1)], timeout_s=60)
     assert failure_cause(job) == f"{cause} (exit status {job.returncode})" and job.returncode in (1, 2)
+
+
+@pytest.mark.parametrize("suite", sorted({m: key for key, m in reversed(SUITES.items()) if m != "gpu_suite"}.values()))
+def test_a_quick_plan_waits_for_nobody_and_keeps_a_contended_launch(suite: str) -> None:
+    """A test's other worker keeps the machine busy: a quick plan measuring again on contention launched each
+    process twice there (the formats and generation quick plans did). Each suite's plan as run.py makes it."""
+    plan = importlib.import_module(f"benchmarks.{SUITES[suite]}").plan
+    extra: dict[str, Any] = {name: None for name, owner in OPTIONS.items() if owner == suite}
+    extra.update({"kind": suite} if SUITES[suite] == "cpu_suite" else {})
+    quick = plan(quick=True, threads=2, reps=None, idle_wait_s=None, precision="fp32", **extra)
+    assert quick.retries == 0 and quick.idle_wait_s == 0.0
+    assert plan(quick=False, threads=2, reps=None, idle_wait_s=None, precision="fp32", **extra).idle_wait_s > 0
 
 
 def test_palm_flops_per_token_of_llama2_7b() -> None:
