@@ -24,7 +24,7 @@ print(f"Python {sys.version.split()[0]}, torch {torch.__version__}, transformers
 # FSDP2's float view here; DeepSeek's FP8 dequantized).
 export QLORA_REFERENCE_PYTHON="$PWD/${VENV_CPU:-.venv}/bin/python"
 export QLORA_GPU_PYTHON="$PWD/${VENV_GPU_MACHINE:-.venv-gpu-machine}/bin/python"
-"$VENV/bin/python" -m pytest -q -n "${PYTEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder \
+"$VENV/bin/python" -m pytest -q -n "${PYTEST_WORKERS:-2}" --durations=15 --dist loadfile --no-loadscope-reorder \
     tests/distributed/test_train_e2e.py \
     tests/distributed/test_packed_layout.py \
     tests/distributed/test_storage_integrity.py \
