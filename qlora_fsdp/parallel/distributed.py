@@ -102,8 +102,8 @@ def free_port() -> int:
     """A loopback port free now, for a launcher to hand its ranks (the tests', the benchmarks').
 
     It is drawn below the kernel's ephemeral range: a port that bind(0) hands out can be handed again, as another
-    connection's source port, before rank 0 binds it (EADDRINUSE, seen in CI). Drawn by the system's randomness,
-    as two test workers that seeded `random` alike would draw the same ports.
+    connection's source port, before rank 0 binds it. Drawn by the system's randomness, as two test workers that
+    seeded `random` alike would draw the same ports.
     """
     draw = random.SystemRandom()
     for _ in range(100):
@@ -174,8 +174,8 @@ def init_distributed(
     """Join the torchrun job (or make a one-process group) so FSDP runs the same code at any world size, and lay its
     ranks out as the mesh `fsdp` and `sequence_parallel` ask for (default: full sharding, no sequence parallelism).
 
-    Without torchrun, a single-rank group is created. A caller that joined already keeps
-    its group: each call builds a mesh of its own, for its own flags.
+    Without torchrun, a single-rank group is created. A caller that joined already keeps its group: each call
+    builds a mesh of its own, for its own flags.
     """
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
