@@ -18,8 +18,8 @@ if [ "${1:-}" = "--fast" ]; then
 fi
 # Two workers, each taking whole test files (module fixtures build once): the multi-process tests leave cores idle
 # while processes start and ranks wait on each other, which the other worker fills (three workers on these two
-# cores were slower in .ci/run: 1,921 s of pytest against 1,755). PYTEST_WORKERS=0: one process. --durations: the slowest
-# tests, for CI's log.
+# cores were slower in .ci/run: 1,921 s of pytest against 1,755). PYTEST_WORKERS=0: one process. --durations:
+# the slowest tests, for CI's log.
 # --no-loadscope-reorder: files go out in collection order, which tests/conftest.py starts with the longest ones
 # (xdist's default order, most tests first, left the few-test multi-process files running alone at the end).
 "$VENV/bin/python" -m pytest -q -n "${PYTEST_WORKERS:-2}" --durations=25 --dist loadfile --no-loadscope-reorder \
