@@ -22,6 +22,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 TESTS = REPO_ROOT / "tests"
 DATASET = REPO_ROOT / "data" / "alpaca_tiny.jsonl"
 TORCHRUN = Path(sys.executable).with_name("torchrun")
+# What torchrun sets that says a process is one rank of a job (qlora_fsdp/parallel/distributed.py reads them).
+LAUNCHER_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 # Whether this torch's FSDP2 shards uint8 parameters (2.12+), as the trainer asks; older ones get the float view by
 # default (qlora_fsdp/parallel/fsdp2.py).
 UINT8_FSDP2 = fsdp2_uint8_problem() is None
@@ -132,6 +134,14 @@ def randomize_adapters(adapted: Iterable[object], *, seed: int) -> None:
             for param in layer.parameters():  # type: ignore[attr-defined]
                 if param.requires_grad:
                     param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+
+
+@pytest.fixture
+def no_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No torchrun around: init_distributed makes a one-rank group in this process (undone by teardown or when
+    run returns)."""
+    for name in LAUNCHER_VARS:
+        monkeypatch.delenv(name, raising=False)
 
 
 @pytest.fixture(scope="session")

@@ -99,22 +99,23 @@ class DistEnv:
 
 
 def free_port() -> int:
-    """A loopback port free now, for a launcher to hand its ranks (the tests', the benchmarks').
+    """A port free now on every interface (where rank 0's store listens), for a launcher to hand its ranks (the
+    tests', the benchmarks').
 
     It is drawn below the kernel's ephemeral range: a port that bind(0) hands out can be handed again, as another
     connection's source port, before rank 0 binds it. Drawn by the system's randomness, as two test workers that
     seeded `random` alike would draw the same ports.
     """
-    draw = random.SystemRandom()
+    draw, ceiling = random.SystemRandom(), _ephemeral_floor()
     for _ in range(100):
-        port = draw.randrange(PORT_FLOOR, _ephemeral_floor())
+        port = draw.randrange(PORT_FLOOR, ceiling)
         with socket.socket() as sock:
             try:
                 sock.bind(("", port))
             except OSError:
                 continue
             return port
-    raise UserError(f"no free port found between {PORT_FLOOR} and {_ephemeral_floor()}: set MASTER_PORT yourself")
+    raise UserError(f"no free port found between {PORT_FLOOR} and {ceiling}: set MASTER_PORT yourself")
 
 
 def _ephemeral_floor() -> int:

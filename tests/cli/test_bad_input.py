@@ -15,10 +15,9 @@ import fire
 import pytest
 
 from qlora_fsdp.cli import main
-from tests.conftest import DATASET, launch, without_weights
+from tests.conftest import DATASET, LAUNCHER_VARS, launch, without_weights
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-LAUNCHER_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
 
 def run_cli(args: list[str]) -> tuple[int, list[str], str]:

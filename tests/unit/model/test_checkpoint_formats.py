@@ -46,12 +46,6 @@ BNB = {
 CPU = torch.device("cpu")
 
 
-@pytest.fixture
-def one_rank(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)
-
-
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The first ROWS rows of the shipped Alpaca sample: one step's batch."""
@@ -113,7 +107,7 @@ def first_loss(model: Path, rows: Path, out: Path, quant: str, **flags: object) 
 
 @pytest.mark.parametrize("quant", ["bnb", "none"])
 @pytest.mark.parametrize("layout", list(BNB))
-def test_pre_quantized_bnb_loss_equals_transformers(one_rank: None, checkpoints: dict[str, Path], rows: Path,
+def test_pre_quantized_bnb_loss_equals_transformers(no_launcher: None, checkpoints: dict[str, Path], rows: Path,
                                                      tmp_path: Path, layout: str, quant: str) -> None:  # fmt: skip
     """--quant bnb trains on the file's bytes, --quant none on their exact dequantization: both are what
     transformers' 4-bit model computes."""
@@ -123,13 +117,13 @@ def test_pre_quantized_bnb_loss_equals_transformers(one_rank: None, checkpoints:
 
 
 @pytest.mark.parametrize("layout", ["fp8-block", "fp8-tensor"])
-def test_fp8_loss_equals_transformers(one_rank: None, checkpoints: dict[str, Path], rows: Path, tmp_path: Path,
+def test_fp8_loss_equals_transformers(no_launcher: None, checkpoints: dict[str, Path], rows: Path, tmp_path: Path,
                                       layout: str) -> None:  # fmt: skip
     model = checkpoints[layout]
     assert first_loss(model, rows, tmp_path, "none") == pytest.approx(transformers_label_loss(model, rows), rel=2e-4)
 
 
-def test_fp8_experts_of_deepseek_v3_loss_equals_transformers(one_rank: None, deepseek_fp8: Path, rows: Path,
+def test_fp8_experts_of_deepseek_v3_loss_equals_transformers(no_launcher: None, deepseek_fp8: Path, rows: Path,
                                                              tmp_path: Path) -> None:  # fmt: skip
     """Each expert's FP8 weight is dequantized with its own scales before transformers' conversion fuses them."""
     ours = first_loss(deepseek_fp8, rows, tmp_path, "none", lora_target_modules="all")
@@ -137,7 +131,7 @@ def test_fp8_experts_of_deepseek_v3_loss_equals_transformers(one_rank: None, dee
 
 
 @pytest.mark.parametrize("mode", ["keep", "dequantize"])
-def test_mxfp4_experts_loss_equals_transformers(one_rank: None, gpt_oss_mxfp4: Path, rows: Path, tmp_path: Path,
+def test_mxfp4_experts_loss_equals_transformers(no_launcher: None, gpt_oss_mxfp4: Path, rows: Path, tmp_path: Path,
                                                mode: str) -> None:  # fmt: skip
     """Kept, the experts compute from the file's bytes; dequantized, from their exact values: either way what
     transformers' dequantizing load computes."""

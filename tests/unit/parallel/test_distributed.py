@@ -8,11 +8,7 @@ from __future__ import annotations
 import os
 import random
 
-import pytest
-
 from qlora_fsdp.parallel.distributed import PORT_FLOOR, _ephemeral_floor, free_port, init_distributed, teardown
-
-LAUNCHER_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
 
 def test_a_launchers_port_is_below_the_ephemeral_range_and_not_drawn_from_the_seeded_generator() -> None:
@@ -26,11 +22,9 @@ def test_a_launchers_port_is_below_the_ephemeral_range_and_not_drawn_from_the_se
     assert len(set(draws)) > 1, draws
 
 
-def test_a_run_without_torchrun_joins_twice_and_sets_no_port(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_run_without_torchrun_joins_twice_and_sets_no_port(no_launcher: None) -> None:
     """The one-rank store listens on a port the kernel picks as it binds; none is left in the environment for a
     second group in the same process to reuse."""
-    for name in LAUNCHER_VARS:
-        monkeypatch.delenv(name, raising=False)
     for _ in range(2):
         env = init_distributed(device="cpu")
         teardown()

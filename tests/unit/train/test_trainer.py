@@ -21,15 +21,8 @@ BASE = {
 }  # fmt: skip
 
 
-@pytest.fixture
-def one_rank(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No torchrun around: init_distributed makes a one-rank group on a free port, torn down when run returns."""
-    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)
-
-
 @pytest.mark.parametrize("quant", ["bnb", "hqq"])
-def test_fsdp1_trains_and_saves_in_one_process(one_rank: None, tiny_model: Path, tmp_path: Path, quant: str) -> None:
+def test_fsdp1_trains_and_saves_in_one_process(no_launcher: None, tiny_model: Path, tmp_path: Path, quant: str) -> None:
     flags = {**BASE, "model": str(tiny_model), "quant": quant, "fsdp_version": 1, "output_dir": str(tmp_path),
              "dataset": str(REPO_ROOT / "data" / "alpaca_tiny.jsonl"), "dataset_samples": 6}  # fmt: skip
     result = run(build_config(flags).validate())
@@ -39,7 +32,7 @@ def test_fsdp1_trains_and_saves_in_one_process(one_rank: None, tiny_model: Path,
     assert any(v.abs().sum() > 0 for k, v in load_file(tmp_path / "adapter_model.safetensors").items() if "lora_B" in k)
 
 
-def test_dpo_with_a_precomputed_reference_in_one_process(one_rank: None, tiny_model: Path, tmp_path: Path) -> None:
+def test_dpo_with_a_precomputed_reference_in_one_process(no_launcher: None, tiny_model: Path, tmp_path: Path) -> None:
     flags = {**BASE, "model": str(tiny_model), "quant": "bnb", "objective": "dpo", "precompute_reference": True,
              "dataset": str(REPO_ROOT / "data" / "preference_tiny.jsonl"), "dataset_samples": 6,
              "output_dir": str(tmp_path)}  # fmt: skip
