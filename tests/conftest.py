@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import multiprocessing.process
 import os
@@ -27,8 +28,11 @@ LAUNCHER_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK
 # Whether this torch's FSDP2 shards uint8 parameters (2.12+), as the trainer asks; older ones get the float view by
 # default (qlora_fsdp/parallel/fsdp2.py).
 UINT8_FSDP2 = fsdp2_uint8_problem() is None
-# Tokenized caches of a test session stay in a directory of its own (launched CLIs inherit it), not the user's.
-os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="qlora-test-datasets-"))
+# Tokenized caches of a test session stay in a directory of its own (launched CLIs and pytest-xdist's workers inherit
+# it), not the user's, removed when the process that made it exits.
+if "HF_DATASETS_CACHE" not in os.environ:
+    os.environ["HF_DATASETS_CACHE"] = tempfile.mkdtemp(prefix="qlora-test-datasets-")
+    atexit.register(shutil.rmtree, os.environ["HF_DATASETS_CACHE"], ignore_errors=True)
 
 
 # The longest test files (several multi-process launches each) first, longest first, as measured in a whole run; paths
