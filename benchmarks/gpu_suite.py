@@ -68,6 +68,7 @@ LONG_SETTINGS = (
 MEMORY = (("peak_allocated", "peak allocated memory"), ("peak_reserved", "peak reserved memory"))
 """The two CUDA allocator peaks (on the CPU both are the peak RSS): key and figure."""
 OOM = re.compile(r"OutOfMemoryError|out of memory", re.IGNORECASE)
+THREADS = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)  # a process's CPU threads; the user's if set
 NAMES = (TESTS, *(v.name for v in VARIANTS), LONG)
 
 
@@ -206,7 +207,7 @@ class GpuRun:
                 continue
             result = work / f"{key}.json"
             cmd = harness.worker_cmd("benchmarks.gpu_suite", worker, {**args, "result": str(result)})
-            job = harness.launch([cmd], [harness.base_env(os.cpu_count() or 1)], timeout_s=self.left())
+            job = harness.launch([cmd], [harness.base_env(THREADS)], timeout_s=self.left())
             cause = None if job.returncode == 0 and result.is_file() else failure_cause(job)
             missing = [item] if cause else []
             if cause is None:
@@ -257,7 +258,7 @@ def _test_tier(work: Path, *, timeout_s: float) -> tuple[harness.Launch, dict[st
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
            "tests/gpu"]  # fmt: skip
     # Only the plugins pytest itself brings: the GPU machine's image has others, built for its own pytest.
-    env = {**harness.base_env(os.cpu_count() or 1), "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    env = {**harness.base_env(THREADS), "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
     job = harness.launch([cmd], [env], timeout_s=timeout_s)
     tier: dict[str, Any] = {"command": "python -m pytest -m gpu tests/gpu", "wall_s": round(job.wall_s, 1),
                             "returncode": job.returncode, "causes": []}  # fmt: skip

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from qlora_fsdp.compat import fsdp2_uint8_problem
 from scripts.make_tiny_model import build_tiny_model
@@ -28,6 +29,11 @@ LAUNCHER_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK
 # Whether this torch's FSDP2 shards uint8 parameters (2.12+), as the trainer asks; older ones get the float view by
 # default (qlora_fsdp/parallel/fsdp2.py).
 UINT8_FSDP2 = fsdp2_uint8_problem() is None
+# Threads of a test process: the cores shared among pytest-xdist's workers. Two workers of two threads on two cores
+# spin-wait for each other's cores (OpenMP): the fast tier took 155 s of pytest instead of 93 s. Ranks a test
+# launches run one thread each (worker_env).
+THREADS = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+torch.set_num_threads(THREADS)
 # Tokenized caches of a test session stay in a directory of its own (launched CLIs and pytest-xdist's workers inherit
 # it), not the user's, removed when the process that made it exits.
 if "HF_DATASETS_CACHE" not in os.environ:

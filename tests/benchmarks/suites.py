@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tests.conftest import THREADS
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ROW_FIELDS = ("section", "key", "figure", "unit", "better", "ours", "peer", "ratio", "runs")
 
@@ -28,11 +30,11 @@ def run(cmd: list[str], *, timeout: float, environ: dict[str, str] | None = None
 
 
 def run_suite(tmp_path: Path, suite: str, *options: str, timeout: float = 600) -> tuple[dict[str, Any], str]:
-    """`benchmarks/run.py --suite SUITE --quick OPTIONS`, its model cache and output under `tmp_path`: results.json
-    and results.md, once checked for what every suite's hold (the suite, unique row keys, every row field, ratio =
-    ours / peer, every figure in the report)."""
+    """`benchmarks/run.py --suite SUITE --quick OPTIONS` on this test process's threads, its model cache and output
+    under `tmp_path`: results.json and results.md, once checked for what every suite's hold (the suite, unique row
+    keys, every row field, ratio = ours / peer, every figure in the report)."""
     out = tmp_path / "results"
-    cmd = [sys.executable, "benchmarks/run.py", "--suite", suite, "--quick", *options]
+    cmd = [sys.executable, "benchmarks/run.py", "--suite", suite, "--quick", "--threads", str(THREADS), *options]
     run([*cmd, "--out", str(out), "--cache", str(tmp_path / "cache")], timeout=timeout)
     results, report = json.loads((out / "results.json").read_text()), (out / "results.md").read_text()
     assert results["suite"] == suite and results["quick"] is True

@@ -24,6 +24,7 @@ from benchmarks.harness import behind, keyed_rows, row
 from benchmarks.report import fmt, render
 from benchmarks.run import OPTIONS, SUITES
 from tests.benchmarks.suites import ROW_FIELDS, env, positive, run, run_suite
+from tests.conftest import THREADS
 
 LOAD = (
     "load_wall_s", "load_peak_rss_rank0_bytes", "load_peak_rss_rank1_bytes", "load_rss_growth_rank0_bytes",
@@ -110,7 +111,8 @@ def test_cpu_suite_quick(tmp_path: Path) -> None:
 def test_gpu_script_dry_run(tmp_path: Path) -> None:
     out = tmp_path / "gpu"
     cmd = ["bash", "benchmarks/gpu.sh", str(out), "--dry-run"]
-    run(cmd, timeout=1200, environ={**env(), "PYTHON": os.environ.get("QLORA_GPU_PYTHON", sys.executable)})
+    python = os.environ.get("QLORA_GPU_PYTHON", sys.executable)
+    run(cmd, timeout=1200, environ={**env(), "PYTHON": python, "OMP_NUM_THREADS": str(THREADS)})
 
     results = json.loads((out / "results.json").read_text())
     assert results["suite"] == "gpu" and results["dry_run"] is True and not results["errors"]
