@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import importlib
 import json
 import os
@@ -169,6 +170,7 @@ def main() -> None:
     os.close(null)
     for name in PRELOAD:
         importlib.import_module(name)
+    gc.freeze()
     if threading.active_count() != 1:  # a Python thread would not survive the fork, and might hold a lock
         raise RuntimeError(f"threads after importing the stack: {threading.enumerate()}")
     signal.signal(signal.SIGTERM, _stop)
