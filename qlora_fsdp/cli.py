@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import sys
 import traceback
@@ -28,6 +29,9 @@ def main(config: str | None = None, **flags: Any) -> None:
         cfg = build_config({k.replace("-", "_"): v for k, v in flags.items()}, config).validate()
         from qlora_fsdp.train.trainer import run
 
+        # The imported stack (about 250,000 objects) lives as long as the process: frozen, Python's full
+        # collections skip it (each walked it, about 0.2 s) and a forked worker copies fewer of its pages.
+        gc.freeze()
         run(cfg)
     except (UserError, TrainingStopped, InternalError) as exc:
         sys.exit(report_failure(exc))
