@@ -21,33 +21,35 @@ from typing import Any
 from benchmarks import harness
 from benchmarks.harness import llama, row
 
-LLAMA2_7B = llama(4096, 32, 11008, 32, 32, 32000, 7)
-DRY_MODEL = llama(128, 2, 256, 4, 2, 512, 2)
+PLANS = {
+    "gpu": {"model": llama(4096, 32, 11008, 32, 32, 32000, 7), "big": (8, 2048), "small": (1, 512), "warmup": 2,
+            "measured": 3, "device": "cuda", "long": (16384, 32768, 65536), "budget_s": 500.0, "min_start_s": 45.0},
+    "dry": {"model": llama(128, 2, 256, 4, 2, 512, 2), "big": (2, 96), "small": (1, 64), "warmup": 1, "measured": 2,
+            "device": "cpu", "long": (128, 256), "budget_s": 1100.0, "min_start_s": 5.0},
+}  # fmt: skip
+"""Llama-2-7B-shaped on the GPU (--quick: 1 warmup + 2 measured steps), tiny on the CPU. The budget: on the GPU inside
+the machine's 9 minutes with gpu.sh's install; on the dry run's 2-core CPU --compile alone takes minutes (inductor
+compiles C++). No job starts with under min_start_s left: on a GPU every training job loads a 7B model first."""
 LORA = {"lora_rank": 64, "lora_alpha": 16.0}
 CHECKPOINTING = True
 PEER_LABEL = "HF from_pretrained 4-bit + PEFT + AdamW, 1 process"
 TESTS = "tests"
 TEST_TIER_TIMEOUT_S = 150.0  # the tier is sized for 2 minutes on one GPU
-DEFAULT_BUDGET_S = {"gpu": 500.0, "dry": 1100.0}
-"""GPU: inside the machine's 9 minutes with gpu.sh's install. Dry run: a 2-core CPU, where --compile alone takes
-minutes (inductor compiles C++)."""
-MIN_START_S = {"gpu": 45.0, "dry": 5.0}
-"""A job is not started with less of the budget left: on a GPU every training job loads a 7B model first."""
 ERROR_LINE = re.compile(r"^(error: |[\w.]*(Error|Exception|Exit|Interrupt)\b)")
+OOM = re.compile(r"OutOfMemoryError|out of memory", re.IGNORECASE)
+THREADS = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)  # a process's CPU threads; the user's if set
 
 
 @dataclass(frozen=True)
 class Variant:
-    """One of our runs, measured against the peer at the same shape."""
+    """One of our settings (`--only` calls a variant by its name), at the plan's "big" or "small" shape."""
 
     name: str
-    """What `--only` calls it."""
     label: str
     quant: str = "bnb"
     fsdp_version: int = 2
     flags: dict[str, Any] = field(default_factory=dict)
-    small: bool = False
-    """Batch 1 x 512 (dry run: 1 x 64) instead of 8 x 2048 (dry run: 2 x 96)."""
+    shape: str = "big"
 
 
 VARIANTS = (
@@ -56,19 +58,17 @@ VARIANTS = (
     Variant("compile", "bnb FSDP2, --compile true", flags={"compile": True}),
     Variant("whole-logits", "bnb FSDP2, --loss_chunk_tokens 0 (whole logits)", flags={"loss_chunk_tokens": 0}),
     Variant("fsdp1", "bnb FSDP1", fsdp_version=1),
-    Variant("bnb-1x512", "bnb FSDP2 (defaults)", small=True),
+    Variant("bnb-1x512", "bnb FSDP2 (defaults)", shape="small"),
 )
 LONG = "long-context"
 LONG_SETTINGS = (
-    ("tiled_offload", "bnb FSDP2, --tiled_mlp auto --activation_offload true", {"tiled_mlp": "auto",
-                                                                               "activation_offload": True}),
-    ("checkpointing", "bnb FSDP2, gradient checkpointing only (defaults)", {}),
+    Variant("tiled_offload", "bnb FSDP2, --tiled_mlp auto --activation_offload true",
+            flags={"tiled_mlp": "auto", "activation_offload": True}),
+    Variant("checkpointing", "bnb FSDP2, gradient checkpointing only (defaults)"),
 )  # fmt: skip
-"""(name, label, flags): the long-context item's two settings, each at every context of the plan, ascending."""
+"""The long-context item's two settings, ours then the peer column, each at every context of the plan, ascending."""
 MEMORY = (("peak_allocated", "peak allocated memory"), ("peak_reserved", "peak reserved memory"))
 """The two CUDA allocator peaks (on the CPU both are the peak RSS): key and figure."""
-OOM = re.compile(r"OutOfMemoryError|out of memory", re.IGNORECASE)
-THREADS = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1)  # a process's CPU threads; the user's if set
 NAMES = (TESTS, *(v.name for v in VARIANTS), LONG)
 
 
@@ -83,20 +83,12 @@ def parse_only(text: str | None) -> tuple[str, ...]:
     return tuple(n for n in NAMES if n in asked)
 
 
-def _plan(dry_run: bool, quick: bool) -> dict[str, Any]:
-    if dry_run:
-        return {"model": DRY_MODEL, "big": (2, 96), "small": (1, 64), "warmup": 1, "measured": 2, "device": "cpu",
-                "long": (128, 256)}  # fmt: skip
-    warmup, measured = (1, 2) if quick else (2, 3)
-    return {"model": LLAMA2_7B, "big": (8, 2048), "small": (1, 512), "warmup": warmup, "measured": measured,
-            "device": "cuda", "long": (16384, 32768, 65536)}  # fmt: skip
-
-
 def _settings(p: dict[str, Any], dry_run: bool, peak_flops: float, budget: float) -> dict[str, Any]:
     return {
-        "device": p["device"], "shapes": f"batch {_shape(p['big'])}; the bnb-1x512 variant batch {_shape(p['small'])}",
+        "device": p["device"],
+        "shapes": "batch {} x {}; the bnb-1x512 variant batch {} x {}".format(*p["big"], *p["small"]),
         "long_context": f"{LONG}: batch 1 at contexts {', '.join(map(str, p['long']))} (rows that fill them), "
-                        f"{LONG_SETTINGS[0][1]} (ours) against {LONG_SETTINGS[1][1]} (peer column), 1 warmup + 1 "
+                        f"{LONG_SETTINGS[0].label} (ours) against {LONG_SETTINGS[1].label} (peer column), 1 warmup + 1 "
                         "measured step; a setting stops at its first context that runs out of memory; longest = the "
                         "largest that trained",
         "steps": f"{p['warmup']} warmup + {p['measured']} measured (median)",
@@ -114,26 +106,27 @@ def _settings(p: dict[str, Any], dry_run: bool, peak_flops: float, budget: float
 
 
 def _jobs(p: dict[str, Any], variants: list[Variant], only: tuple[str, ...], work: Path) -> list[tuple[str, str, dict]]:
-    """(key, worker, args) of each job, in order: the model, the peer, the variants, the long contexts."""
+    """(key, worker, args) of each job, in order: the tests, the model, the peer, the variants, the long contexts."""
     model = work / "model"
     common = {"model": str(model), "warmup": p["warmup"], "measured": p["measured"], "device": p["device"]}
-    jobs: list[tuple[str, str, dict[str, Any]]] = []
+    jobs: list[tuple[str, str, dict[str, Any]]] = [(TESTS, TESTS, {})] if TESTS in only else []
     if variants or LONG in only:
         jobs.append(("write_model", "write_model", {"out": str(model), "sizes": p["model"], **common}))
     if variants:
-        shapes = sorted({p["small"] if v.small else p["big"] for v in variants}, reverse=True)
-        jobs.append(("peer", "peer", {**common, "shapes": shapes}))
+        jobs.append(("peer", "peer", {**common, "shapes": sorted({p[v.shape] for v in variants}, reverse=True)}))
+
+    def our_args(v: Variant, shape: tuple[int, int], **kw: Any) -> dict[str, Any]:
+        return {**common, "shape": shape, "quant": v.quant, "fsdp_version": v.fsdp_version, "flags": v.flags, **kw}
+
     # --compile compiles the layers at the second step (after the first has run eagerly): one more warmup step.
-    jobs += [(v.name, "ours", {**common, "shape": p["small"] if v.small else p["big"], "quant": v.quant,
-                               "fsdp_version": v.fsdp_version, "flags": v.flags,
-                               "warmup": p["warmup"] + bool(v.flags.get("compile"))}) for v in variants]  # fmt: skip
+    jobs += [(v.name, "ours", our_args(v, p[v.shape], warmup=p["warmup"] + bool(v.flags.get("compile"))))
+             for v in variants]  # fmt: skip
     if LONG in only:
         rows = harness.write_long_rows(work / "long-rows.jsonl", rows=2, words=max(p["long"]) + 8, seed=0)
         # Tokenized in memory: the GPU machine has no `datasets`, which the tokenized cache is built with.
         data = {"dataset": str(rows), "dataset_in_memory": True}
-        jobs += [(long_key(name, c), "ours", {**common, "shape": (1, c), "quant": "bnb", "fsdp_version": 2,
-                                              "flags": {**flags, **data}, "warmup": 1, "measured": 1})
-                 for c in p["long"] for name, _, flags in LONG_SETTINGS]  # fmt: skip
+        jobs += [(long_key(v.name, c), "ours", our_args(v, (1, c), flags={**v.flags, **data}, warmup=1, measured=1))
+                 for c in p["long"] for v in LONG_SETTINGS]  # fmt: skip
     return jobs
 
 
@@ -142,10 +135,9 @@ class GpuRun:
 
     def __init__(self, dry_run: bool, peak_flops: float, budget_s: float | None, quick: bool,
                  only: tuple[str, ...], save: Callable[[dict[str, Any]], None]) -> None:  # fmt: skip
-        kind = "dry" if dry_run else "gpu"
-        self.start, self.min_start = time.perf_counter(), MIN_START_S[kind]
-        self.budget = budget_s or DEFAULT_BUDGET_S[kind]
-        self.p, self.only, self.save, self.peak_flops = _plan(dry_run, quick), only, save, peak_flops
+        self.p = {**PLANS["dry" if dry_run else "gpu"], **({"warmup": 1, "measured": 2} if quick else {})}
+        self.start, self.budget = time.perf_counter(), budget_s or self.p["budget_s"]
+        self.only, self.save, self.peak_flops = only, save, peak_flops
         self.variants = [v for v in VARIANTS if v.name in only]
         self.records: dict[str, dict[str, Any]] = {}
         self.results: dict[str, Any] = {
@@ -159,11 +151,6 @@ class GpuRun:
 
     def left(self) -> float:
         return max(self.budget - (time.perf_counter() - self.start), 0.0)
-
-    def skipped(self, key: str, item: str) -> None:
-        """A job the budget leaves out."""
-        self.results["errors"].append(f"{key}: skipped, {self.left():.0f} s of the {self.budget:.0f} s budget left")
-        self.done(key, None, missing=[item] if item in NAMES else [])
 
     def done(self, name: str, job: harness.Launch | None, *, missing: Sequence[str] = ()) -> None:
         """Record a job, recompute every row from the records so far, and save."""
@@ -185,45 +172,58 @@ class GpuRun:
         r["wall_time_s"] = time.perf_counter() - self.start
         self.save(r)
 
-    def tests(self, work: Path) -> None:
-        if self.left() < self.min_start:
-            return self.skipped(TESTS, TESTS)
-        job, tier = _test_tier(work, timeout_s=min(TEST_TIER_TIMEOUT_S, self.left()))
-        self.results["tests"] = tier
-        self.results["errors"] += [f"{TESTS}: {cause}" for cause in tier["causes"]]
-        if tier["causes"]:
-            self.results.setdefault("logs", {})[TESTS] = job.log[-4000:]
-        self.done(TESTS, job, missing=[TESTS] if tier["causes"] else ())
-
     def jobs(self, jobs: list[tuple[str, str, dict[str, Any]]], work: Path) -> None:
-        """Each job in turn; out of memory ends a long-context setting, a failed model or peer what needs it."""
+        """Each job in turn while the budget lasts; out of memory ends a long-context setting (a result, not an
+        error), a failed model or peer what needs it."""
         unrun: set[str] = set()
         for i, (key, worker, args) in enumerate(jobs):
             item = key.split("/")[0]  # a long-context job's item is LONG
             if key in unrun:
                 continue
-            if self.left() < self.min_start:
-                self.skipped(key, item)
+            if self.left() < self.p["min_start_s"]:
+                self.results["errors"].append(f"{key}: skipped, {self.left():.0f} s of the {self.budget:.0f} s "
+                                              "budget left")  # fmt: skip
+                self.done(key, None, missing=[item] if item in NAMES else [])
                 continue
-            result = work / f"{key}.json"
-            cmd = harness.worker_cmd("benchmarks.gpu_suite", worker, {**args, "result": str(result)})
-            job = harness.launch([cmd], [harness.base_env(THREADS)], timeout_s=self.left())
-            cause = None if job.returncode == 0 and result.is_file() else failure_cause(job)
-            missing = [item] if cause else []
-            if cause is None:
-                self.records[key] = harness.read_json(result)
-            elif item == LONG and OOM.search(cause):
-                self.records[key], missing = {"out_of_memory": cause}, []
+            job, causes = self.tests(work) if key == TESTS else self.worker(key, worker, args, work)
+            missing = [item] if causes else []
+            if item == LONG and causes and OOM.search(causes[0]):
+                self.records[key], missing = {"out_of_memory": causes[0]}, []
                 unrun.update(k for k, _, _ in jobs if k.startswith(key.rsplit("/", 1)[0] + "/"))  # longer contexts
-            else:
-                self.results["errors"].append(f"{key}: {cause}")
+            elif causes:
+                self.results["errors"] += [f"{key}: {cause}" for cause in causes]
                 self.results.setdefault("logs", {})[key] = job.log[-4000:]
-            if cause and key in ("write_model", "peer"):  # nothing after it can be compared (after the peer: to it)
+            if causes and key in ("write_model", "peer"):  # nothing after it can be compared (after the peer: to it)
                 rest = [k for k, _, _ in jobs[i + 1 :] if key == "write_model" or not k.startswith(f"{LONG}/")]
                 self.results["errors"] += [f"{k}: not run, {key} failed" for k in rest]
                 unrun.update(rest)
                 missing = [n for n in NAMES if n in {k.split("/")[0] for k in rest}]
             self.done(key, job, missing=missing)
+
+    def worker(self, key: str, worker: str, args: dict[str, Any], work: Path) -> tuple[harness.Launch, list[str]]:
+        """One measurement in a fresh process: its record, or why it failed."""
+        result = work / f"{key}.json"
+        cmd = harness.worker_cmd("benchmarks.gpu_suite", worker, {**args, "result": str(result)})
+        job = harness.launch([cmd], [harness.base_env(THREADS)], timeout_s=self.left())
+        if job.returncode == 0 and result.is_file():
+            self.records[key] = harness.read_json(result)
+            return job, []
+        return job, [failure_cause(job)]
+
+    def tests(self, work: Path) -> tuple[harness.Launch, list[str]]:
+        """`pytest -m gpu` in a fresh process: its counts, and one line per failing test."""
+        report = work / "gpu-tests.xml"
+        cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
+               "tests/gpu"]  # fmt: skip
+        # Only the plugins pytest itself brings: the GPU machine's image has others, built for its own pytest.
+        env = {**harness.base_env(THREADS), "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+        job = harness.launch([cmd], [env], timeout_s=min(TEST_TIER_TIMEOUT_S, self.left()))
+        tier = self.results["tests"] = {"command": "python -m pytest -m gpu tests/gpu", "wall_s": round(job.wall_s, 1),
+                                        "returncode": job.returncode, "causes": [],
+                                        **(_test_counts(report) if report.is_file() else {})}  # fmt: skip
+        if not report.is_file() or job.returncode not in (0, 1) or (job.returncode == 1 and not tier["failed"]):
+            tier["causes"].append(failure_cause(job))
+        return job, tier["causes"]
 
 
 def run(*, dry_run: bool, peak_flops: float, budget_s: float | None, quick: bool = False,
@@ -231,8 +231,6 @@ def run(*, dry_run: bool, peak_flops: float, budget_s: float | None, quick: bool
     """Run the selected plan in priority order within the budget; `save(results)` after every job."""
     state = GpuRun(dry_run, peak_flops, budget_s, quick, only, save)
     with tempfile.TemporaryDirectory(prefix="bench-gpu-", ignore_cleanup_errors=True) as tmp:
-        if TESTS in only:
-            state.tests(Path(tmp))
         state.jobs(_jobs(state.p, state.variants, only, Path(tmp)), Path(tmp))
     state.results["wall_time_s"] = time.perf_counter() - state.start
     return state.results
@@ -248,39 +246,21 @@ def failure_cause(job: harness.Launch) -> str:
     return f"{cause} (exit status {job.returncode})"
 
 
-def _shape(shape: tuple[int, int]) -> str:
-    return f"{shape[0]} x {shape[1]}"
-
-
-def _test_tier(work: Path, *, timeout_s: float) -> tuple[harness.Launch, dict[str, Any]]:
-    """`pytest -m gpu` in a fresh process: its counts, and one line per failing test."""
-    report = work / "gpu-tests.xml"
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
-           "tests/gpu"]  # fmt: skip
-    # Only the plugins pytest itself brings: the GPU machine's image has others, built for its own pytest.
-    env = {**harness.base_env(THREADS), "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
-    job = harness.launch([cmd], [env], timeout_s=timeout_s)
-    tier: dict[str, Any] = {"command": "python -m pytest -m gpu tests/gpu", "wall_s": round(job.wall_s, 1),
-                            "returncode": job.returncode, "causes": []}  # fmt: skip
-    if not report.is_file():
-        tier["causes"].append(failure_cause(job))
-        return job, tier
-    counts = {"passed": 0, "failed": 0, "skipped": 0, "xfailed": 0}
+def _test_counts(report: Path) -> dict[str, Any]:
+    """A JUnit XML report's counts, the first skip's reason, and one line per failing test (`causes`)."""
+    out: dict[str, Any] = {"causes": [], "passed": 0, "failed": 0, "skipped": 0, "xfailed": 0}
     for case in ET.parse(report).getroot().iter("testcase"):
         outcome = next((c for c in case if c.tag in ("failure", "error", "skipped")), None)
         if outcome is None:
-            counts["passed"] += 1
+            out["passed"] += 1
         elif outcome.tag == "skipped":
-            counts["xfailed" if outcome.get("type") == "pytest.xfail" else "skipped"] += 1
-            tier.setdefault("skipped_because", (outcome.get("message") or "").strip())
+            out["xfailed" if outcome.get("type") == "pytest.xfail" else "skipped"] += 1
+            out.setdefault("skipped_because", (outcome.get("message") or "").strip())
         else:
-            counts["failed"] += 1
+            out["failed"] += 1
             message = (outcome.get("message") or outcome.text or "").strip().splitlines()
-            tier["causes"].append(f"{case.get('name', '?')}: {message[0] if message else outcome.tag}")
-    tier.update(counts)
-    if job.returncode not in (0, 1) or (job.returncode == 1 and not counts["failed"]):
-        tier["causes"].append(failure_cause(job))
-    return job, tier
+            out["causes"].append(f"{case.get('name', '?')}: {message[0] if message else outcome.tag}")
+    return out
 
 
 def palm_flops_per_token(non_embedding_parameters: int, *, layers: int, hidden: int, sequence: int) -> int:
@@ -295,7 +275,7 @@ def long_key(setting: str, context: int) -> str:
 def longest_fits(records: dict[str, dict[str, Any]], contexts: tuple[int, ...]) -> dict[str, Any]:
     """Per long-context setting: contexts trained, the first out of memory, the longest trained below it."""
     out: dict[str, Any] = {}
-    for name, _, _ in LONG_SETTINGS:
+    for name in (v.name for v in LONG_SETTINGS):
         trained = [c for c in contexts if "tps" in records.get(long_key(name, c), {})]
         failed = next((c for c in contexts if "out_of_memory" in records.get(long_key(name, c), {})), None)
         below = [c for c in trained if failed is None or c < failed]
@@ -305,20 +285,20 @@ def longest_fits(records: dict[str, dict[str, Any]], contexts: tuple[int, ...]) 
 
 def long_rows(records: dict[str, dict[str, Any]], contexts: tuple[int, ...]) -> list[dict[str, Any]]:
     """Tiled MLP + offload against checkpointing alone at each context both trained, and the longest."""
-    (ours, ours_label, _), (base, base_label, _) = LONG_SETTINGS
-    kw = {"ours_label": f"qlora-fsdp CLI code, {ours_label}, 1 process",
-          "peer_label": f"qlora-fsdp CLI code, {base_label}, 1 process"}  # fmt: skip
+    ours, base = LONG_SETTINGS
+    kw = {"ours_label": f"qlora-fsdp CLI code, {ours.label}, 1 process",
+          "peer_label": f"qlora-fsdp CLI code, {base.label}, 1 process"}  # fmt: skip
     rows = []
     for context in contexts:
-        o, b = records.get(long_key(ours, context), {}), records.get(long_key(base, context), {})
+        o, b = records.get(long_key(ours.name, context), {}), records.get(long_key(base.name, context), {})
         if "tps" in o and "tps" in b:
             rows += [row(f"long context, batch 1 x {context}", f"{key}_long_{context}", *figure, **kw)
                      for key, *figure in _training(o, b)]  # fmt: skip
-    fits = longest_fits(records, contexts)
-    if fits[ours]["longest"] and fits[base]["longest"]:
+    longest = [fit["longest"] for fit in longest_fits(records, contexts).values()]  # ours, then the other
+    if all(longest):
         note = f"of {', '.join(map(str, contexts))}; a setting that trained the largest may fit more"
         rows.append(row("long context, longest that trained", "longest_context_long", "longest context", "tokens",
-                        "higher", [fits[ours]["longest"]], [fits[base]["longest"]], note=note, **kw))  # fmt: skip
+                        "higher", longest[:1], longest[1:], note=note, **kw))  # fmt: skip
     return rows
 
 
@@ -338,7 +318,7 @@ def _rows(records: dict[str, dict[str, Any]], variants: list[Variant], p: dict[s
     by_shape = {(s["batch"], s["context"]): s for s in peer["shapes"]}
     rows = []
     for v in (v for v in variants if v.name in records):
-        o, q = records[v.name], by_shape[tuple(p["small"] if v.small else p["big"])]
+        o, q = records[v.name], by_shape[tuple(p[v.shape])]
         per_token = palm_flops_per_token(records["write_model"]["non_embedding_parameters"], layers=sizes["num_layers"],
                                          hidden=sizes["hidden_size"], sequence=o["context"])  # fmt: skip
         mfu = [[per_token * t / peak_flops for t in x["tps"]] for x in (o, q)]
@@ -347,7 +327,7 @@ def _rows(records: dict[str, dict[str, Any]], variants: list[Variant], p: dict[s
                    *((f"load_{key}", f"{figure}, loading", "bytes", "lower", [o["load"][f"{key}_bytes"]],
                       [peer["load"][f"{key}_bytes"]]) for key, figure in MEMORY),
                    ("load_s", "loading time", "s", "lower", [o["load"]["s"]], [peer["load"]["s"]])]  # fmt: skip
-        section, slug = f"{v.label}, batch {_shape((o['batch'], o['context']))}", v.name.replace("-", "_")
+        section, slug = f"{v.label}, batch {o['batch']} x {o['context']}", v.name.replace("-", "_")
         rows += [row(section, f"{key}_{slug}", figure, unit, better, a, b, peer_label=PEER_LABEL,
                      ours_label=f"qlora-fsdp CLI code, {v.label}, 1 process")
                  for key, figure, unit, better, a, b in figures]  # fmt: skip
@@ -398,9 +378,8 @@ def write_model(args: dict[str, Any]) -> None:
     from qlora_fsdp.model.skeleton import meta_model
     from scripts import make_tiny_model as tiny
 
-    sizes = args["sizes"]
+    sizes, out = args["sizes"], Path(args["out"])
     tiny.validate_sizes(arch="llama", tie_word_embeddings=False, **sizes)
-    out = Path(args["out"])
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = tiny.train_tokenizer(tiny.read_rows(tiny.DEFAULT_DATA), sizes["vocab_size"])
     config = tiny.make_config("llama", vocab_size=sizes["vocab_size"], hidden_size=sizes["hidden_size"],
@@ -416,10 +395,8 @@ def write_model(args: dict[str, Any]) -> None:
     generator = torch.Generator(device=device).manual_seed(0)
     state, start = {}, time.perf_counter()
     for name, param in model.named_parameters():
-        if name.endswith("norm.weight"):
-            value = torch.ones(param.shape, device=device)
-        else:
-            value = torch.randn(param.shape, generator=generator, device=device).mul_(0.02)
+        value = (torch.ones(param.shape, device=device) if name.endswith("norm.weight")
+                 else torch.randn(param.shape, generator=generator, device=device).mul_(0.02))  # fmt: skip
         state[name] = value.to(torch.bfloat16).cpu()
     generated = time.perf_counter() - start
     tiny.write_shards(state, out, sizes["num_shards"])
@@ -429,9 +406,9 @@ def write_model(args: dict[str, Any]) -> None:
         "generate_s": generated, "write_s": time.perf_counter() - start - generated})  # fmt: skip
 
 
-def _cli_flags(args: dict[str, Any], batch: int, context: int, out: Path) -> dict[str, Any]:
+def _cli_flags(args: dict[str, Any], out: Path) -> dict[str, Any]:
     """train.py's flags of one of our runs: bnb or HQQ 4-bit, LoRA on every linear, no saving, then the variant's."""
-    steps = args["warmup"] + args["measured"]
+    (batch, context), steps = args["shape"], args["warmup"] + args["measured"]
     return {"model": args["model"], "quant": args["quant"], "fsdp_version": args["fsdp_version"], "hqq_bits": 4,
             "hqq_group_size": 64, "precision": "bf16", "dataset": args["flags"].get("dataset", "dummy"),
             "dataset_samples": batch * steps, "context_length": context, "batch_size": batch, "lora_dropout": 0.0,
@@ -448,8 +425,7 @@ def ours(args: dict[str, Any]) -> None:
     from qlora_fsdp.cli import main as cli_main
 
     device, name = _device(args)
-    batch, context = args["shape"]
-    out = Path(args["result"]).with_suffix(".run")
+    (batch, context), out = args["shape"], Path(args["result"]).with_suffix(".run")
     load: dict[str, Any] = {}
     start = time.perf_counter()
 
@@ -461,9 +437,8 @@ def ours(args: dict[str, Any]) -> None:
 
     # Fired before every module's forward until it removes itself: the CLI's model has no other way in.
     hook = register_module_forward_pre_hook(loaded)
-    # The CLI reports an error as one `error:` line and exit status 2: left to end this process, it is the line the
-    # orchestrator reports.
-    cli_main(**_cli_flags(args, batch, context, out))
+    # An error ends this process with the CLI's one `error:` line (exit status 2): the cause the orchestrator reports.
+    cli_main(**_cli_flags(args, out))
     with open(out / "metrics.jsonl") as fh:
         metrics = [m for m in map(json.loads, filter(str.strip, fh)) if "tokens_per_s" in m]  # steps, not evals
     if "dataset" in args["flags"] and any(m["tokens"] != batch * context for m in metrics):
