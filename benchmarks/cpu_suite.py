@@ -1,7 +1,6 @@
 """The CPU suite (--suite cpu): loading, per-rank memory vs world size, training throughput, quantization quality;
 --suite cpu-large (loading alone on a 1.1B model), cpu-loss (chunked against whole-logit loss) and cpu-packing
-(packed against unpacked training). Ours and the peer's runs alternate; see benchmarks/README.md.
-"""
+(packed against unpacked training). Ours and the peer's runs alternate; see benchmarks/README.md."""
 
 from __future__ import annotations
 
@@ -75,23 +74,21 @@ def plan(*, quick: bool, kind: str = "cpu", **launch: Any) -> CpuPlan:
         p = CpuPlan(model=QUICK_MODEL if quick else FULL_MODEL, reps=1 if quick else 3,
                     context_length=512 if kind == "cpu-packing" else 256)  # fmt: skip
     p.kind, p.quick = kind, quick and kind != "cpu-large"
-    p.configure(**launch)
-    return p
+    return p.configure(**launch)
 
 
 def train_cli(runner: Runner, what: str, model: Path, quant: str, *, nproc: int, version: int,
-              flags: dict[str, Any] | None = None) -> tuple[list[dict[str, Any]], list[int]]:  # fmt: skip
-    """Our CLI on `--dataset dummy`, the global batch split over ranks: its records, each rank's peak RSS."""
+              **flags: Any) -> tuple[list[dict[str, Any]], list[int]]:  # fmt: skip
+    """Our CLI on `--dataset dummy` unless `flags` say otherwise, batch split over ranks: records, peak RSS per rank."""
     p = runner.plan
     if p.batch_size % nproc:
         raise ValueError(f"batch {p.batch_size} does not split over {nproc} ranks")
     steps = p.warmup_steps + p.measured_steps
-    plan_flags = {"model": model, "quant": quant, "fsdp_version": version, "dataset": "dummy",
-                  "dataset_samples": p.batch_size * steps, "context_length": p.context_length,
-                  "batch_size": p.batch_size // nproc, "gradient_checkpointing": str(p.gradient_checkpointing).lower(),
-                  "max_steps": steps}  # fmt: skip
-    run = runner.train(what, runner.flags(f"train-{quant}-{nproc}-fsdp{version}", **{**plan_flags, **(flags or {})}),
-                       nproc=nproc, steps=steps)  # fmt: skip
+    flags = {"model": model, "quant": quant, "fsdp_version": version, "dataset": "dummy",
+             "dataset_samples": p.batch_size * steps, "context_length": p.context_length,
+             "batch_size": p.batch_size // nproc, "gradient_checkpointing": str(p.gradient_checkpointing).lower(),
+             "max_steps": steps, **flags}  # fmt: skip
+    run = runner.train(what, runner.flags(f"train-{quant}-{nproc}-fsdp{version}", **flags), nproc=nproc, steps=steps)
     return run["metrics"], run["exit_peak_rss_bytes"]
 
 
@@ -131,8 +128,11 @@ def run(p: CpuPlan, *, model: Path | None, cache: Path) -> dict[str, Any]:
         }, model=harness.model_record(model_dir))  # fmt: skip
 
 
-def _load_args(runner: Runner, model: Path, version: int, quant: str) -> dict[str, Any]:
-    return {"model": str(model), "fsdp_version": version, "quant": quant, "precision": runner.plan.precision}
+def _load(runner: Runner, what: str, model: Path, version: int, quant: str, *, nproc: int = 2,
+          **extra: Any) -> list[dict[str, Any]]:  # fmt: skip
+    """Each rank's record of one run of our streaming load (benchmarks/cpu_workers.py load_ours)."""
+    args = {"model": str(model), "fsdp_version": version, "quant": quant, "precision": runner.plan.precision}
+    return runner.worker(what, "load_ours", {**args, **extra}, nproc=nproc)
 
 
 def _load_summary(ranks: list[dict[str, Any]], model_bytes: int, wall: str = "total_s") -> dict[str, float]:
@@ -149,13 +149,13 @@ def _load_summary(ranks: list[dict[str, Any]], model_bytes: int, wall: str = "to
 
 def _loading(runner: Runner, model: Path, rows: list, details: dict) -> dict[int, list[list[dict[str, Any]]]]:
     """Section 1: our 2-rank streaming load (FSDP2, FSDP1) against HF's; each version's runs of rank records."""
+    p = runner.plan
     ours: dict[int, list[list[dict[str, Any]]]] = {2: [], 1: []}
     peer = []
-    for rep in range(runner.plan.reps):
+    for rep in range(p.reps):
         for v in ours:
-            ours[v].append(runner.worker(f"load ours FSDP{v} 2 ranks (rep {rep + 1})", "load_ours",
-                                         _load_args(runner, model, v, "bnb"), nproc=2))  # fmt: skip
-        args = {"model": str(model), "precision": runner.plan.precision}
+            ours[v].append(_load(runner, f"load ours FSDP{v} 2 ranks (rep {rep + 1})", model, v, "bnb"))
+        args = {"model": str(model), "precision": p.precision}
         peer.append(runner.worker(f"load peer (rep {rep + 1})", "load_peer", args)[0])
     ours_model, peer_model = ours[2][0][0]["quantized_model_bytes"], peer[0]["quantized_model_bytes"]
     details["quantized_model_bytes"] = {"ours": ours_model, "peer": peer_model}
@@ -166,7 +166,7 @@ def _loading(runner: Runner, model: Path, rows: list, details: dict) -> dict[int
                             ours_label=f"qlora-fsdp FSDP{version}, 2 ranks (gloo), streaming")  # fmt: skip
     rows.append(row("loading", "quantized_model_bytes", "quantized model bytes (packed + quant state + unquantized "
                     "weights)", "bytes", "lower", [ours_model], [peer_model["total"]],
-                    ours_label=f"qlora-fsdp, bnb nf4, {runner.plan.precision}", peer_label=PEER_LOAD))  # fmt: skip
+                    ours_label=f"qlora-fsdp, bnb nf4, {p.precision}", peer_label=PEER_LOAD))  # fmt: skip
     return ours
 
 
@@ -174,9 +174,8 @@ def _hqq_split(runner: Runner, model: Path, rows: list) -> None:
     """Section 1, HQQ: the ranks sharing whole weights out against every rank quantizing every weight."""
     runs: dict[bool, list[float]] = {True: [], False: []}
     for rep in range(runner.plan.reps):
-        for split in (True, False):
-            ranks = runner.worker(f"load hqq 2 ranks, split {split} (rep {rep + 1})", "load_ours",
-                                  {**_load_args(runner, model, 2, "hqq"), "split": split}, nproc=2)  # fmt: skip
+        for split in runs:
+            ranks = _load(runner, f"load hqq 2 ranks, split {split} (rep {rep + 1})", model, 2, "hqq", split=split)
             runs[split].append(max(r["total_s"] for r in ranks))
     rows.append(row("loading", "load_wall_s_hqq_split",
                     "HQQ 4-bit, FSDP2: wall time to load + quantize + shard (slowest rank)", "s", "lower",
@@ -186,32 +185,28 @@ def _hqq_split(runner: Runner, model: Path, rows: list) -> None:
 
 def _world_sizes(runner: Runner, model: Path, loads: dict[int, list], rows: list, details: dict) -> None:
     """Section 2: what each rank holds after full_shard wrapping at 1, 2 and 4 ranks, per FSDP version and backend."""
-    peer = details["quantized_model_bytes"]["peer"]
+    peer, section = details["quantized_model_bytes"]["peer"], "memory vs world size"
     details["world_sizes"] = {}
-    fields = ("param_shard_bytes", "replicated_state_bytes", "resident_bytes")
     for version, quant in WORLD_COMBOS:
         slug, f = f"fsdp{version}_{quant}", f"FSDP{version} {quant}"
-        by_world = {n: loads[version][0] if n == 2 and quant == "bnb" and loads.get(version)  # the loading runs
-                    else runner.worker(f"load {slug} {n} rank(s)", "load_ours", _load_args(runner, model, version,
-                                                                                           quant), nproc=n)
-                    for n in runner.plan.world_sizes}  # fmt: skip
         kw = {"ours_label": f"qlora-fsdp FSDP{version} full_shard, {quant}, {runner.plan.precision}",
               "peer_label": PEER_REPLICATED}  # fmt: skip
-        one = max(r["resident_bytes"] for r in by_world[1])
-        for n, ranks in by_world.items():
-            params, resident = (max(r[k] for r in ranks) for k in ("param_shard_bytes", "resident_bytes"))
-            rows += [
-                row("memory vs world size", f"param_shard_bytes_per_rank_{slug}_n{n}", f"{f}, {n} rank(s): parameter "
-                    "bytes per rank (largest rank)", "bytes", "lower", [params], [peer["params"]], **kw),
-                row("memory vs world size", f"resident_bytes_per_rank_{slug}_n{n}", f"{f}, {n} rank(s): parameters + "
-                    "replicated quant state + buffers", "bytes", "lower", [resident], [peer["total"]], **kw),
-            ]  # fmt: skip
+        held = details["world_sizes"][slug] = {}
+        for n in runner.plan.world_sizes:  # 1 rank first: the efficiency's reference
+            ranks = (loads[version][0] if n == 2 and quant == "bnb"  # the loading runs
+                     else _load(runner, f"load {slug} {n} rank(s)", model, version, quant, nproc=n))  # fmt: skip
+            held[n] = {k: [r[k] for r in ranks] for k in ("param_shard_bytes", "replicated_state_bytes",
+                                                          "resident_bytes")}  # fmt: skip
+            params, resident = max(held[n]["param_shard_bytes"]), max(held[n]["resident_bytes"])
+            rows += [row(section, f"param_shard_bytes_per_rank_{slug}_n{n}", f"{f}, {n} rank(s): parameter bytes per "
+                         "rank (largest rank)", "bytes", "lower", [params], [peer["params"]], **kw),
+                     row(section, f"resident_bytes_per_rank_{slug}_n{n}", f"{f}, {n} rank(s): parameters + replicated "
+                         "quant state + buffers", "bytes", "lower", [resident], [peer["total"]], **kw)]  # fmt: skip
             if n > 1:
-                rows.append(row("memory vs world size", f"resident_efficiency_{slug}_n{n}",
-                                f"{f}, {n} ranks: (resident bytes at 1 rank / {n}) / resident bytes per rank; 1.0 = "
-                                f"everything sharded, peer 1/{n}", "x", "higher", [(one / n) / resident], [1.0 / n],
-                                **kw))  # fmt: skip
-        details["world_sizes"][slug] = {n: {k: [r[k] for r in ranks] for k in fields} for n, ranks in by_world.items()}
+                one = max(held[1]["resident_bytes"])
+                rows.append(row(section, f"resident_efficiency_{slug}_n{n}", f"{f}, {n} ranks: (resident bytes at 1 "
+                                f"rank / {n}) / resident bytes per rank; 1.0 = everything sharded, peer 1/{n}", "x",
+                                "higher", [(one / n) / resident], [1.0 / n], **kw))  # fmt: skip
 
 
 def _training(runner: Runner, model: Path, rows: list, details: dict) -> None:
@@ -239,12 +234,10 @@ def _training(runner: Runner, model: Path, rows: list, details: dict) -> None:
                   else f"{nproc} ranks x {max(1, p.threads // nproc)} thread(s)")  # fmt: skip
         label = f"qlora-fsdp CLI{' (torchrun)' if nproc > 1 else ''} FSDP{version}, {kind}, {layout}"
         kw = {"ours_label": f"{label}; {shape}", "peer_label": f"{PEER_TRAIN} x {p.threads} threads", "note": note}
-        rows += [
-            row("training", f"tokens_per_s_{key}", f"tokens/s, {kind}, {layout}, FSDP{version}", "tokens/s",
-                "higher", ours[key], peer_tps, **kw),
-            row("training", f"train_peak_rss_{key}_bytes", f"peak RSS while training (largest rank), {kind}, "
-                f"{layout}, FSDP{version}", "bytes", "lower", ours_rss[key], peer_rss, **kw),
-        ]  # fmt: skip
+        rows += [row("training", f"tokens_per_s_{key}", f"tokens/s, {kind}, {layout}, FSDP{version}", "tokens/s",
+                     "higher", ours[key], peer_tps, **kw),
+                 row("training", f"train_peak_rss_{key}_bytes", f"peak RSS while training (largest rank), {kind}, "
+                     f"{layout}, FSDP{version}", "bytes", "lower", ours_rss[key], peer_rss, **kw)]  # fmt: skip
     details["training"] = {"peer_tokens_per_s_runs": peer_tps, "ours_tokens_per_s_runs": ours}
 
 
@@ -254,9 +247,9 @@ def _packing(runner: Runner, model: Path, rows: list, details: dict) -> None:
     figures: dict[bool, dict[str, list[float]]] = {k: {"label_tps": [], "efficiency": []} for k in (True, False)}
     for rep in range(p.reps):
         for packing in (False, True):
-            data = {"dataset": harness.WORDS, "dataset_samples": 0, "packing": packing}
             what = f"train {'packed' if packing else 'unpacked'} bnb x2 (rep {rep + 1})"
-            steps = train_cli(runner, what, model, "bnb", nproc=2, version=2, flags=data)[0][p.warmup_steps :]
+            steps = train_cli(runner, what, model, "bnb", nproc=2, version=2, dataset=harness.WORDS, dataset_samples=0,
+                              packing=packing)[0][p.warmup_steps :]  # fmt: skip
             seconds = sum(m["tokens"] / m["tokens_per_s"] for m in steps)
             figures[packing]["label_tps"].append(sum(m["label_tokens"] for m in steps) / seconds)
             figures[packing]["efficiency"].append(median([m["packing_efficiency"] for m in steps]))
@@ -264,12 +257,10 @@ def _packing(runner: Runner, model: Path, rows: list, details: dict) -> None:
     kw = {"ours_label": f"--packing true; {shape}", "peer_label": "--packing false (the same CLI)",
           "note": f"steps {p.warmup_steps + 1}-{p.warmup_steps + p.measured_steps} of each run, median over "
                   f"{p.reps}"}  # fmt: skip
-    rows += [
-        row("packing", "label_tokens_per_s_2ranks", "label tokens/s, 2 ranks", "tokens/s", "higher",
-            figures[True]["label_tps"], figures[False]["label_tps"], **kw),
-        row("packing", "packing_efficiency", "real tokens / row tokens", "ratio", "higher",
-            figures[True]["efficiency"], figures[False]["efficiency"], **kw),
-    ]  # fmt: skip
+    rows += [row("packing", "label_tokens_per_s_2ranks", "label tokens/s, 2 ranks", "tokens/s", "higher",
+                 figures[True]["label_tps"], figures[False]["label_tps"], **kw),
+             row("packing", "packing_efficiency", "real tokens / row tokens", "ratio", "higher",
+                 figures[True]["efficiency"], figures[False]["efficiency"], **kw)]  # fmt: skip
     details["packing"] = {"packed": figures[True], "unpacked": figures[False]}
 
 
@@ -282,11 +273,10 @@ def _loss(runner: Runner, model: Path, cache: Path, rows: list, details: dict) -
     def measure(chunk: int, rep: int) -> float:
         for vocab, small in models.items():
             what = f"loss memory, vocabulary {vocab}, --loss_chunk_tokens {chunk} (rep {rep + 1})"
-            _, rss = train_cli(runner, what, small, "bnb", nproc=1, version=2,
-                               flags={**LOSS_SHAPE, "loss_chunk_tokens": chunk})  # fmt: skip
+            _, rss = train_cli(runner, what, small, "bnb", nproc=1, version=2, loss_chunk_tokens=chunk, **LOSS_SHAPE)
             peaks.setdefault((vocab, chunk), []).append(rss[0])
         metrics, _ = train_cli(runner, f"loss speed, --loss_chunk_tokens {chunk} (rep {rep + 1})", model, "bnb",
-                               nproc=1, version=2, flags={"loss_chunk_tokens": chunk})  # fmt: skip
+                               nproc=1, version=2, loss_chunk_tokens=chunk)  # fmt: skip
         return median([m["tokens_per_s"] for m in metrics[p.warmup_steps :]])
 
     speed = alternating(p.reps, (LOSS_CHUNK, 0), measure)

@@ -1,18 +1,20 @@
 """CPU measurements, each in a fresh process that imports and times only what it measures, writing one JSON file (per
-rank, for jobs): `python -m benchmarks.cpu_workers NAME JSON_ARGS`.
-"""
+rank, for jobs): `python -m benchmarks.cpu_workers NAME JSON_ARGS`."""
 
 from __future__ import annotations
 
 import functools
 import importlib
+import logging
 import shutil
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from benchmarks.harness import current_rss_bytes, maxrss_bytes, peak_rss_bytes, worker_main, write_json
@@ -21,17 +23,6 @@ COMPARE_CHUNK_BYTES = 256 << 20
 """Tensor bytes read from each checkpoint at a time when comparing two."""
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 """The peer's dtype for our --precision (parameters, storage and compute alike)."""
-
-
-def tensor_bytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _tensors_in(obj: Any) -> list[torch.Tensor]:
-    """Every tensor in a (nested) dict such as HQQ's meta or a bnb QuantState.as_dict()."""
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _tensors_in(v)]
-    return [obj] if isinstance(obj, torch.Tensor) else []
 
 
 def quant_state_tensors(module: nn.Module) -> list[torch.Tensor]:
@@ -43,7 +34,8 @@ def quant_state_tensors(module: nn.Module) -> list[torch.Tensor]:
     state = getattr(module, "quant_state", None)
     if state is None:
         state = getattr(module._parameters.get("weight"), "quant_state", None)
-    return _tensors_in(getattr(module, "meta", None) if state is None else state.as_dict(packed=True))
+    found = (getattr(module, "meta", None) or {}) if state is None else state.as_dict(packed=True)
+    return [t for t in found.values() if isinstance(t, torch.Tensor)]  # HQQ's meta holds sizes and flags too
 
 
 def model_bytes(model: nn.Module, *, exclude: tuple[str, ...] = ()) -> dict[str, int]:
@@ -54,12 +46,10 @@ def model_bytes(model: nn.Module, *, exclude: tuple[str, ...] = ()) -> dict[str,
         for name, t in tensors:
             if not (t.is_meta or t.data_ptr() in seen or name.startswith(exclude)):
                 seen.add(t.data_ptr())
-                out[kind] += tensor_bytes(t)
-    for name, module in model.named_modules():
-        if not name.startswith(exclude):
-            out["quant_state"] += sum(tensor_bytes(t) for t in quant_state_tensors(module) if not t.is_meta)
-    out["total"] = out["params"] + out["buffers"] + out["quant_state"]
-    return out
+                out[kind] += t.nbytes
+    out["quant_state"] = sum(t.nbytes for name, module in model.named_modules() if not name.startswith(exclude)
+                             for t in quant_state_tensors(module) if not t.is_meta)  # fmt: skip
+    return {**out, "total": sum(out.values())}
 
 
 def preimport(model_dir: str | Path) -> None:
@@ -70,21 +60,9 @@ def preimport(model_dir: str | Path) -> None:
     AutoModelForCausalLM._model_mapping[type(AutoConfig.from_pretrained(model_dir))]
 
 
-def _quiet() -> None:
-    """bitsandbytes logs an irrelevant optional-kernel miss at import; transformers warns about PEFT's attribute."""
-    import logging
-    import warnings
-
-    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore")
-
-
 def load_ours(args: dict[str, Any]) -> None:
     """One rank of our loading path, no adapters: skeleton on meta, stream, quantize, shard each layer as it is whole,
     then the root. `split` false streams without the job's DistEnv, so every rank quantizes every weight."""
-    _quiet()
-    import torch.distributed as dist
-
     from qlora_fsdp.config.options import FSDPConfig, ModelConfig, QuantConfig
     from qlora_fsdp.model.skeleton import build_skeleton
     from qlora_fsdp.model.streaming import stream_weights
@@ -101,15 +79,13 @@ def load_ours(args: dict[str, Any]) -> None:
     baseline = current_rss_bytes()
     precision = PRECISIONS[args["precision"]]
     dist.barrier()
-    read_before = read_bytes()
-    start = time.perf_counter()
+    read_before, start = read_bytes(), time.perf_counter()
     fsdp = FSDPConfig(fsdp_version=args["fsdp_version"], sharding_strategy="full_shard", gradient_checkpointing=False)
     sharder = make_sharder(fsdp, env=env, precision=precision, ignore=(QuantizedLinear,), adapters_own_units=False)
     backend = make_backend(QuantConfig(quant=args["quant"]), storage_dtype=sharder.layout.storage_dtype,
                            compute_dtype=precision.compute_dtype, shard_state=sharder.layout.state_sharded)  # fmt: skip
     skeleton = build_skeleton(ModelConfig(model=args["model"]), backend=backend, param_dtype=precision.param_dtype)
-    for param in skeleton.model.parameters():
-        param.requires_grad_(False)  # as under LoRA: the base is frozen
+    skeleton.model.requires_grad_(False)  # as under LoRA: the base is frozen
     layers_bytes = [0]
 
     def shard_layer(name: str, layer: Any) -> None:
@@ -122,8 +98,7 @@ def load_ours(args: dict[str, Any]) -> None:
     root_bytes = model_bytes(skeleton.model, exclude=tuple(f"{name}." for name in skeleton.units))["total"]
     sharded = sharder.finish(skeleton.model)
     total_s = time.perf_counter() - start
-    params = sharded.local_parameter_bytes()
-    held = model_bytes(sharded.module)
+    params, held = sharded.local_parameter_bytes(), model_bytes(sharded.module)
     write_json(f"{args['result']}.rank{env.rank}.json", {
         "rank": env.rank, "world_size": env.world_size, "total_s": total_s, "peak_rss_bytes": peak_rss_bytes(),
         "ru_maxrss_bytes": maxrss_bytes(), "rss_after_imports_bytes": baseline, "param_shard_bytes": params,
@@ -136,8 +111,7 @@ def load_ours(args: dict[str, Any]) -> None:
 
 
 def read_bytes() -> int:
-    """Bytes this process has read through read(2) and its kin (/proc/self/io rchar): what a load reads from its
-    files, whether the page cache or the disk serves them."""
+    """Bytes read through read(2) and its kin (/proc/self/io rchar), whether the page cache or the disk served them."""
     return int(Path("/proc/self/io").read_text().split("rchar:")[1].split()[0])
 
 
@@ -168,12 +142,10 @@ def load_peer(args: dict[str, Any]) -> None:
 
 def _peer_load(args: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     """HF's 4-bit load onto the CPU in this process: the model, seconds, peak RSS, RSS after imports."""
-    _quiet()
     from benchmarks.peer import load_peer as hf_load
 
     preimport(args["model"])
-    baseline = current_rss_bytes()
-    start = time.perf_counter()
+    baseline, start = current_rss_bytes(), time.perf_counter()
     model = hf_load(args["model"], device="cpu", dtype=DTYPES[args["precision"]])
     return model, {"load_s": time.perf_counter() - start, "peak_rss_bytes": peak_rss_bytes(),
                    "ru_maxrss_bytes": maxrss_bytes(), "rss_after_imports_bytes": baseline}  # fmt: skip
@@ -181,12 +153,10 @@ def _peer_load(args: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
 
 def train_peer(args: dict[str, Any]) -> None:
     """The peer's training throughput: HF 4-bit + PEFT LoRA + AdamW, one process, same rows as our CLI run."""
-    _quiet()
     from benchmarks.peer import add_lora, dummy_batches, load_peer, train_steps
 
-    model = load_peer(args["model"], device="cpu", dtype=DTYPES[args["precision"]])
-    model = add_lora(model, rank=args["lora_rank"], alpha=args["lora_alpha"], dropout=0.0,
-                     checkpointing=args["checkpointing"])  # fmt: skip
+    model = add_lora(load_peer(args["model"], device="cpu", dtype=DTYPES[args["precision"]]), rank=args["lora_rank"],
+                     alpha=args["lora_alpha"], dropout=0.0, checkpointing=args["checkpointing"])  # fmt: skip
     batches = dummy_batches(args["model"], batch_size=args["batch_size"], context_length=args["context_length"],
                             count=args["steps"])  # fmt: skip
     steps = list(train_steps(model, batches, device=torch.device("cpu")))
@@ -197,20 +167,18 @@ def train_peer(args: dict[str, Any]) -> None:
 def quant_quality(args: dict[str, Any]) -> None:
     """Stored bits per parameter and |dequantized - fp32| of each format on the model's real weights: our backend (uint8
     storage, bf16 compute, as in training) against the library called directly (bnb's quantize_4bit, HQQLinear)."""
-    _quiet()
     from safetensors import safe_open
 
     from qlora_fsdp.config.options import QuantConfig
     from qlora_fsdp.model.hub import shard_files
     from qlora_fsdp.quant import make_backend
 
-    layers = {f"model.layers.{i}." for i in args["layers"]}
+    layers = tuple(f"model.layers.{i}." for i in args["layers"])
     weights: list[torch.Tensor] = []
     for file in shard_files(Path(args["model"])):
         with safe_open(file, framework="pt", device="cpu") as shard:
-            for name in shard.keys():  # noqa: SIM118 - safe_open is not a mapping
-                if name.endswith("proj.weight") and any(name.startswith(p) for p in layers):
-                    weights.append(shard.get_tensor(name).float())
+            weights += [shard.get_tensor(name).float() for name in shard.keys()  # noqa: SIM118 - not a mapping
+                        if name.endswith("proj.weight") and name.startswith(layers)]  # fmt: skip
     results = {}
     for fmt in args["formats"]:
         cfg = QuantConfig(**fmt["config"])
@@ -238,7 +206,7 @@ def _our_quantize(backend: Any, w: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Our backend's path into the module our loader builds: (dequantized fp32 weight, stored bytes)."""
     module = backend.make_module(nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta"))
     backend.load_weight(module, w, device=torch.device("cpu"))
-    stored = tensor_bytes(module.packed_bytes()) + sum(map(tensor_bytes, module.state_bytes().values()))
+    stored = module.packed_bytes().nbytes + sum(t.nbytes for t in module.state_bytes().values())
     return module.dequantize().float(), stored
 
 
@@ -250,15 +218,15 @@ def _reference_quantize(cfg: Any, w: Any) -> tuple[Any, int]:
         # What HF's 4-bit loading does: cast to the compute dtype, quantize in 64-element blocks, uint8 storage.
         packed, state = bnbf.quantize_4bit(w.to(torch.bfloat16), blocksize=64, quant_type=cfg.bnb_quant_type,
                                            compress_statistics=cfg.bnb_double_quant)  # fmt: skip
-        states = _tensors_in(state.as_dict(packed=True))
-        return bnbf.dequantize_4bit(packed, state).float(), tensor_bytes(packed) + sum(map(tensor_bytes, states))
+        stored = packed.nbytes + sum(t.nbytes for t in state.as_dict(packed=True).values())  # packed: all tensors
+        return bnbf.dequantize_4bit(packed, state).float(), stored
     from hqq.core.quantize import BaseQuantizeConfig, HQQLinear
 
     linear = nn.Linear(w.shape[1], w.shape[0], bias=False)
     linear.weight.data = w.clone()
     module = HQQLinear(linear, BaseQuantizeConfig(nbits=cfg.hqq_bits, group_size=cfg.hqq_group_size),
                        compute_dtype=torch.bfloat16, device="cpu")  # fmt: skip
-    return module.dequantize().float(), tensor_bytes(module.W_q) + sum(map(tensor_bytes, quant_state_tensors(module)))
+    return module.dequantize().float(), module.W_q.nbytes + sum(t.nbytes for t in quant_state_tensors(module))
 
 
 def moe_peer(args: dict[str, Any]) -> None:
@@ -270,10 +238,9 @@ def moe_peer(args: dict[str, Any]) -> None:
     linear4bit = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
     write_json(args["result"], {
         **record, "model_bytes": model_bytes(model), "fused_expert_tensors": len(fused),
-        "fused_expert_bytes": sum(tensor_bytes(p) for p in fused),
+        "fused_expert_bytes": sum(p.nbytes for p in fused),
         "fused_expert_dtypes": sorted({str(p.dtype).removeprefix("torch.") for p in fused}),
-        "linear4bit_layers": len(linear4bit),
-        "linear4bit_weight_bytes": sum(tensor_bytes(m.weight) for m in linear4bit),
+        "linear4bit_layers": len(linear4bit), "linear4bit_weight_bytes": sum(m.weight.nbytes for m in linear4bit),
     })  # fmt: skip
 
 
@@ -291,12 +258,9 @@ def build_moe(args: dict[str, Any]) -> None:
 
 def compare(args: dict[str, Any]) -> None:
     """Whether two DCP directories hold the same tensors bit for bit; read in chunks of COMPARE_CHUNK_BYTES."""
-    import warnings
-
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     layouts = []
     for path in (args["a"], args["b"]):
         items = dcp.FileSystemReader(path).read_metadata().state_dict_metadata.items()
@@ -324,4 +288,8 @@ def compare(args: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
+    # Every worker: bitsandbytes logs an irrelevant optional-kernel miss at import; transformers warns about PEFT's
+    # attribute; torch (compare) that torch.distributed is disabled.
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
     worker_main((load_ours, write_formats, load_peer, train_peer, quant_quality, moe_peer, build_moe, compare))
