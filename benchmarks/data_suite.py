@@ -20,23 +20,21 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import harness, report
-from benchmarks.harness import Runner, Settings, brief, figure_rows, row, session
+from benchmarks.harness import Runner, Settings, alternating, brief, figure_rows, row, session
 
 GENERATOR_VERSION = 1
 """Part of the synthetic file's name: raise it when the generator changes what it writes."""
 FIELD_TOKENS = (20, 400)
 """Each row's instruction + input + output hold a uniformly drawn number of tokens in this range (inclusive)."""
-RSS_ROWS = (200_000, 2_000)
-"""Item 3: training on this many rows of the file against this many (--dataset_samples)."""
-RSS_BAR_BYTES = 300 * 10**6
-"""Item 3's bar: the large run's per-rank peak may exceed the small run's by at most 300 MB."""
+RSS_BAR_MB = 300
+"""Item 3's bar: the large run's per-rank peak may exceed the small run's by at most 300 MB (10^6 bytes)."""
 FIRST_STEP_BAR = 0.5
 """Item 2's bar: the cached run's time to the first step is at most this fraction of the building run's."""
-CACHE_LINE = re.compile(
-    r"tokenized cache (?:built in (?P<build_s>[\d.]+) s with (?P<procs>\d+) process\(es\)|(?P<reused>reused)) "
-    r"at (?P<path>\S+?): (?P<examples>\d+) examples .*?, (?P<samples>\d+) samples, (?P<tokens>\d+) tokens, "
-    r"(?P<mib>[\d.]+) MiB"
-)
+SHARED_CACHE = "first-step"
+"""Item 2's --dataset_cache_dir (under the runner's work directory): items 3 and 4 reuse its cache of every row."""
+CACHE_LINE = re.compile(r"tokenized cache (?:built in (?P<build_s>[\d.]+) s with (?P<procs>\d+) process\(es\)|"
+                        r"(?P<reused>reused)) at (?P<path>\S+?): (?P<examples>\d+) examples .*?, (?P<samples>\d+) "
+                        r"samples, (?P<tokens>\d+) tokens, (?P<mib>[\d.]+) MiB")  # fmt: skip
 KEEP = ("step", "tokens", "label_tokens", "tokens_per_s", "packing_efficiency", "peak_memory_bytes_per_rank",
         "elapsed_s")  # fmt: skip
 
@@ -46,7 +44,7 @@ class DataPlan(Settings):
     rows: int
     """Rows of the synthetic file; items 1 and 2 read all of them."""
     rss_rows: tuple[int, int]
-    """Items 3 and 4: rows of the large and the small run."""
+    """Items 3 and 4: rows of the large and the small run (run.py's --rows >= 80 fills a step of the small one)."""
     build_reps: int
     train_reps: int
     context_length: int = 1024
@@ -60,17 +58,12 @@ class DataPlan(Settings):
     """Item 4 measures the steps after these."""
     seed: int = 0
 
-    def check(self) -> None:
-        """The small run's rows fill a step of every rank."""
-        if self.rss_rows[1] < self.nproc * self.batch_size:
-            raise ValueError(f"--rows {self.rows}: too few rows for a {self.nproc}-rank step of batch "
-                             f"{self.batch_size}")  # fmt: skip
-
 
 def plan(*, quick: bool, rows: int | None, **launch: Any) -> DataPlan:
-    """The full suite (1,000,000 rows) or the quick one (2,000); a build takes minutes, so no retry."""
+    """The full suite (1,000,000 rows; item 3 trains on 200,000 of them against 2,000) or the quick one (2,000 against
+    200); a build takes minutes, so no retry."""
     n = rows or (2_000 if quick else 1_000_000)
-    rss = (min(n, 2_000), max(8, min(n, 2_000) // 10)) if quick else (min(n, RSS_ROWS[0]), min(n // 10, RSS_ROWS[1]))
+    rss = (min(n, 2_000), max(8, min(n, 2_000) // 10)) if quick else (min(n, 200_000), min(n // 10, 2_000))
     p = DataPlan(n, rss, build_reps=1, train_reps=1 if quick else 3, launch_timeout_s=300.0 if quick else 3600.0,
                  quick=quick, retries=0, **(dict(steps=3, warmup_steps=1) if quick else {}))  # fmt: skip
     return p.configure(**launch)
@@ -116,9 +109,8 @@ def ensure_dataset(plan: DataPlan, model: Path, cache: Path) -> tuple[Path, dict
 
 
 def _first_step_main(argv: list[str]) -> int:
-    """`first-step RESULT METRICS -- CMD...`: run CMD, poll METRICS every 20 ms, write to RESULT how long after this
-    process started (/proc/self/stat, to a clock tick) the first record appeared, and exit with CMD's status.
-    metrics.jsonl is opened empty when training starts and gets a line-buffered record per step."""
+    """`first-step RESULT METRICS -- CMD...`: run CMD, write to RESULT when METRICS (opened empty, then a record per
+    step) got its first record, after this process's start (/proc, a clock tick), and exit with CMD's status."""
     if argv[:1] != ["first-step"] or argv[3:4] != ["--"] or len(argv) < 5:
         raise SystemExit("usage: python -m benchmarks.data_suite first-step RESULT METRICS -- CMD...")
     result, metrics, _, *cmd = argv[1:]
@@ -145,19 +137,16 @@ def cache_line(log: str) -> dict[str, Any] | None:
     return {"built": not g["reused"], "path": g["path"], **built, **counts, "mib": float(g["mib"])}
 
 
-_env = functools.partial(harness.base_env, pin_tokenizers=False)
-"""base_env with the tokenizer's own thread default, as a user's run has it (the package pins it itself when it
-tokenizes in a process pool)."""
-
-
 def preprocess(runner: Runner, what: str, rows: int, procs: int, cache_dir: Path, data: Path, model: Path, *,
                fresh: bool = True) -> dict[str, Any]:  # fmt: skip
-    """scripts/preprocess.py into `cache_dir` (emptied first when `fresh`): wall time and the cache's line."""
+    """scripts/preprocess.py into `cache_dir` (`fresh`: emptied before, removed after): wall time and its cache line."""
     cmd = [sys.executable, str(harness.REPO_ROOT / "scripts" / "preprocess.py"), "--model", str(model), "--dataset",
            str(data), "--context_length", str(runner.plan.context_length), "--dataset_num_proc", str(procs),
            "--dataset_cache_dir", str(cache_dir), "--dataset_samples", str(rows)]  # fmt: skip
     reset = (lambda: shutil.rmtree(cache_dir, ignore_errors=True)) if fresh else None
-    result = runner.go(what, [cmd], [_env(runner.plan.threads)], reset=reset)
+    result = runner.go(what, [cmd], [runner.env(runner.plan.threads)], reset=reset)
+    if reset is not None:
+        reset()
     if (line := cache_line(result.log)) is None:
         raise RuntimeError(f"{what}: no 'tokenized cache' line in its output:\n{result.log}")
     return {"wall_s": result.wall_s, "foreign_cores": result.foreign_cores, "command": harness.shell(cmd), **line}
@@ -170,15 +159,10 @@ def train(runner: Runner, what: str, model: Path, data: Path, *, rows: int, cach
     f = runner.flags(f"train-{nproc}", model=model, quant="none", train_type="lora", dataset=data,
                      dataset_samples=rows, dataset_cache_dir=cache_dir, context_length=p.context_length,
                      batch_size=p.batch_size, gradient_checkpointing="false", max_steps=steps, **flags)  # fmt: skip
-    timing = Path(f"{f['output_dir']}.first-step.json")
+    timing = Path(f"{f['output_dir']}.first-step.json")  # a fresh name each run, written as the wrapper exits
     wrap = [sys.executable, "-m", "benchmarks.data_suite", "first-step", str(timing),
             str(Path(f["output_dir"]) / "metrics.jsonl"), "--"] if first_step else []  # fmt: skip
-
-    def reset() -> None:
-        timing.unlink(missing_ok=True)
-        if fresh_cache:
-            shutil.rmtree(cache_dir, ignore_errors=True)
-
+    reset = (lambda: shutil.rmtree(cache_dir, ignore_errors=True)) if fresh_cache else None
     run = runner.train(what, f, nproc=nproc, steps=steps, wrap=wrap, reset=reset)
     run["cache"] = cache_line(run.pop("log"))
     if run["cache"] is not None and run["cache"]["built"] != fresh_cache:  # a fresh cache is built, any other reused
@@ -191,27 +175,19 @@ def train(runner: Runner, what: str, model: Path, data: Path, *, rows: int, cach
 
 
 def run(p: DataPlan, *, model: Path | None, cache: Path) -> dict[str, Any]:
-    rows: list[dict[str, Any]] = []
-    with session(p, "data", env=_env) as runner:
+    """Items 1-4, then the bars; returns results.json's content."""
+    # The tokenizer keeps its own thread default, as a user's run has it (the package pins it in a process pool).
+    with session(p, "data", env=functools.partial(harness.base_env, pin_tokenizers=False)) as runner:
         model_dir = model or runner.model(harness.QUICK_MODEL, cache)
         data, info = ensure_dataset(p, model_dir, cache)
-        details: dict[str, Any] = {"dataset": info}
-        print(f"1/4 cache build, {p.rows} rows, --dataset_num_proc {' and '.join(map(str, p.build_procs))}")
-        _builds(runner, model_dir, data, rows, details)
-        print("2/4 time to the first step, cache built in the run against reused")
-        kept = _first_step(runner, model_dir, data, rows, details)
-        print(f"3/4 and 4/4 {p.nproc}-rank training, {p.rss_rows[0]} against {p.rss_rows[1]} rows; per-batch "
-              "padding against --pad_to_context")  # fmt: skip
-        _memory_and_padding(runner, model_dir, data, kept, rows, details)
-        build = next(iter(details["builds"].values()))[0]
-        info.update(samples=build["samples"], mean_sample_tokens=round(build["tokens"] / build["samples"], 1),
-                    cache_mib=build["mib"])  # fmt: skip
-        ttfs = next(r for r in rows if r["key"] == "time_to_first_step_s")
-        mb = RSS_BAR_BYTES / 1e6
-        checks = [{"bar": f"cached time to first step <= {FIRST_STEP_BAR}x the first run's", "value": ttfs["ratio"],
-                   "unit": "x", "passed": ttfs["ratio"] <= FIRST_STEP_BAR}]  # fmt: skip
-        checks += [{"bar": f"{r['figure']}: at most {mb:.0f} MB", "value": r["ours"], "unit": "MB",
-                    "passed": r["ours"] <= mb} for r in rows if r["key"].startswith("train_peak_rss_growth")
+        rows, details = [], {"dataset": info}
+        for stage in (_builds, _first_step, _training):
+            rows += stage(runner, model_dir, data, details)
+        ttfs = next(r["ratio"] for r in rows if r["key"] == "time_to_first_step_s")
+        checks = [{"bar": f"cached time to first step <= {FIRST_STEP_BAR}x the first run's", "value": ttfs,
+                   "unit": "x", "passed": ttfs <= FIRST_STEP_BAR}]  # fmt: skip
+        checks += [{"bar": f"{r['figure']}: at most {RSS_BAR_MB} MB", "value": r["ours"], "unit": "MB",
+                    "passed": r["ours"] <= RSS_BAR_MB} for r in rows if r["key"].startswith("train_peak_rss_growth")
                    ]  # fmt: skip
         return runner.results("cpu-data", rows, details, {
             "threads": f"OMP_NUM_THREADS={p.threads} for one-process runs, {max(1, p.threads // p.nproc)} per rank "
@@ -222,51 +198,48 @@ def run(p: DataPlan, *, model: Path | None, cache: Path) -> dict[str, Any]:
         }, model=harness.model_record(model_dir), checks=checks)  # fmt: skip
 
 
-def _builds(runner: Runner, model: Path, data: Path, rows: list, details: dict) -> None:
+def _builds(runner: Runner, model: Path, data: Path, details: dict) -> list[dict]:
     """1: scripts/preprocess.py's first build at each --dataset_num_proc: the command's wall and the build's."""
     p = runner.plan
+    one, two = p.build_procs
+    print(f"1/4 cache build, {p.rows} rows, --dataset_num_proc {one} and {two}")
 
     def measure(procs: int, rep: int) -> dict[str, Any]:
-        cache_dir = runner.work / f"build-{procs}-{rep}"
-        what = f"build, {p.rows} rows, --dataset_num_proc {procs} (rep {rep + 1})"
-        made = preprocess(runner, what, p.rows, procs, cache_dir, data, model)
-        shutil.rmtree(cache_dir, ignore_errors=True)
-        return made
+        return preprocess(runner, f"build, {p.rows} rows, --dataset_num_proc {procs} (rep {rep + 1})", p.rows, procs,
+                          runner.work / f"build-{procs}-{rep}", data, model)  # fmt: skip
 
-    runs = harness.alternating(p.build_reps, p.build_procs, measure)
-    one, two = p.build_procs
+    runs = alternating(p.build_reps, p.build_procs, measure)
+    details["builds"] = {str(n): r for n, r in runs.items()}
+    build = runs[one][0]
+    details["dataset"].update(samples=build["samples"], mean_sample_tokens=round(build["tokens"] / build["samples"], 1),
+                              cache_mib=build["mib"])  # fmt: skip
     timed = {n: [{"build_wall_s": r["wall_s"], "build_s": r["build_s"]} for r in v] for n, v in runs.items()}
-    rows += figure_rows("cache build", (
+    return figure_rows("cache build", (
         ("build_wall_s", f"wall time of scripts/preprocess.py, first build, {p.rows:,} rows", "s", "lower"),
         ("build_s", "the build's own time (its log line: read + tokenize + save)", "s", "lower"),
     ), timed[two], timed[one], ours_label=f"--dataset_num_proc {two}", peer_label=f"--dataset_num_proc {one}",
         note=f"scripts/preprocess.py on {p.rows:,} rows at --context_length {p.context_length}, a fresh "
              f"--dataset_cache_dir each; median over {p.build_reps} run(s)")  # fmt: skip
-    details["builds"] = {str(n): r for n, r in runs.items()}
 
 
-def _first_step(runner: Runner, model: Path, data: Path, rows: list, details: dict) -> Path:
-    """2: launch to first record, building run then cached run; returns the cache dir (it holds every row)."""
+def _first_step(runner: Runner, model: Path, data: Path, details: dict) -> list[dict]:
+    """2: launch to first record, the run that builds the cache (into SHARED_CACHE, emptied), then one reusing it."""
     p = runner.plan
+    print("2/4 time to the first step, cache built in the run against reused")
     runs: dict[str, list[dict[str, Any]]] = {"first": [], "cached": []}
-    cache_dir = runner.work / "first-step-0"
     for rep in range(p.build_reps):
-        if rep:
-            shutil.rmtree(cache_dir, ignore_errors=True)
-        cache_dir = runner.work / f"first-step-{rep}"
         for kind, kept in runs.items():
             kept.append(train(runner, f"time to first step, {kind} run, {p.rows} rows (rep {rep + 1})", model, data,
-                              rows=p.rows, cache_dir=cache_dir, nproc=1, steps=p.first_step_steps,
+                              rows=p.rows, cache_dir=runner.work / SHARED_CACHE, nproc=1, steps=p.first_step_steps,
                               fresh_cache=kind == "first", first_step=True))  # fmt: skip
-    rows.append(row("cached start", "time_to_first_step_s", "time from launch to the end of step 1", "s", "lower",
-                    [r["first_step_s"] for r in runs["cached"]], [r["first_step_s"] for r in runs["first"]],
-                    ours_label="the run after it (the cache exists)", peer_label="the first run (builds the cache)",
-                    note=f"1 process, --quant none --train_type lora, batch {p.batch_size} x {p.context_length}, "
-                    f"--max_steps {p.first_step_steps}, {p.rows:,} rows; time from the launch (the process's start, "
-                    "/proc) to the first metrics.jsonl record, polled every 20 ms by benchmarks/data_suite.py's "
-                    f"wrapper; median over {p.build_reps} pair(s); bar: ratio <= {FIRST_STEP_BAR}"))  # fmt: skip
     details["first_step"] = {k: [brief(r, KEEP) for r in v] for k, v in runs.items()}
-    return cache_dir
+    return [row("cached start", "time_to_first_step_s", "time from launch to the end of step 1", "s", "lower",
+                [r["first_step_s"] for r in runs["cached"]], [r["first_step_s"] for r in runs["first"]],
+                ours_label="the run after it (the cache exists)", peer_label="the first run (builds the cache)",
+                note=f"1 process, --quant none --train_type lora, batch {p.batch_size} x {p.context_length}, "
+                f"--max_steps {p.first_step_steps}, {p.rows:,} rows; time from the launch (the process's start, "
+                "/proc) to the first metrics.jsonl record, polled every 20 ms by benchmarks/data_suite.py's "
+                f"wrapper; median over {p.build_reps} pair(s); bar: ratio <= {FIRST_STEP_BAR}")]  # fmt: skip
 
 
 def _throughput(run: dict[str, Any], skip: int) -> tuple[float, float]:
@@ -277,58 +250,47 @@ def _throughput(run: dict[str, Any], skip: int) -> tuple[float, float]:
             tokens / sum(m["tokens"] / m["packing_efficiency"] for m in steps))  # fmt: skip
 
 
-def _memory_and_padding(runner: Runner, model: Path, data: Path, shared: Path, rows: list, details: dict) -> None:
-    """3 and 4: training on the large and small slice (caches prebuilt), and large with --pad_to_context."""
-    p = runner.plan
+def _training(runner: Runner, model: Path, data: Path, details: dict) -> list[dict]:
+    """3 and 4: training on the large and the small slice, caches built beforehand into SHARED_CACHE (which already
+    holds every row's), and on the large one with --pad_to_context."""
+    p, cache_dir = runner.plan, runner.work / SHARED_CACHE
     large, small = p.rss_rows
-    for n in (large, small):
-        if n != p.rows:  # the first-step directory already holds the cache of every row
-            preprocess(runner, f"cache for {n} rows (not a figure)", n, 2, shared, data, model, fresh=False)
+    print(f"3/4 and 4/4 {p.nproc}-rank training, {large} against {small} rows; per-batch padding, --pad_to_context")
+    for n in [n for n in (large, small) if n != p.rows]:
+        preprocess(runner, f"cache for {n} rows (not a figure)", n, 2, cache_dir, data, model, fresh=False)
 
     def measure(kind: str, rep: int) -> dict[str, Any]:
         n, pad = small if kind == "small" else large, kind == "pad_to_context"
         what = f"train x{p.nproc}, {n} rows, {'--pad_to_context true' if pad else 'per-batch padding'} (rep {rep + 1})"
-        return train(runner, what, model, data, rows=n, cache_dir=shared, nproc=p.nproc, steps=p.steps,
+        return train(runner, what, model, data, rows=n, cache_dir=cache_dir, nproc=p.nproc, steps=p.steps,
                      **({"pad_to_context": "true"} if pad else {}))  # fmt: skip
 
-    runs = harness.alternating(p.train_reps, ("small", "large", "pad_to_context"), measure)
+    runs = alternating(p.train_reps, ("small", "large", "pad_to_context"), measure)
     shape = (f"{p.nproc} ranks (torchrun, gloo) x batch {p.batch_size} x --context_length {p.context_length}, "
              f"--quant none --train_type lora, --max_steps {p.steps}")  # fmt: skip
-    _memory_rows(p, runs, shape, rows, details)
-    _padding_rows(p, runs, shape, rows, details)
-    details["training_runs"] = {k: [brief(r, KEEP) for r in v] for k, v in runs.items()}
-
-
-def _memory_rows(p: DataPlan, runs: dict[str, list[dict[str, Any]]], shape: str, rows: list, details: dict) -> None:
-    """3: each rank's peak RSS on the large slice against the small one, and their difference against the bar."""
-    large, small = p.rss_rows
+    # 3: each rank's peak RSS on the large slice against the small one, and their difference against the bar.
     peaks = {n: [[max(m["peak_memory_bytes_per_rank"][r] for m in run["metrics"]) for r in range(p.nproc)]
                  for run in runs[kind]] for n, kind in ((large, "large"), (small, "small"))}  # fmt: skip
+    details["memory"] = {"peaks": {str(n): v for n, v in peaks.items()}}
+    section, rows = f"data memory, {p.nproc} ranks", []
     note = (f"{shape}; each rank's largest peak_memory_bytes_per_rank (VmHWM) in metrics.jsonl; caches built "
             f"beforehand by scripts/preprocess.py; median over {p.train_reps} run(s)")  # fmt: skip
-    sec = f"data memory, {p.nproc} ranks"
-    details["memory"] = {"peaks": {str(n): v for n, v in peaks.items()}}
     for r in range(p.nproc):
         big, little = [v[r] for v in peaks[large]], [v[r] for v in peaks[small]]
-        growth = [b - s for b, s in zip(big, little, strict=True)]
+        growth = details["memory"][f"growth_rank{r}_bytes"] = [b - s for b, s in zip(big, little, strict=True)]
         # In MB (10^6 bytes), the bar's unit; report.fmt shows no negative byte counts, and a difference may be one.
         rows += [
-            row(sec, f"train_peak_rss_rank{r}_bytes", f"peak RSS, rank {r}", "bytes", "lower", big, little,
+            row(section, f"train_peak_rss_rank{r}_bytes", f"peak RSS, rank {r}", "bytes", "lower", big, little,
                 ours_label=f"{large:,} rows (--dataset_samples {large})",
                 peer_label=f"{small:,} rows of the same file (--dataset_samples {small})", note=note),
-            row(sec, f"train_peak_rss_growth_rank{r}_mb", f"peak RSS, rank {r}: {large:,} rows minus {small:,}, MB",
-                "MB", "lower", [g / 1e6 for g in growth], [RSS_BAR_BYTES / 1e6], note=note,
+            row(section, f"train_peak_rss_growth_rank{r}_mb", f"peak RSS, rank {r}: {large:,} rows minus {small:,}, MB",
+                "MB", "lower", [g / 1e6 for g in growth], [RSS_BAR_MB], note=note,
                 ours_label=f"{large:,} rows minus {small:,} rows, per rank (paired runs)",
-                peer_label=f"the bar, {RSS_BAR_BYTES / 1e6:.0f} MB (ratio <= 1 passes)"),
+                peer_label=f"the bar, {RSS_BAR_MB} MB (ratio <= 1 passes)"),
         ]  # fmt: skip
-        details["memory"][f"growth_rank{r}_bytes"] = growth
-
-
-def _padding_rows(p: DataPlan, runs: dict[str, list[dict[str, Any]]], shape: str, rows: list, details: dict) -> None:
-    """4: real tokens/s and real tokens / row tokens of per-batch padding against --pad_to_context, the same rows."""
-    same_rows = all([m["tokens"] for m in a["metrics"]] == [m["tokens"] for m in b["metrics"]]
-                    for a in runs["large"] for b in runs["pad_to_context"])  # fmt: skip
-    if not same_rows:
+    # 4: real tokens/s and real tokens / row tokens of per-batch padding against --pad_to_context, the same rows.
+    if any([m["tokens"] for m in a["metrics"]] != [m["tokens"] for m in b["metrics"]]
+           for a in runs["large"] for b in runs["pad_to_context"]):  # fmt: skip
         raise RuntimeError("per-batch padding and --pad_to_context trained different tokens per step")
     speed = {kind: [_throughput(run, p.warmup_steps) for run in runs[kind]] for kind in ("large", "pad_to_context")}
     ours, peer = ([{"tokens_per_s": t, "packing_efficiency": e} for t, e in speed[k]] for k in speed)
@@ -341,7 +303,9 @@ def _padding_rows(p: DataPlan, runs: dict[str, list[dict[str, Any]]], shape: str
              "trainer counts them (every rank's padded batches, summed); median over "
              f"{p.train_reps} run(s)")  # fmt: skip
     details["padding"] = {"per_batch": speed["large"], "pad_to_context": speed["pad_to_context"],
-                          "same_rows_per_step": same_rows}  # fmt: skip
+                          "same_rows_per_step": True}  # fmt: skip
+    details["training_runs"] = {k: [brief(r, KEEP) for r in v] for k, v in runs.items()}
+    return rows
 
 
 def render(results: dict[str, Any]) -> str:
@@ -355,11 +319,11 @@ def render(results: dict[str, Any]) -> str:
                   f"min {t['min']}, median {t['median']}, mean {t['mean']}, max {t['max']}; "
                   f"{data.get('samples', '?'):,} samples of {data.get('mean_sample_tokens', '?')} tokens on average "
                   f"with the prompt template (cache {data.get('cache_mib', '?')} MiB)."]  # fmt: skip
+    value = {"MB": "{:.1f} MB", "x": "{:.3f}x"}
     quick = "Quick mode: a few thousand rows build in about a second, so these say nothing of the bars."
     lines += report.acceptance("Acceptance bars", [
-        f"- {c['bar']}: {c['value']:.1f} MB: **{report.verdict(c['passed'])}**" if c["unit"] == "MB" else
-        f"- {c['bar']}: {c['value']:.3f}x: **{report.verdict(c['passed'])}**" for c in results.get("checks") or []],
-        quick_note=quick if results.get("quick") else "")  # fmt: skip
+        f"- {c['bar']}: {value[c['unit']].format(c['value'])}: **{report.verdict(c['passed'])}**"
+        for c in results.get("checks") or []], quick_note=quick if results.get("quick") else "")  # fmt: skip
     return report.render(results, lines)
 
 

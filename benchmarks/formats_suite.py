@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import harness
-from benchmarks.harness import FULL_MODEL, Settings, alternating, figure_rows, session
+from benchmarks.harness import FULL_MODEL, QUICK_MODEL, Settings, alternating, figure_rows, session
 
 FORMATS = ("bf16", "bnb-4bit", "fp8")
 """The checkpoints write_formats makes; bf16 is the `peer` column of both sections."""
@@ -33,9 +33,8 @@ class FormatsPlan(Settings):
 
 def plan(*, quick: bool, **launch: Any) -> FormatsPlan:
     """The full suite (the CPU suite's 171M model, 3 repetitions) or the quick one (its quick model, once)."""
-    p = FormatsPlan(dict(harness.QUICK_MODEL), reps=1, quick=True) if quick else FormatsPlan(dict(FULL_MODEL), reps=3)
-    p.configure(**launch)
-    return p
+    p = FormatsPlan(dict(QUICK_MODEL if quick else FULL_MODEL), reps=1 if quick else 3, quick=quick)
+    return p.configure(**launch)
 
 
 def summary(ranks: list[dict[str, Any]], checkpoint: Path) -> dict[str, float]:
@@ -76,7 +75,6 @@ def run(p: FormatsPlan, *, cache: Path, model: Path | None = None) -> dict[str, 
             rows += figure_rows(section, FIGURES, sums[fmt], sums["bf16"], suffix=f"_{fmt.replace('-', '_')}",
                                 note=note, ours_label=f"{fmt} checkpoint", peer_label="bf16 checkpoint")  # fmt: skip
         return runner.results("cpu-formats", rows, {"summaries": sums}, {
-            "precision": f"--precision {p.precision}",
             "threads": f"OMP_NUM_THREADS={p.threads} // {p.nproc} per rank",
             "loading": "benchmarks.cpu_workers load_ours: skeleton on meta, stream, quantize (or keep the file's 4-bit "
                        "bytes), shard each layer as it is whole (FSDP2 full_shard), no adapters",

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import harness, report
-from benchmarks.harness import Settings, alternating, figure_rows, median, session
+from benchmarks.harness import FULL_MODEL, QUICK_MODEL, Settings, alternating, figure_rows, median, session
 
 MODES = ("sharded", "gathered")
 """--generation_mode values; gathered is `ours`, sharded (the default) the `peer` column."""
@@ -39,9 +39,8 @@ class GenerationPlan(Settings):
 
 def plan(*, quick: bool, **launch: Any) -> GenerationPlan:
     """The full suite (171M model, 3 x 4 steps, 64-token completions) or the quick one (2 layers, 8 tokens)."""
-    p = (GenerationPlan(dict(harness.QUICK_MODEL), reps=1, steps=2, max_completion_length=8, quick=True) if quick
-         else GenerationPlan(dict(harness.FULL_MODEL), reps=3, steps=4))  # fmt: skip
-    return p.configure(**launch)
+    sizes = dict(reps=1, steps=2, max_completion_length=8) if quick else dict(reps=3, steps=4)
+    return GenerationPlan(dict(QUICK_MODEL if quick else FULL_MODEL), quick=quick, **sizes).configure(**launch)
 
 
 def check_same(runs: dict[str, list[dict[str, Any]]]) -> None:
@@ -62,6 +61,7 @@ def summary(run: dict[str, Any]) -> dict[str, float]:
 
 
 def run(p: GenerationPlan, *, cache: Path, model: Path | None = None) -> dict[str, Any]:
+    batch = p.prompts_per_rank * p.num_generations
     with session(p, "generation") as runner:
         model_dir = runner.model(p.model, cache)
         print(f"{p.reps} x {len(MODES)} runs of {p.steps} GRPO steps on {p.nproc} ranks")
@@ -69,12 +69,11 @@ def run(p: GenerationPlan, *, cache: Path, model: Path | None = None) -> dict[st
         def train(mode: str, rep: int) -> dict[str, Any]:
             flags = runner.flags(
                 f"train-{mode}", model=model_dir, quant="bnb", fsdp_version=2, dataset=PROMPTS, objective="grpo",
-                reward_funcs=REWARD, generation_mode=mode, num_generations=p.num_generations,
+                reward_funcs=REWARD, generation_mode=mode, num_generations=p.num_generations, batch_size=batch,
                 max_completion_length=p.max_completion_length, context_length=p.max_completion_length + 64,
-                batch_size=p.prompts_per_rank * p.num_generations, dataset_samples=0,
-                gradient_checkpointing="false", max_steps=p.steps, seed=0)  # fmt: skip
+                dataset_samples=0, gradient_checkpointing="false", max_steps=p.steps, seed=0)  # fmt: skip
             done = runner.train(f"--generation_mode {mode} (rep {rep + 1})", flags, nproc=p.nproc, steps=p.steps)
-            return {"mode": mode, "steps": done["metrics"], "peak_rss_bytes": done["exit_peak_rss_bytes"]}
+            return {"steps": done["metrics"], "peak_rss_bytes": done["exit_peak_rss_bytes"]}
 
         runs = alternating(p.reps, MODES, train)
         check_same(runs)
@@ -89,8 +88,7 @@ def run(p: GenerationPlan, *, cache: Path, model: Path | None = None) -> dict[st
             "threads": f"OMP_NUM_THREADS={p.threads} // {p.nproc} per rank",
             "our_training": f"torchrun --nproc_per_node {p.nproc} train.py --objective grpo --quant bnb, FSDP2 "
                             f"full_shard, --reward_funcs {REWARD}, LoRA r{p.lora_rank} on every linear but the head, "
-                            f"--batch_size {p.prompts_per_rank * p.num_generations}, --max_steps {p.steps} (step 1 "
-                            "left out of the medians)",
+                            f"--batch_size {batch}, --max_steps {p.steps} (step 1 left out of the medians)",
         }, model=harness.model_record(model_dir, p.model))  # fmt: skip
 
 
