@@ -20,7 +20,8 @@ rm -rf .whl  # pip makes it again
 DISABLE_CUDA=1 "$PY" -m pip wheel --quiet --disable-pip-version-check --no-deps --no-cache-dir --no-binary hqq \
     -w .whl "$(pinned hqq)"
 
-repo=$(git ls-files -z --cached --others --exclude-standard | xargs -0 stat -c %s 2>/dev/null |
+# A tracked file deleted from the working tree is not carried: stat skips it (its failure is not the script's).
+repo=$(git ls-files -z --cached --others --exclude-standard | { xargs -0 stat -c %s 2>/dev/null || true; } |
     awk '{s += $1} END {print s / 1048576}')
 find .whl -type f -name '*.whl' -printf '%s %f\n' | sort -rn | awk -v repo="$repo" -v limit="$LIMIT_MIB" '
     {wheels += $1 / 1048576}
