@@ -289,8 +289,9 @@ def _training(runner: Runner, model: Path, data: Path, details: dict) -> list[di
                 peer_label=f"the bar, {RSS_BAR_MB} MB (ratio <= 1 passes)"),
         ]  # fmt: skip
     # 4: real tokens/s and real tokens / row tokens of per-batch padding against --pad_to_context, the same rows.
-    if any([m["tokens"] for m in a["metrics"]] != [m["tokens"] for m in b["metrics"]]
-           for a in runs["large"] for b in runs["pad_to_context"]):  # fmt: skip
+    same_rows = all([m["tokens"] for m in a["metrics"]] == [m["tokens"] for m in b["metrics"]]
+                    for a in runs["large"] for b in runs["pad_to_context"])  # fmt: skip
+    if not same_rows:
         raise RuntimeError("per-batch padding and --pad_to_context trained different tokens per step")
     speed = {kind: [_throughput(run, p.warmup_steps) for run in runs[kind]] for kind in ("large", "pad_to_context")}
     ours, peer = ([{"tokens_per_s": t, "packing_efficiency": e} for t, e in speed[k]] for k in speed)
@@ -303,7 +304,7 @@ def _training(runner: Runner, model: Path, data: Path, details: dict) -> list[di
              "trainer counts them (every rank's padded batches, summed); median over "
              f"{p.train_reps} run(s)")  # fmt: skip
     details["padding"] = {"per_batch": speed["large"], "pad_to_context": speed["pad_to_context"],
-                          "same_rows_per_step": True}  # fmt: skip
+                          "same_rows_per_step": same_rows}  # fmt: skip
     details["training_runs"] = {k: [brief(r, KEEP) for r in v] for k, v in runs.items()}
     return rows
 
