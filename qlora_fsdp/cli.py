@@ -78,10 +78,17 @@ def report_failure(exc: UserError | TrainingStopped | InternalError) -> int:
     training that could not go on (one line naming the step), 1 for a bug (its traceback and a request to report)."""
     if isinstance(exc, InternalError):
         traceback.print_exception(exc)
-        print(f"error: {exc}\nerror: {BUG_REPORT}", file=sys.stderr, flush=True)
+        _say(f"error: {exc}\nerror: {BUG_REPORT}")
         return 1
-    print(f"error: {exc}", file=sys.stderr, flush=True)
+    _say(f"error: {exc}")
     return 3 if isinstance(exc, TrainingStopped) else 2
+
+
+def _say(text: str) -> None:
+    """Write text and its newline to stderr in one call: every rank shares that pipe, and under PYTHONUNBUFFERED
+    print's two writes (text, then newline) let two ranks' lines run into one."""
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
 
 
 def _quiet_known_noise() -> None:
