@@ -203,7 +203,6 @@ def run(p: CheckpointPlan, *, cache: Path, model: Path | None = None) -> dict[st
         return runner.results("cpu-checkpoint", rows, details, {
             "saves": p.saves,
             "precision": f"--precision {p.precision} (parameters, gradients and Adam moments in {p.precision})",
-            "threads": f"OMP_NUM_THREADS={max(1, p.threads // p.nproc)} per rank",
             "our_training": f"torchrun --nproc_per_node {p.nproc} train.py, FSDP2, --dataset dummy, --batch_size "
                             f"{p.batch_size} x {p.context_length} tokens, --max_steps {p.steps} --save_steps "
                             f"{p.save_steps} --save_total_limit {p.save_total_limit}, gradient checkpointing off; "

@@ -120,8 +120,6 @@ def run(p: CpuPlan, *, model: Path | None, cache: Path) -> dict[str, Any]:
             "precision": f"{p.precision} parameters, storage and compute (ours --precision {p.precision}; peer dtype "
                          f"and bnb compute/storage {p.precision}){bf16}",
             "quantization": "bnb nf4 + double quant, blocksize 64 (both sides) unless a row says otherwise",
-            "threads": f"OMP_NUM_THREADS={p.threads} for one-process runs (ours and peer); "
-                       f"{max(1, p.threads // 2)} per rank for 2-rank jobs, {max(1, p.threads // 4)} per rank for 4",
             "our_training": "the real CLI: python train.py / torchrun train.py --max_steps, metrics.jsonl tokens_per_s",
             "adapters": f"ours: LoRA weights in {p.precision} (qlora-fsdp stores them in --precision); peer: PEFT "
                         "default fp32",

@@ -190,8 +190,7 @@ def run(p: DataPlan, *, model: Path | None, cache: Path) -> dict[str, Any]:
                     "passed": r["ours"] <= RSS_BAR_MB} for r in rows if r["key"].startswith("train_peak_rss_growth")
                    ]  # fmt: skip
         return runner.results("cpu-data", rows, details, {
-            "threads": f"OMP_NUM_THREADS={p.threads} for one-process runs, {max(1, p.threads // p.nproc)} per rank "
-                       f"for {p.nproc}-rank jobs; TOKENIZERS_PARALLELISM left to the package",
+            "tokenizers": "TOKENIZERS_PARALLELISM left to the package",
             "our_training": "the real CLI: python train.py / torchrun train.py, metrics.jsonl; scripts/preprocess.py "
                             "for the builds",
             "shapes": f"batch {p.batch_size} per rank x --context_length {p.context_length}",

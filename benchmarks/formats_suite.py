@@ -75,7 +75,6 @@ def run(p: FormatsPlan, *, cache: Path, model: Path | None = None) -> dict[str, 
             rows += figure_rows(section, FIGURES, sums[fmt], sums["bf16"], suffix=f"_{fmt.replace('-', '_')}",
                                 note=note, ours_label=f"{fmt} checkpoint", peer_label="bf16 checkpoint")  # fmt: skip
         return runner.results("cpu-formats", rows, {"summaries": sums}, {
-            "threads": f"OMP_NUM_THREADS={p.threads} // {p.nproc} per rank",
             "loading": "benchmarks.cpu_workers load_ours: skeleton on meta, stream, quantize (or keep the file's 4-bit "
                        "bytes), shard each layer as it is whole (FSDP2 full_shard), no adapters",
             "checkpoints": "the random Llama saved in bf16 by transformers; pre-quantized by transformers' 4-bit load "

@@ -85,7 +85,6 @@ def run(p: GenerationPlan, *, cache: Path, model: Path | None = None) -> dict[st
                            peer_label="--generation_mode sharded (the default)")  # fmt: skip
         return runner.results("cpu-generation", rows, {
             "summaries": sums, "steps": {m: [r["steps"] for r in runs[m]] for m in MODES}}, {
-            "threads": f"OMP_NUM_THREADS={p.threads} // {p.nproc} per rank",
             "our_training": f"torchrun --nproc_per_node {p.nproc} train.py --objective grpo --quant bnb, FSDP2 "
                             f"full_shard, --reward_funcs {REWARD}, LoRA r{p.lora_rank} on every linear but the head, "
                             f"--batch_size {batch}, --max_steps {p.steps} (step 1 left out of the medians)",

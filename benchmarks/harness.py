@@ -506,7 +506,8 @@ class Runner:
 
     def results(self, suite: str, rows: list[dict[str, Any]], details: dict[str, Any], settings: dict[str, Any],
                 **extra: Any) -> dict[str, Any]:  # fmt: skip
-        """results.json: the plan and `settings` (precision as its flag by default), rows, details, every launch."""
+        """results.json: the plan and `settings` (precision as its flag and the thread layout by default), rows,
+        details, every launch."""
         launches = self.launches
         foreign = [e["foreign_cores"] for e in launches if not e["discarded"]]
         conditions = {"build_model_s": round(self.build_s, 1), "launches": launches,
@@ -516,7 +517,10 @@ class Runner:
                       "discarded_launches": sum(e["discarded"] for e in launches),
                       "aborted_at_exit_after_finishing": sum("aborted_at_exit_after_finishing" in e for e in launches),
                       }  # fmt: skip
-        settings = {**asdict(self.plan), "precision": f"--precision {self.plan.precision}", **settings}
+        threads = self.plan.threads
+        settings = {**asdict(self.plan), "precision": f"--precision {self.plan.precision}",
+                    "threads": f"OMP_NUM_THREADS={threads} for a one-process run, {threads} // N (at least 1) per rank "
+                               "of an N-rank job", **settings}  # fmt: skip
         return {"suite": suite, "quick": self.plan.quick, **extra, "settings": settings, "rows": rows,
                 "details": details, "conditions": conditions,
                 "wall_time_s": time.perf_counter() - self.started}  # fmt: skip

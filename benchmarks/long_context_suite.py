@@ -176,7 +176,6 @@ def run(p: LongContextPlan, *, cache: Path, model: Path | None = None) -> dict[s
         steps = "step 1" if p.steps == 2 else f"steps 1-{p.steps - 1}"
         return runner.results("cpu-long-context", rows, details, {
             "candidates": p.candidates(), "budget_bytes": budget,
-            "threads": f"OMP_NUM_THREADS={p.threads} // S per rank (at least 1)",
             "our_training": f"torchrun --nproc_per_node S train.py --sequence_parallel_size S --quant bnb, FSDP2 "
                             f"full_shard, gradient checkpointing (the default), LoRA r{p.lora_rank} on every linear "
                             f"but the head, batch 1 row of exactly the context's tokens, --max_steps {p.steps} "

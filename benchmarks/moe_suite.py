@@ -223,8 +223,6 @@ def run(p: MoePlan, *, cache: Path, model: Path | None = None) -> dict[str, Any]
             "quantization": "ours: every expert and every linear but the head, one quantized layer per expert "
                             "(qlora_fsdp/quant/experts.py); peer: nn.Linear only (bnb nf4 + double quant, "
                             "blocksize 64)",
-            "threads": f"OMP_NUM_THREADS={p.threads} for one-process runs and the peer; threads // ranks (at least 1) "
-                       "per rank of an N-rank job",
             "our_training": "the real CLI: python train.py / torchrun train.py --dataset dummy, metrics.jsonl",
             "adapters": f"ours: LoRA r{p.lora_rank} in {p.precision} on every linear but the head and the routers, "
                         "and per expert on the fused projections; sharded with the model",

@@ -170,7 +170,6 @@ def run(p: PreferencePlan, *, cache: Path, model: Path | None = None) -> dict[st
                            for k, v in runs.items()}  # fmt: skip
         return runner.results("cpu-preference", rows, details, {
             "sequence_tokens": p.sequence_tokens, "pairs": p.pairs,
-            "threads": f"OMP_NUM_THREADS={max(1, p.threads // p.nproc)} per rank",
             "our_training": f"torchrun --nproc_per_node {p.nproc} train.py --quant bnb, FSDP2 full_shard, gradient "
                             f"checkpointing (the default), LoRA r{p.lora_rank} on every linear but the head, "
                             f"--max_steps {p.steps} (--profile true on step {p.steps}), each objective's settings at "

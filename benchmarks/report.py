@@ -9,7 +9,8 @@ from benchmarks.harness import behind
 
 PLAIN = {"s": "{:.2f} s", "tokens": "{:,.0f}", "abs": "{:.2e}", "bits": "{:.3f}"}
 """Units whose figures need no choice of scale."""
-SETTINGS = ("precision", "quantization", "threads", "our_training", "adapters", "shapes", "long_context", "mfu")
+SETTINGS = ("precision", "quantization", "threads", "tokenizers", "our_training", "adapters", "shapes", "long_context",
+            "mfu")  # fmt: skip
 """The settings results.md lists under the header; the rest stay in results.json."""
 
 
