@@ -106,9 +106,9 @@ def run(p: CpuPlan, *, model: Path | None, cache: Path) -> dict[str, Any]:
             _packing(runner, model_dir, rows, details)
         else:
             print("1/4 loading (ours: 2 ranks, streaming, FSDP2 and FSDP1; peer: HF from_pretrained)")
-            loads = _loading(runner, model_dir, rows, details)
+            loads = {(v, "bnb"): runs[0] for v, runs in _loading(runner, model_dir, rows, details).items()}
             if p.kind == "cpu":  # cpu-large: one unsplit HQQ load of 1.1B runs past the 600 s launch timeout
-                _hqq_split(runner, model_dir, rows)
+                loads[(2, "hqq")] = _hqq_split(runner, model_dir, rows)
                 print("2/4 per-rank memory vs world size")
                 _world_sizes(runner, model_dir, loads, rows, details)
                 print("3/4 training throughput")
@@ -168,20 +168,25 @@ def _loading(runner: Runner, model: Path, rows: list, details: dict) -> dict[int
     return ours
 
 
-def _hqq_split(runner: Runner, model: Path, rows: list) -> None:
-    """Section 1, HQQ: the ranks sharing whole weights out against every rank quantizing every weight."""
+def _hqq_split(runner: Runner, model: Path, rows: list) -> list[dict[str, Any]]:
+    """Section 1, HQQ: the ranks sharing whole weights out against every rank quantizing every weight; the first
+    shared load's rank records (section 2's FSDP2 HQQ load at 2 ranks)."""
     runs: dict[bool, list[float]] = {True: [], False: []}
+    first: list[dict[str, Any]] = []
     for rep in range(runner.plan.reps):
         for split in runs:
             ranks = _load(runner, f"load hqq 2 ranks, split {split} (rep {rep + 1})", model, 2, "hqq", split=split)
             runs[split].append(max(r["total_s"] for r in ranks))
+            if split and rep == 0:
+                first = ranks
     rows.append(row("loading", "load_wall_s_hqq_split",
                     "HQQ 4-bit, FSDP2: wall time to load + quantize + shard (slowest rank)", "s", "lower",
                     runs[True], runs[False], ours_label="qlora-fsdp, 2 ranks, each quantizes its share of the weights",
                     peer_label="the same, every rank quantizing every weight"))  # fmt: skip
+    return first
 
 
-def _world_sizes(runner: Runner, model: Path, loads: dict[int, list], rows: list, details: dict) -> None:
+def _world_sizes(runner: Runner, model: Path, loads: dict[tuple[int, str], list], rows: list, details: dict) -> None:
     """Section 2: what each rank holds after full_shard wrapping at 1, 2 and 4 ranks, per FSDP version and backend."""
     peer, section = details["quantized_model_bytes"]["peer"], "memory vs world size"
     details["world_sizes"] = {}
@@ -191,7 +196,7 @@ def _world_sizes(runner: Runner, model: Path, loads: dict[int, list], rows: list
               "peer_label": PEER_REPLICATED}  # fmt: skip
         held = details["world_sizes"][slug] = {}
         for n in runner.plan.world_sizes:  # 1 rank first: the efficiency's reference
-            ranks = (loads[version][0] if n == 2 and quant == "bnb"  # the loading runs
+            ranks = (loads[(version, quant)] if n == 2 and (version, quant) in loads  # section 1's runs
                      else _load(runner, f"load {slug} {n} rank(s)", model, version, quant, nproc=n))  # fmt: skip
             held[n] = {k: [r[k] for r in ranks] for k in ("param_shard_bytes", "replicated_state_bytes",
                                                           "resident_bytes")}  # fmt: skip
