@@ -33,3 +33,26 @@ def test_a_broken_invariant_shows_its_traceback_and_asks_for_a_report(capsys: py
     assert "_raised" in err  # the frame that raised it
     assert err.endswith(f"error: layer 0's bytes changed\nerror: {BUG_REPORT}\n")
     assert issubclass(PackedWeightsChanged, InternalError) and not issubclass(PackedWeightsChanged, UserError)
+
+
+class _Writes:
+    """A stderr that keeps each write call apart: what reaches the pipe as one write(2) under PYTHONUNBUFFERED."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.calls.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def test_the_error_line_is_one_write_so_ranks_lines_never_run_together(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every rank writes its error line to the same pipe; a line written as text, then newline, can have another
+    # rank's line land between the two (CI saw two ranks' lines run into one).
+    stderr = _Writes()
+    monkeypatch.setattr("sys.stderr", stderr)
+    assert report_failure(_raised(UserError("reward function too_few returned 3 rewards"))) == 2
+    assert stderr.calls == ["error: reward function too_few returned 3 rewards\n"]
