@@ -77,8 +77,7 @@ def report_failure(exc: UserError | TrainingStopped | InternalError) -> int:
     """Print a failure the way its kind calls for; returns the exit status: 2 for a user's mistake (one line), 3 for
     training that could not go on (one line naming the step), 1 for a bug (its traceback and a request to report)."""
     if isinstance(exc, InternalError):
-        traceback.print_exception(exc)
-        _say(f"error: {exc}\nerror: {BUG_REPORT}")
+        _say("".join(traceback.format_exception(exc)) + f"error: {exc}\nerror: {BUG_REPORT}")
         return 1
     _say(f"error: {exc}")
     return 3 if isinstance(exc, TrainingStopped) else 2

@@ -56,3 +56,12 @@ def test_the_error_line_is_one_write_so_ranks_lines_never_run_together(monkeypat
     monkeypatch.setattr("sys.stderr", stderr)
     assert report_failure(_raised(UserError("reward function too_few returned 3 rewards"))) == 2
     assert stderr.calls == ["error: reward function too_few returned 3 rewards\n"]
+
+
+def test_a_bugs_report_is_one_write_so_ranks_tracebacks_stay_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    stderr = _Writes()
+    monkeypatch.setattr("sys.stderr", stderr)
+    assert report_failure(_raised(PackedWeightsChanged("layer 0's bytes changed"))) == 1
+    (text,) = stderr.calls
+    assert text.startswith("Traceback (most recent call last):")
+    assert text.endswith(f"error: layer 0's bytes changed\nerror: {BUG_REPORT}\n")
