@@ -11,9 +11,10 @@ import graph.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -80,6 +81,21 @@ def _uint8_probe(mesh: DeviceMesh) -> str | None:
     except RuntimeError as exc:
         return str(exc).splitlines()[0]
     return None
+
+
+def compile_past_checkpoint_side_effects() -> None:
+    """Let dynamo compile a checkpointed decoder layer whose forward sets and resets a module-level variable.
+
+    transformers 5.25 requires the `kernels` package, whose `use_kernelized_func` (on Llama's attention, and
+    others) sets a context variable around each forward; dynamo refuses any such side effect inside activation
+    checkpointing, breaks the graph and runs the layer eagerly, unless told the recompute need not replay it, which
+    holds here: the recompute sets and resets the variable itself. `torch._dynamo.config.
+    skip_fwd_side_effects_in_bwd_under_checkpoint` (torch 2.13.0); a torch without it has nothing to set.
+    """
+    import torch._dynamo
+
+    if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
 
 
 def reusable_stager(options: StagingOptions) -> DefaultStager | None:
@@ -255,22 +271,48 @@ def default_experts_gating(module: nn.Module) -> bool:
 # ----------------------------------------------------------------------------------------------------------- PEFT
 
 
-def peft_rewrites_target(name: str, model: nn.Module) -> bool:
-    """Whether PEFT, before adapting `model`, rewrites (or refuses) the LoRA target `name`: on transformers 5 it reads
-    the pre-5 names of routed experts' linears as the fused experts. Asked of PEFT's own config conversion,
-    `peft.utils.transformers_weight_conversion.convert_peft_config_for_transformers` (internal; peft 0.21.2), on a
-    one-target config; a PEFT without it rewrites nothing."""
+def peft_rewrites(model: nn.Module, *, modules: Sequence[str], parameters: Sequence[str] = ()) -> bool:
+    """Whether PEFT, loading a LoRA adapter whose config targets `modules` and `parameters` onto `model` (transformers'
+    own, with its fused experts), would rewrite (or refuse) those targets: on transformers 5 its config conversion
+    reads the pre-5 names of routed experts' linears (`gate_proj`, `up_proj`, `down_proj` on the families converted
+    like Qwen2-MoE) as the fused experts, whatever module they name, at twice the rank.
+
+    Asked of PEFT's own conversion, `peft.utils.transformers_weight_conversion.convert_peft_config_for_transformers`
+    (internal; peft 0.21.2 moves such names to `target_parameters`, 0.22.0 keeps a name that matches linears there
+    but still adds the fused experts' parameter and doubles its rank), on a copy; a PEFT without it rewrites nothing.
+    """
     try:
         from peft import LoraConfig
         from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
     except ImportError:
         return False
-    probe = LoraConfig(r=8, target_modules=[name], task_type="CAUSAL_LM")
+    probe = LoraConfig(r=8, target_modules=list(modules), target_parameters=list(parameters) or None)
+    before = set(probe.target_modules or ()), set(probe.target_parameters or ())
     try:
         convert_peft_config_for_transformers(probe, model=model, conversions=None)
     except ValueError:  # a fused pair named in part: PEFT would refuse it
         return True
-    return name not in set(probe.target_modules or ())
+    after = set(probe.target_modules or ()), set(probe.target_parameters or ())
+    return after != before or bool(probe.rank_pattern) or bool(probe.alpha_pattern)
+
+
+@contextlib.contextmanager
+def peft_targets_as_given() -> Iterator[None]:
+    """PEFT's transformers-5 rewrite of LoRA targets (see `peft_rewrites`) turned off while it adapts a model whose
+    routed experts this project has already split into one layer per expert: there a `gate_proj` is a linear by
+    that name and nothing else. peft 0.21.2 and 0.22.0 run the rewrite from `BaseTuner.inject_adapter`, importing
+    `convert_peft_config_for_transformers` from its module at each call, so it is replaced there for the duration."""
+    try:
+        from peft.utils import transformers_weight_conversion as conversion
+    except ImportError:
+        yield
+        return
+    original = conversion.convert_peft_config_for_transformers
+    conversion.convert_peft_config_for_transformers = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        conversion.convert_peft_config_for_transformers = original
 
 
 def quiet_peft_checkpointing_warning() -> None:

@@ -19,7 +19,10 @@ START, END = "<!-- supported:start -->", "<!-- supported:end -->"
 NAMES = {
     "llama": "Llama", "mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE", "phimoe": "PhiMoE",
     "deepseek_v2": "DeepSeek-V2", "olmoe": "OLMoE", "deepseek_v3": "DeepSeek-V3", "gpt_oss": "gpt-oss",
-    "llama4": "Llama 4 (text)", "qwen2_vl": "Qwen2-VL", "llava": "LLaVA",
+    "llama4": "Llama 4 (text)", "qwen2_vl": "Qwen2-VL", "llava": "LLaVA", "qwen3_5_moe": "Qwen3.5-MoE (text)",
+    "qwen3_next": "Qwen3-Next", "deepseek_v32": "DeepSeek-V3.2", "deepseek_v4": "DeepSeek-V4",
+    "glm4_moe": "GLM-4.5 (GLM-4-MoE)", "glm4_moe_lite": "GLM-4.7-Flash (GLM-4-MoE-Lite)", "glm_moe_dsa": "GLM-5",
+    "minimax_m2": "MiniMax-M2",
 }  # fmt: skip
 FORMATS = {
     "": "plain safetensors", "fp8": "FP8, block scales", "mxfp4": "MXFP4 experts",
@@ -31,7 +34,7 @@ def trained() -> list[tuple[str, str, str, int, str]]:
     """(family, checkpoint format, --quant, FSDP version, test file) for every end-to-end run of the suite."""
     from tests.distributed import (
         test_moe_e2e,
-        test_moe_families_e2e,
+        test_moe_matrix,
         test_quantized_checkpoints_e2e,
         test_train_e2e,
         test_vlm,
@@ -39,7 +42,7 @@ def trained() -> list[tuple[str, str, str, int, str]]:
 
     runs = [("llama", "", quant, version, test_train_e2e) for quant, version in test_train_e2e.RUNS]
     runs += [(family, "", quant, version, test_moe_e2e) for family, quant, version in test_moe_e2e.COMBOS]
-    runs += [(family, "", quant, 2, test_moe_families_e2e) for family, quant in test_moe_families_e2e.COMBOS]
+    runs += [(family, "", quant, 2, test_moe_matrix) for family, quant, _ in test_moe_matrix.MATRIX.values()]
     runs += [(family, "", quant, version, test_vlm) for family, quant, version in test_vlm.COMBOS]
     for kind, quant, flags in test_quantized_checkpoints_e2e.RUNS.values():
         family, _, fmt = kind.partition("-")

@@ -52,7 +52,7 @@ LONG_FILES = (
     "benchmarks/test_harness.py", "distributed/test_elastic_resume.py", "distributed/test_preference_smollm2.py",
     "distributed/test_kto_smollm2.py", "distributed/test_vlm.py", "distributed/test_data_scale.py",
     "distributed/test_moe_e2e.py", "cli/test_chat_training.py", "distributed/test_train_e2e.py",
-    "distributed/test_moe_families_e2e.py", "distributed/test_grpo.py", "distributed/test_sequence_parallel.py",
+    "distributed/test_moe_matrix.py", "distributed/test_grpo.py", "distributed/test_sequence_parallel.py",
     "benchmarks/test_long_context_suite.py", "distributed/test_run_parity.py", "distributed/test_grpo_run_parity.py",
 )  # fmt: skip
 

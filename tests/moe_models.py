@@ -12,97 +12,144 @@ import torch
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 """Built for every parametrized MoE test (the `moe_models` fixture)."""
 MORE_FAMILIES = ("phimoe", "deepseek_v2", "olmoe", "deepseek_v3")
+"""Built only by the tests that name them, which keeps the parametrized suites' cost: PhiMoE (its router an
+nn.Linear subclass returning a tuple), DeepSeek-V2 (latent attention with shared experts), OLMoE, DeepSeek-V3
+(V2's layout with a sigmoid group-limited router; the FP8 release's architecture)."""
 TRANSPOSED = ("gpt_oss", "llama4")
 """Experts stored transposed ([experts, in, out]): gpt-oss's with biases, gate and up interleaved, a clamped SwiGLU,
 attention sinks and a router with a bias; Llama 4's with a shared expert and a sigmoid top-1 router that hands every
 expert every token, scaled."""
-"""Built only by the tests that name them, which keeps the parametrized suites' cost: PhiMoE (its router an
-nn.Linear subclass returning a tuple), DeepSeek-V2 (latent attention with shared experts), OLMoE, DeepSeek-V3
-(V2's layout with a sigmoid group-limited router; the FP8 release's architecture)."""
+NEWER_FAMILIES = (
+    "qwen3_5_moe", "qwen3_next", "deepseek_v32", "glm_moe_dsa", "glm4_moe", "glm4_moe_lite", "minimax_m2",
+    "deepseek_v4",
+)  # fmt: skip
+"""The families of late 2026 (the MoE matrix builds them with the rest): Qwen3.5-MoE and Qwen3-Next (gated
+linear attention beside full attention, a gated shared expert), DeepSeek-V3.2 and GLM-5 (latent attention with a
+sparse-attention indexer), GLM-4.5 and GLM-4.7-Flash (a dense first layer and a shared expert, beside routed
+experts), MiniMax-M2, DeepSeek-V4 (hyper-connections, compressed sparse attention, hash-routed first layers)."""
+ALL_FAMILIES = FAMILIES + MORE_FAMILIES + TRANSPOSED + NEWER_FAMILIES
+"""Every mixture-of-experts family `moe_config` builds."""
+
+
+MATRIX: dict[str, tuple[str, str, dict]] = {
+    "mixtral": ("mixtral", "bnb", {}),
+    "qwen2_moe": ("qwen2_moe", "bnb", {}),
+    "qwen3_moe": ("qwen3_moe", "hqq", {}),
+    "qwen3_5_moe": ("qwen3_5_moe", "bnb", {}),
+    "qwen3_next": ("qwen3_next", "bnb", {}),
+    "deepseek_v2": ("deepseek_v2", "bnb", {}),
+    # Every layer routed, the shared expert beside the experts in each (the shape once caught by PEFT's rewrite).
+    "deepseek_v2-all-moe": ("deepseek_v2", "bnb", {"first_k_dense_replace": 0}),
+    "deepseek_v3": ("deepseek_v3", "bnb", {}),
+    "deepseek_v32": ("deepseek_v32", "bnb", {}),
+    "deepseek_v4": ("deepseek_v4", "bnb", {}),
+    "glm4_moe": ("glm4_moe", "bnb", {}),
+    "glm4_moe_lite": ("glm4_moe_lite", "bnb", {}),
+    "glm_moe_dsa": ("glm_moe_dsa", "bnb", {}),
+    "gpt_oss": ("gpt_oss", "bnb", {}),
+    "llama4": ("llama4", "hqq", {}),
+    "minimax_m2": ("minimax_m2", "bnb", {}),
+    "olmoe": ("olmoe", "bnb", {}),
+    "phimoe": ("phimoe", "bnb", {}),
+    "phimoe-hqq": ("phimoe", "hqq", {}),
+}
+"""The MoE matrix (tests/distributed/test_moe_matrix.py): row id -> (family, --quant, settings over moe_config's),
+one 2-rank launch each."""
 
 
 def moe_config(family: str, *, vocab_size: int, hidden: int = 64, layers: int = 2, experts: int = 8, top_k: int = 2,
                intermediate: int = 256, **extra):  # fmt: skip
-    """A config of `family`; Qwen2-MoE gets a shared expert (and its gate), Qwen3-MoE none; DeepSeek-V2 a dense
-    first layer, a shared expert and latent attention; PhiMoE routes to 2 experts whatever `top_k` says."""
-    from transformers import (
-        DeepseekV2Config,
-        DeepseekV3Config,
-        GptOssConfig,
-        Llama4TextConfig,
-        MixtralConfig,
-        OlmoeConfig,
-        PhimoeConfig,
-        Qwen2MoeConfig,
-        Qwen3MoeConfig,
-    )
+    """A config of `family` built by transformers (`extra` overrides any setting); Qwen2-MoE gets a shared expert
+    (and its gate), Qwen3-MoE none; DeepSeek-V2 a dense first layer, a shared expert and latent attention; PhiMoE
+    routes to 2 experts whatever `top_k` says; the families with a dense first layer (DeepSeek, GLM) get one, with
+    linear attention (Qwen3-Next, Qwen3.5) one layer of each kind, DeepSeek-V4 one compressed-sparse and one heavily
+    compressed layer, the first hash-routed."""
+    from transformers import AutoConfig
 
+    head = hidden // 4
     common = dict(
-        vocab_size=vocab_size,
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_experts_per_tok=top_k,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    )
-    common.update(extra)
-    if family == "mixtral":
-        return MixtralConfig(**common, intermediate_size=intermediate, num_local_experts=experts)
-    if family == "qwen2_moe":
-        return Qwen2MoeConfig(
-            **common,
-            intermediate_size=intermediate,
-            moe_intermediate_size=intermediate,
-            shared_expert_intermediate_size=intermediate,
-            num_experts=experts,
-            decoder_sparse_step=1,
-        )
-    if family == "qwen3_moe":
-        return Qwen3MoeConfig(
-            **common,
-            intermediate_size=intermediate,
-            moe_intermediate_size=intermediate,
-            num_experts=experts,
-            head_dim=hidden // 4,
-        )
-    if family == "phimoe":
+        vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, num_experts_per_tok=top_k, max_position_embeddings=512, tie_word_embeddings=False,
+    )  # fmt: skip
+    # Latent attention (DeepSeek-V2/V3, GLM-4.7-Flash, GLM-5).
+    latent = dict(kv_lora_rank=hidden // 2, qk_nope_head_dim=head // 2, qk_rope_head_dim=head // 2, v_head_dim=head)
+    # DeepSeek's and GLM's routed layers: a shared expert, a dense first layer.
+    deepseek = dict(intermediate_size=intermediate, n_routed_experts=experts, n_shared_experts=1)
+    dense_first = ["dense"] + ["sparse"] * (layers - 1)
+    linear_attention = (["linear_attention", "full_attention"] * layers)[:layers]
+    settings: dict[str, dict] = {
+        "mixtral": dict(intermediate_size=intermediate, num_local_experts=experts),
+        "qwen2_moe": dict(
+            intermediate_size=intermediate, moe_intermediate_size=intermediate,
+            shared_expert_intermediate_size=intermediate, num_experts=experts, decoder_sparse_step=1,
+        ),
+        "qwen3_moe": dict(
+            intermediate_size=intermediate, moe_intermediate_size=intermediate, num_experts=experts, head_dim=head
+        ),
         # No jitter: the routing is then sparsemixer's alone (its Gumbel sampling while training).
-        return PhimoeConfig(
-            **common, intermediate_size=intermediate, num_local_experts=experts, router_jitter_noise=0.0
-        )
-    if family == "olmoe":
-        return OlmoeConfig(**common, intermediate_size=intermediate, num_experts=experts)
-    if family in ("deepseek_v2", "deepseek_v3"):
-        head = hidden // 4
-        # V3's attention computes with as many key/value heads as the config says (the release: all of them).
-        groups = {"n_group": 2, "topk_group": 1, "num_key_value_heads": 4} if family == "deepseek_v3" else {}
-        return (DeepseekV2Config if family == "deepseek_v2" else DeepseekV3Config)(
-            **(common | groups),
-            intermediate_size=intermediate,
-            moe_intermediate_size=intermediate,
-            n_routed_experts=experts,
-            n_shared_experts=1,
-            first_k_dense_replace=1,
-            q_lora_rank=None,
-            kv_lora_rank=hidden // 2,
-            qk_nope_head_dim=head // 2,
-            qk_rope_head_dim=head // 2,
+        "phimoe": dict(intermediate_size=intermediate, num_local_experts=experts, router_jitter_noise=0.0),
+        "olmoe": dict(intermediate_size=intermediate, num_experts=experts),
+        "deepseek_v2": dict(
+            **deepseek, **latent, moe_intermediate_size=intermediate, first_k_dense_replace=1, q_lora_rank=None,
             head_dim=head // 2,
-            v_head_dim=head,
-        )
-    if family == "gpt_oss":
-        return GptOssConfig(
-            **common, intermediate_size=intermediate // 2, num_local_experts=experts, head_dim=hidden // 4,
-            layer_types=["sliding_attention", "full_attention"] * (layers // 2), sliding_window=8,
-        )  # fmt: skip
-    if family == "llama4":
-        return Llama4TextConfig(
-            **(common | {"num_experts_per_tok": 1}), intermediate_size=intermediate // 2, num_local_experts=experts,
-            intermediate_size_mlp=intermediate, head_dim=hidden // 4, interleave_moe_layer_step=1,
-        )  # fmt: skip
-    raise ValueError(f"unknown family {family}")
+        ),
+        # V3's attention computes with as many key/value heads as the config says (the release: all of them).
+        "deepseek_v3": dict(
+            **deepseek, **latent, moe_intermediate_size=intermediate, first_k_dense_replace=1, q_lora_rank=None,
+            head_dim=head // 2, n_group=2, topk_group=1, num_key_value_heads=4,
+        ),
+        "gpt_oss": dict(
+            intermediate_size=intermediate // 2, num_local_experts=experts, head_dim=head, sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"] * (layers // 2),
+        ),
+        "llama4_text": dict(
+            intermediate_size=intermediate // 2, num_local_experts=experts, intermediate_size_mlp=intermediate,
+            head_dim=head, interleave_moe_layer_step=1, num_experts_per_tok=1,
+        ),
+        # Qwen3.5-MoE's text model is its causal LM (the release is an image-text model around it).
+        "qwen3_5_moe_text": dict(
+            moe_intermediate_size=intermediate // 2, shared_expert_intermediate_size=intermediate // 2,
+            num_experts=experts, head_dim=head, linear_key_head_dim=head, linear_value_head_dim=head,
+            linear_num_key_heads=2, linear_num_value_heads=4, layer_types=linear_attention,
+        ),
+        "qwen3_next": dict(
+            intermediate_size=intermediate, moe_intermediate_size=intermediate // 2,
+            shared_expert_intermediate_size=intermediate // 2, num_experts=experts, head_dim=head,
+            linear_key_head_dim=head, linear_value_head_dim=head, linear_num_key_heads=2, linear_num_value_heads=4,
+            layer_types=linear_attention,
+        ),
+        # 8 indexer heads: with 2, several keys' scores are ReLU's zero, and top-k then breaks the tie one way on
+        # a row alone and another in a padded batch (in transformers' own model too).
+        "deepseek_v32": dict(
+            **deepseek, **latent, q_lora_rank=hidden // 2, moe_intermediate_size=intermediate // 2, n_group=2,
+            topk_group=1, first_k_dense_replace=1, mlp_layer_types=dense_first, head_dim=head // 2,
+            layer_types=["indexed_attention"] * layers, index_topk=4, index_head_dim=head, index_n_heads=8,
+            num_key_value_heads=4,
+        ),
+        "glm4_moe": dict(
+            **deepseek, moe_intermediate_size=intermediate // 2, n_group=1, topk_group=1, first_k_dense_replace=1,
+            head_dim=head,
+        ),
+        "glm4_moe_lite": dict(
+            **deepseek, **latent, q_lora_rank=hidden // 2, moe_intermediate_size=intermediate // 2, n_group=1,
+            topk_group=1, mlp_layer_types=dense_first, num_key_value_heads=4,
+        ),
+        "minimax_m2": dict(intermediate_size=intermediate // 2, num_local_experts=experts, head_dim=head),
+        # One key/value head (the release's); compression rates small enough that 64 tokens compress.
+        "deepseek_v4": dict(
+            moe_intermediate_size=intermediate // 2, n_routed_experts=experts, n_shared_experts=1,
+            head_dim=hidden // 2, q_lora_rank=hidden // 2, partial_rotary_factor=0.25, o_groups=2, o_lora_rank=head,
+            index_n_heads=2, index_head_dim=head, index_topk=4, sliding_window=8, hc_mult=2, num_key_value_heads=1,
+            layer_types=(["compressed_sparse_attention", "heavily_compressed_attention"] * layers)[:layers],
+            mlp_layer_types=["hash_moe"] + ["moe"] * (layers - 1),
+            compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+        ),
+    }  # fmt: skip
+    settings["glm_moe_dsa"] = settings["deepseek_v32"]
+    model_type = {"llama4": "llama4_text", "qwen3_5_moe": "qwen3_5_moe_text"}.get(family, family)
+    if model_type not in settings:
+        raise ValueError(f"unknown family {family}")
+    return AutoConfig.for_model(model_type, **(common | settings[model_type] | extra))
 
 
 def build_moe_model(family: str, out: Path, *, tokenizer_from: Path, seed: int = 0, **sizes) -> Path:
@@ -118,6 +165,12 @@ def build_moe_model(family: str, out: Path, *, tokenizer_from: Path, seed: int =
         for name, param in model.named_parameters():
             if name.endswith("_bias") or name.endswith("router.bias") or name.endswith("sinks"):
                 param.normal_(0, 0.5)
+        for name, buffer in model.named_buffers():  # the checkpoint's buffers, likewise: routing bias, hash table
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0, 0.5)
+            elif name.endswith("tid2eid"):  # DeepSeek-V4's token -> experts table: k distinct experts a token
+                shuffled = torch.rand(buffer.shape[0], model.config.n_routed_experts).argsort(-1)
+                buffer.copy_(shuffled[:, : buffer.shape[1]])
     model.save_pretrained(out)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (tokenizer_from / name).is_file():

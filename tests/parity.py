@@ -102,10 +102,10 @@ def dequantized_transformers_model(model_path: Path, base: Skeleton) -> nn.Modul
         for name, module in experts.items():
             fused = model.get_submodule(name)
             for attr, layers in (("gate_up_proj", module.gate_up), ("down_proj", module.down)):
-                weight = torch.stack([layer.dequantize() for layer in layers])
+                weight = module.fused(attr)  # in transformers' layout, transposed where its is
                 assert getattr(fused, attr).shape == weight.shape, (name, attr)
                 getattr(fused, attr).copy_(weight)
-                placed += len(layers)
+                placed += sum(isinstance(layer, QuantizedLinear) for layer in layers)
         for name, module in base.model.named_modules():
             if isinstance(module, QuantizedLinear) and not (inside and name.startswith(inside)):
                 target = model.get_submodule(name).weight

@@ -55,3 +55,16 @@ def attention_implementation(*, packing: bool, device: torch.device, dtype: torc
     from transformers.utils import is_flash_attn_2_available
 
     return FLASH_ATTENTION if is_flash_attn_2_available() else "sdpa"
+
+
+def indexer_linears(model: nn.Module) -> set[str]:
+    """The linears of sparse-attention indexers (DeepSeek-V3.2's and GLM-5's lightning indexer, DeepSeek-V4's in
+    its compressed sparse attention): they score keys only to pick the top-k each query attends to, and no gradient
+    flows through a choice (V3.2's runs under no_grad), so an adapter there would learn nothing and quantizing them
+    would change which keys are chosen. Like routers they stay in full precision, frozen and unadapted. Found by
+    the module's class, whose name transformers ends in `Indexer`."""
+    found = set()
+    for name, module in model.named_modules():
+        if type(module).__name__.endswith("Indexer"):
+            found |= {f"{name}.{n}" for n, m in module.named_modules() if n and isinstance(m, nn.Linear)}
+    return found

@@ -49,7 +49,11 @@ class CheckpointNames:
                     self.fused_of[name] = target
                     break
             else:
-                self.direct[name] = rename_source_key(name, renamings, [], prefix, present)[0]
+                renamed = rename_source_key(name, renamings, [], prefix, present)[0]
+                as_is = rename_source_key(name, [], [], prefix, present)[0]
+                # A renaming meant for other tensors (DeepSeek-V4's `.norm.` -> `.kv_norm.` also catches the final
+                # `model.norm`): where it names no parameter and the name itself does, transformers keeps the name.
+                self.direct[name] = as_is if renamed not in present and as_is in present else renamed
 
     def targets(self) -> set[str]:
         """Every model name the checkpoint will fill (a one-to-many conversion fills each of its targets)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import re
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,9 +13,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from qlora_fsdp.compat import peft_rewrites_target
+from qlora_fsdp.compat import peft_targets_as_given
 from qlora_fsdp.config.options import LoraConfig
 from qlora_fsdp.errors import UserError
+from qlora_fsdp.model.adapter_config import make_loadable
+from qlora_fsdp.model.attention import indexer_linears
 from qlora_fsdp.model.vision import split_vision_targets, vision_parts
 from qlora_fsdp.quant.experts import FUSED, ExpertAdapter, QuantizedExperts, is_projection, router_gates
 
@@ -27,29 +30,36 @@ def adapts_experts(spec: str) -> bool:
     return spec.strip() == "all" or "experts" in names
 
 
-def target_modules(spec: str, model: nn.Module, *, within: str = "") -> list[str]:
-    """`all`: the names of every linear layer under `within` (plain or quantized: both are nn.Linear) except the
-    output head, the routing gates and the per-expert layers (adapted through their fused parameters instead); else
-    the listed names, less `experts`. A listed name that would put PEFT's LoRA on a router it cannot wrap is
-    refused."""
+def target_modules(spec: str, model: nn.Module, *, within: str = "") -> tuple[list[str], list[str]]:
+    """(names for PEFT's `target_modules`, qualified names for its `exclude_modules`).
+
+    `all`: the last names of every linear under `within` that projects (plain or quantized) except the output head,
+    routers, indexers and the per-expert layers (adapted through their fused parameters instead); else the listed
+    names, less `experts`, a listed router PEFT's LoRA cannot wrap refused. Excluded: any other linear under
+    `within` that a chosen name would catch (a sparse-attention indexer's `gate_proj` beside the compressor's, a
+    linear with a forward of its own, a router sharing a name), since PEFT matches names by their last parts.
+    """
     gates = router_gates(model)
+    indexers = indexer_linears(model)
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.startswith(within)}
     if spec.strip() != "all":
         names = [name.strip() for name in spec.split(",") if name.strip() and name.strip() != "experts"]
         _refuse_routers(spec, names, gates, model)
-        return names
-    head = model.get_output_embeddings()
-    inside = tuple(f"{n}." for n, m in model.named_modules() if isinstance(m, QuantizedExperts))
-    adapted = [
-        n
-        for n, m in model.named_modules()
-        if isinstance(m, nn.Linear)
-        and n.startswith(within)
-        and m is not head
-        and n not in gates
-        and not (inside and n.startswith(inside))
-    ]
-    # PEFT matches names by their last part: one a gate shares with an adapted linear would adapt the gate too.
-    return sorted({n.rpartition(".")[2] for n in adapted} - {g.rpartition(".")[2] for g in gates})
+        adapted = {n for n, m in linears.items() if n not in indexers and is_projection(m)}
+    else:
+        head = model.get_output_embeddings()
+        inside = tuple(f"{n}." for n, m in model.named_modules() if isinstance(m, QuantizedExperts))
+        adapted = {
+            n
+            for n, m in linears.items()
+            if m is not head
+            and is_projection(m)
+            and n not in gates | indexers
+            and not (inside and n.startswith(inside))
+        }
+        names = sorted({n.rpartition(".")[2] for n in adapted})
+    caught = [n for n in linears if any(n == t or n.endswith(f".{t}") for t in names)]
+    return names, sorted(n for n in caught if n not in adapted)
 
 
 def _refuse_routers(spec: str, names: list[str], gates: set[str], model: nn.Module) -> None:
@@ -72,7 +82,7 @@ def inject_lora(model: nn.Module, cfg: LoraConfig, *, dtype: torch.dtype) -> nn.
     On a meta skeleton the adapters are meta too: `init_adapters` gives them their values once their decoder
     layer has been loaded. Routed experts (QuantizedExperts) get per-expert adapters on their fused projections,
     recorded in the adapter config as PEFT's `target_parameters`, so PEFT builds the same adapter on the
-    transformers model.
+    transformers model; the config is saved in the form PEFT loads there (adapter_config.make_loadable).
     """
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
@@ -85,38 +95,40 @@ def inject_lora(model: nn.Module, cfg: LoraConfig, *, dtype: torch.dtype) -> nn.
             "to adapt in --lora_target_modules without `experts`"
         )
     parts = vision_parts(model)
-    spec, vision_linears, exclude = split_vision_targets(cfg.lora_target_modules, parts, model)
-    names = target_modules(spec, model, within=f"{parts.language}." if parts else "") if spec else []
-    renamed = peft_renamed(cfg.lora_target_modules, names, model)
-    names = [n for n in names if n not in renamed] + vision_linears
+    spec, vision_linears, vision_exclude = split_vision_targets(cfg.lora_target_modules, parts, model)
+    names, excluded = target_modules(spec, model, within=f"{parts.language}." if parts else "") if spec else ([], [])
+    if not names + vision_linears:
+        raise UserError(
+            f"--lora_target_modules {cfg.lora_target_modules}: name at least one linear layer besides experts "
+            "(e.g. q_proj,v_proj,experts), or pass all"
+        )
+    exclude = "|".join([*([vision_exclude] if vision_exclude else []), *map(re.escape, excluded)]) or None
     peft_config = PeftLoraConfig(
         exclude_modules=exclude,
         r=cfg.lora_rank,
         lora_alpha=cfg.lora_alpha,
         lora_dropout=cfg.lora_dropout,
-        target_modules=names,
+        target_modules=names + vision_linears,
         bias="none",
         task_type="CAUSAL_LM",
         use_dora=cfg.train_type == "dora",
     )
-    if not names:
-        raise UserError(
-            f"--lora_target_modules {cfg.lora_target_modules}: name at least one linear layer besides experts "
-            "(e.g. q_proj,v_proj,experts), or pass all"
-        )
     try:
-        peft_model = get_peft_model(model, peft_config, autocast_adapter_dtype=False)
+        with peft_targets_as_given():  # the experts here are split already: the names mean what they say
+            peft_model = get_peft_model(model, peft_config, autocast_adapter_dtype=False)
     except ValueError as exc:
         raise UserError(f"--lora_target_modules {cfg.lora_target_modules}: {str(exc).splitlines()[0]}") from None
+    saved = peft_model.peft_config["default"]
     if adapt_experts:
         for module in experts.values():
             for adapter in module.add_adapters(rank=cfg.lora_rank, alpha=cfg.lora_alpha):
                 adapter.requires_grad_(True)
         # PEFT's own layout for them (see ExpertAdapter), which has no dropout.
-        peft_model.peft_config["default"].target_parameters = sorted(
-            {f"{name.rpartition('.')[2]}.{fused}" for name in experts for fused in FUSED}
-        )
-        peft_model.peft_config["default"].lora_dropout = 0.0
+        saved.target_parameters = sorted({f"{name.rpartition('.')[2]}.{fused}" for name in experts for fused in FUSED})
+        saved.lora_dropout = 0.0
+    lora = set(peft_lora_layers(model))
+    adapted = {n: m for n, m in model.named_modules() if m in lora}
+    make_loadable(saved, model=model, adapted=adapted, dora=cfg.train_type == "dora")
     for param in peft_model.parameters():
         if param.requires_grad:
             param.data = param.data.to(dtype)
@@ -125,30 +137,6 @@ def inject_lora(model: nn.Module, cfg: LoraConfig, *, dtype: torch.dtype) -> nn.
         # dtype in forward, cast dtype in a checkpoint's recompute, which then refuses to run. FSDP casts inputs.
         layer.cast_input_dtype_enabled = False
     return peft_model
-
-
-def peft_renamed(spec: str, names: list[str], model: nn.Module) -> set[str]:
-    """Of `names`, those PEFT itself rewrites before adapting `model`, left out of `all` (a warning says so) and
-    refused when listed.
-
-    On transformers 5, PEFT reads the pre-5 names of routed experts' linears (`gate_proj`, `up_proj`, `down_proj`
-    on the architectures transformers converts like Qwen2-MoE: DeepSeek-V2, OLMoE, Qwen3-MoE, ...) as the fused
-    experts' parameters, whatever module they name, with twice the rank. A dense MLP or shared expert with those
-    names (DeepSeek-V2's) then gets no adapter in training, and its saved adapter would not load in PEFT. Asked
-    of PEFT's own conversion, one name at a time, so this follows whatever PEFT version runs.
-    """
-    renamed = {name for name in names if peft_rewrites_target(name, model)}
-    if not renamed:
-        return renamed
-    model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
-    why = (
-        f"on {model_type}, PEFT reads {', '.join(sorted(renamed))} as the routed experts' names from before "
-        "transformers 5 and would put their adapters on the experts"
-    )
-    if spec.strip() != "all":
-        raise UserError(f"--lora_target_modules {spec}: {why}; leave them out (name `experts` to adapt the experts)")
-    log.warning("--lora_target_modules all: %s, so the linears named so are not adapted", why)
-    return renamed
 
 
 def peft_lora_layers(module: nn.Module) -> list[nn.Module]:
@@ -253,7 +241,12 @@ def load_saved_adapter(model: nn.Module, path: Path, config: dict, *, dtype: tor
     built it, filled from the file by PEFT's keys."""
     from safetensors.torch import load_file
 
-    targets = list(config.get("target_modules") or []) + (["experts"] if config.get("target_parameters") else [])
+    # target_parameters name the fused experts (`experts.gate_up_proj`) and the linears saved by their weight
+    # (`model.layers.0.mlp.gate_proj.weight`, see adapter_config), which training targeted by their last name.
+    parameters = [p.rpartition(".") for p in config.get("target_parameters") or []]
+    linears = {owner.rpartition(".")[2] for owner, _, attr in parameters if attr not in FUSED}
+    experts = ["experts"] if any(attr in FUSED for _, _, attr in parameters) else []
+    targets = sorted({*(config.get("target_modules") or []), *linears}) + experts
     lora = LoraConfig(
         lora_rank=int(config["r"]), lora_alpha=float(config["lora_alpha"]), lora_dropout=0.0,
         lora_target_modules=",".join(targets), train_type="dora" if config.get("use_dora") else "lora",

@@ -16,7 +16,7 @@ from torch import nn
 from qlora_fsdp.compat import no_split_modules
 from qlora_fsdp.config.options import ModelConfig
 from qlora_fsdp.errors import UserError
-from qlora_fsdp.model.attention import fix_latent_attention
+from qlora_fsdp.model.attention import fix_latent_attention, indexer_linears
 from qlora_fsdp.model.formats import CheckpointFormat, checkpoint_format
 from qlora_fsdp.model.hub import resolve_model_path
 from qlora_fsdp.model.vision import auto_model_class, vision_parts
@@ -150,11 +150,10 @@ def build_skeleton(
         full_precision_prefixes += parts.unquantized(quantize_vision=cfg.quantize_vision)
     if backend is not None:
         # The output head stays in full precision: small next to the body and sensitive to quantization error; so
-        # do the gates that route tokens.
-        gates = router_gates(model)
+        # do the linears that choose (the gates that route tokens, the indexers that pick the keys attended to).
+        kept = router_gates(model) | indexer_linears(model) | {head_name}
         backend.replace_linears(
-            model,
-            should_quantize=lambda n: n != head_name and not n.startswith(full_precision_prefixes) and n not in gates,
+            model, should_quantize=lambda n: n not in kept and not n.startswith(full_precision_prefixes)
         )
     if backend is not None or adapt_experts or kept_experts is not None:
         # Routed experts become one layer per expert: kept in the checkpoint's quantization, quantized like the

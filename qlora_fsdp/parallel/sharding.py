@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from qlora_fsdp.compat import checkpoint_unwrapped, checkpoint_wrapped
+from qlora_fsdp.compat import checkpoint_unwrapped, checkpoint_wrapped, compile_past_checkpoint_side_effects
 from qlora_fsdp.config.options import FSDPConfig
 from qlora_fsdp.errors import InternalError
 from qlora_fsdp.parallel.distributed import DistEnv
@@ -96,6 +96,8 @@ class ShardedModel(ABC):
         Not before the first forward has run: verify_packed's one-time hooks, which remove themselves there, are
         what dynamo cannot trace (it would run the layers eagerly for good).
         """
+        if self.uncompiled:
+            compile_past_checkpoint_side_effects()
         for unit in self.uncompiled:
             unit.compile()
         self.uncompiled = []

@@ -180,7 +180,8 @@ def test_first_step_matches_transformers_with_peft(moe_run: Run) -> None:
 
     ref = reference(moe_run)
     config = PeftLoraConfig.from_pretrained(moe_run.out)
-    assert sorted(config.target_parameters) == EXPERT_PARAMETERS
+    # Qwen2-MoE's shared expert is saved by its weights (qlora_fsdp/model/adapter_config.py), the experts by name.
+    assert sorted(p for p in config.target_parameters if not p.endswith(".weight")) == EXPERT_PARAMETERS
     peft_model = get_peft_model(transformers_base(moe_run, ref.base), config)
     incompatible = set_peft_model_state_dict(peft_model, {k: v.clone() for k, v in ref.initial.items()})
     assert not incompatible.unexpected_keys, incompatible.unexpected_keys

@@ -21,7 +21,7 @@ from qlora_fsdp.checkpoint.manifest import read_manifest
 from qlora_fsdp.train.metrics import read_metrics
 from tests.conftest import train
 from tests.distributed.test_moe_e2e import ROWS  # two rows that 2 ranks x batch 1 take whole every step
-from tests.distributed.test_moe_families_e2e import CONTEXT, row_batches
+from tests.distributed.test_moe_matrix import CONTEXT, row_batches
 from tests.moe_models import build_moe_model
 from tests.quantized_checkpoints import (
     bnb_4bit_checkpoint,

@@ -5,7 +5,6 @@ transformers' own model."""
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import pytest
@@ -103,21 +102,33 @@ def test_latent_attention_with_padding_computes_what_unmasked_rows_do(attention:
     assert fix_latent_attention(model) == []  # nothing left to correct; a dense model has nothing either
 
 
-def test_names_peft_reads_as_experts_are_not_adapted(
-    families: dict[str, Path], caplog: pytest.LogCaptureFixture
-) -> None:
-    """DeepSeek-V2's dense MLP and shared experts (gate_proj, up_proj, down_proj) are names PEFT converts to the
-    routed experts' parameters on transformers 5: `all` leaves them out and says so; listing one is refused."""
+def test_names_peft_reads_as_experts_are_adapted_and_saved_by_their_weights(families: dict[str, Path]) -> None:
+    """DeepSeek-V2's dense MLP and shared experts (gate_proj, up_proj, down_proj) are names PEFT's transformers-5
+    conversion reads as the routed experts': they are adapted in training all the same, and the saved config names
+    them by their weights in target_parameters, which PEFT leaves alone (once they were left out of training; before
+    that, saved by name, PEFT moved their adapters onto the experts at twice the rank)."""
     skeleton, _ = skeleton_of(families["deepseek_v2"])
-    with caplog.at_level(logging.WARNING, logger="qlora_fsdp.model.lora"):
-        peft_model = inject_lora(skeleton.model, LoraConfig(lora_rank=4, lora_alpha=8), dtype=torch.float32)
-    assert "PEFT reads down_proj, gate_proj, up_proj" in caplog.text
+    peft_model = inject_lora(skeleton.model, LoraConfig(lora_rank=4, lora_alpha=8), dtype=torch.float32)
+    lora = {id(m) for m in peft_lora_layers(peft_model)}
+    adapted = {n.replace("base_model.model.", "", 1) for n, m in peft_model.named_modules() if id(m) in lora}
+    mlps = [f"model.layers.0.mlp.{p}_proj" for p in ("gate", "up", "down")]
+    mlps += [f"model.layers.1.mlp.shared_experts.{p}_proj" for p in ("gate", "up", "down")]
+    assert set(mlps) <= adapted
     config = peft_model.peft_config["default"]
     assert sorted(config.target_modules) == ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "q_proj"]
+    assert sorted(config.target_parameters) == sorted(["experts.down_proj", "experts.gate_up_proj"] +
+                                                      [f"{m}.weight" for m in mlps])  # fmt: skip
     assert not config.rank_pattern and not config.alpha_pattern  # PEFT's doubled rank would not fit the experts'
+
     skeleton, _ = skeleton_of(families["deepseek_v2"])
-    with pytest.raises(UserError, match="PEFT reads down_proj as the routed experts' names"):
-        inject_lora(skeleton.model, LoraConfig(lora_target_modules="q_proj,down_proj,experts"), dtype=torch.float32)
+    listed = inject_lora(skeleton.model, LoraConfig(lora_target_modules="q_proj,down_proj"), dtype=torch.float32)
+    config = listed.peft_config["default"]
+    assert sorted(config.target_modules) == ["q_proj"] and config.lora_dropout == 0.0
+    assert sorted(config.target_parameters) == sorted(f"{m}.weight" for m in mlps if m.endswith("down_proj"))
+    skeleton, _ = skeleton_of(families["deepseek_v2"])
+    with pytest.raises(UserError, match=r"--train_type dora: PEFT would read gate_proj, up_proj as the routed"):
+        inject_lora(skeleton.model, LoraConfig(lora_target_modules="q_proj,gate_proj,up_proj", train_type="dora"),
+                    dtype=torch.float32)  # fmt: skip
 
 
 @pytest.mark.parametrize("family", MORE_FAMILIES)
