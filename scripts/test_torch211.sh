@@ -14,7 +14,8 @@ print(f"Python {sys.version.split()[0]}, torch {torch.__version__}, transformers
 # 2-rank bnb and HQQ training under both FSDP versions; storage integrity; exact resume; after training (merge,
 # export and generate against PEFT and the training-time model; SmolLM2's end-to-end runs stay in the CPU suite, as
 # the losses here equal that suite's); the default command against the CPU suite's torch; mixture-of-experts
-# loading, quantization, adapters and merge (transformers 5.17's conversion mapping); DPO, IPO and KTO across ranks
+# loading, quantization, adapters and merge (transformers 5.17's conversion mapping), and the saved adapter config
+# PEFT 0.21.2 loads (names it would read as experts saved by their weights); DPO, IPO and KTO across ranks
 # (a second forward with the adapters off, inside the same FSDP units); GRPO across ranks and its sampling (a KV
 # cache through the root, its units gathered by FSDP2's unshard, in its float view); sequence parallelism at S = 2 against one
 # rank (gloo's all-to-all); DCP checkpoints resumed on other world sizes and FSDP versions (an FSDP1 save resumed by
@@ -44,6 +45,8 @@ export QLORA_GPU_PYTHON="$PWD/${VENV_GPU_MACHINE:-.venv-gpu-machine}/bin/python"
     tests/distributed/test_vlm.py::test_first_step_matches_transformers_with_peft tests/unit/model/test_vision.py \
     "tests/distributed/test_vlm.py::test_image_rows_first_step_matches_transformers_with_peft[qwen2_vl-hqq-fsdp1]" \
     tests/unit/tools/test_export.py tests/unit/quant/test_backends.py tests/unit/parallel/test_sharding.py tests/unit/model/test_moe.py \
+    "tests/unit/model/test_moe_families.py::test_names_peft_reads_as_experts_are_adapted_and_saved_by_their_weights" \
+    tests/unit/model/test_moe_families.py::test_adapter_config_builds_the_same_keys_in_peft \
     "tests/distributed/test_quantized_checkpoints_e2e.py::test_trains_and_the_adapter_loads_on_transformers_loading[gpt_oss-mxfp4-kept-bnb]" \
     "tests/distributed/test_quantized_checkpoints_e2e.py::test_trains_and_the_adapter_loads_on_transformers_loading[llama-bnb-4bit]" \
     "tests/distributed/test_quantized_checkpoints_e2e.py::test_trains_and_the_adapter_loads_on_transformers_loading[deepseek_v3-fp8-hqq]" \

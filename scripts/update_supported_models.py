@@ -22,10 +22,15 @@ NAMES = {
     "llama4": "Llama 4 (text)", "qwen2_vl": "Qwen2-VL", "llava": "LLaVA", "qwen3_5_moe": "Qwen3.5-MoE (text)",
     "qwen3_next": "Qwen3-Next", "deepseek_v32": "DeepSeek-V3.2", "deepseek_v4": "DeepSeek-V4",
     "glm4_moe": "GLM-4.5 (GLM-4-MoE)", "glm4_moe_lite": "GLM-4.7-Flash (GLM-4-MoE-Lite)", "glm_moe_dsa": "GLM-5",
-    "minimax_m2": "MiniMax-M2",
+    "minimax_m2": "MiniMax-M2", "minimax": "MiniMax-Text-01", "afmoe": "AFMoE", "aria_text": "Aria (text)",
+    "cohere2_moe": "Cohere2-MoE", "ernie4_5_moe": "ERNIE-4.5-MoE", "exaone_moe": "EXAONE-MoE", "flex_olmo": "FlexOlmo",
+    "gemma4_text": "Gemma 4 (text, MoE block)", "granitemoe": "GraniteMoE", "granitemoe_swa": "GraniteMoE-SWA",
+    "granitemoeshared": "GraniteMoE-Shared", "hunyuan_v1_moe": "Hunyuan-MoE", "kimi_linear": "Kimi Linear",
 }  # fmt: skip
+"""Display names; a family without one is shown by its transformers model type."""
 FORMATS = {
     "": "plain safetensors", "fp8": "FP8, block scales", "mxfp4": "MXFP4 experts",
+    "fp4": "FP8, E8M0 scales, FP4 experts",
     "bnb": "bitsandbytes NF4, pre-quantized", "hqq": "HQQ qmodel.pt (our export)",
 }  # fmt: skip
 
@@ -64,7 +69,8 @@ def table() -> str:
     for (family, fmt), row in rows.items():
         base, _, mode = fmt.partition(" ")
         checkpoint = FORMATS[base] + (f" {mode}" if mode else "")
-        cells = [NAMES[family], checkpoint, ", ".join(sorted(row["quant"])), ", ".join(sorted(row["fsdp"])),
+        name = NAMES.get(family, f"`{family}`")
+        cells = [name, checkpoint, ", ".join(sorted(row["quant"])), ", ".join(sorted(row["fsdp"])),
                  ", ".join(sorted(row["tests"]))]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -69,8 +69,9 @@ class QuantConfig:
     bnb_double_quant: bool = True
     """bitsandbytes: quantize the per-block scales too (saves about 0.4 bits per parameter)."""
     mxfp4: Literal["keep", "dequantize"] = "keep"
-    """A checkpoint whose experts are MXFP4 (gpt-oss): keep them as released, the frozen base bit for bit at 4.25
-    bits a weight; or dequantize them and quantize with --quant."""
+    """A checkpoint whose experts are MXFP4 (gpt-oss), or FP4 with E8M0 scales in an FP8 checkpoint (DeepSeek-V4's
+    expert_dtype fp4): keep them as released, the frozen base bit for bit at 4.25 bits a weight; or dequantize them
+    and quantize with --quant."""
     hqq_bits: Literal[1, 2, 3, 4, 8] = 4
     """HQQ bits per weight: 1, 2, 3, 4 or 8."""
     hqq_group_size: int = 64

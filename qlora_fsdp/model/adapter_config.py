@@ -22,7 +22,6 @@ import logging
 import re
 from typing import TYPE_CHECKING
 
-import torch
 from torch import nn
 
 from qlora_fsdp.compat import converter_patterns, peft_rewrites, weight_transforms
@@ -32,13 +31,6 @@ if TYPE_CHECKING:
     from peft import LoraConfig
 
 log = logging.getLogger(__name__)
-
-
-def transformers_model(model: nn.Module) -> nn.Module:
-    """transformers' own model of `model`'s config on the meta device, as a user loads it to put the adapter on
-    (routed experts fused, whatever this project made of them)."""
-    with torch.device("meta"):
-        return type(model)._from_config(model.config)
 
 
 def experts_source_names(model: nn.Module) -> set[str]:
@@ -54,12 +46,13 @@ def experts_source_names(model: nn.Module) -> set[str]:
     return names
 
 
-def make_loadable(config: LoraConfig, *, model: nn.Module, adapted: dict[str, nn.Module], dora: bool) -> None:
-    """Rewrite `config` (the run's, after PEFT adapted `model`) into the form PEFT loads onto transformers' own model
-    of `model`: each target name PEFT would read as routed experts is replaced by the weights of the linears it
-    adapted here (`adapted`: {path from the base model: LoRA layer}). Refuses, before training, DoRA on such
-    linears, and a config the installed PEFT would still rewrite."""
-    reference = transformers_model(model)
+def make_loadable(
+    config: LoraConfig, *, model: nn.Module, reference: nn.Module, adapted: dict[str, nn.Module], dora: bool
+) -> None:
+    """Rewrite `config` (the run's, after PEFT adapted `model`) into the form PEFT loads onto `reference`,
+    transformers' own model of `model`'s config: each target name PEFT would read as routed experts is replaced by the
+    weights of the linears it adapted here (`adapted`: {path from the base model: LoRA layer}). Refuses, before
+    training, DoRA on such linears, and a config the installed PEFT would still rewrite."""
     experts = experts_source_names(model)
     moved = sorted(
         str(name) for name in config.target_modules or () if name in experts or peft_rewrites(reference, modules=[name])

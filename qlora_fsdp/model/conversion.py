@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from qlora_fsdp.compat import convert_fused, converter_patterns, rename_source_key, weight_transforms
+from qlora_fsdp.model.formats.base import Prequantized, Stacked
 
 
 @dataclass
@@ -25,7 +26,8 @@ class _Fused:
     """transformers' WeightConverter that makes this target (a prototype: each target converts with a copy)."""
     patterns: dict[str, str]
     """checkpoint name -> the converter's source pattern it matched."""
-    arrived: dict[str, torch.Tensor] = field(default_factory=dict)
+    arrived: dict[str, Any] = field(default_factory=dict)
+    """checkpoint name -> its tensor (or pre-quantized weight), held until every source has arrived."""
 
 
 class CheckpointNames:
@@ -65,23 +67,30 @@ class CheckpointNames:
 
     def incomplete(self, count: Callable[[str], int | None]) -> list[str]:
         """Fused targets short of sources, as 'target: n of N matching pattern', where `count(target)` says how
-        many each source pattern needs (a layer's expert count; None: any number)."""
+        many a per-expert source pattern needs (a layer's expert count; None: any number); a pattern without the
+        expert wildcard (`*`) names one tensor holding them all (Inkling2's `w13_weight`)."""
         short = []
         for target, fused in self.fused.items():
-            needed = count(target)
+            experts = count(target)
             for pattern in converter_patterns(fused.converter)[0]:
+                needed = experts if "*" in pattern else 1
                 found = sum(1 for p in fused.patterns.values() if p == pattern)
                 if needed is not None and found != needed:
                     short.append(f"{target}: {found} of {needed} tensors matching {pattern}")
         return short
 
-    def fuses(self, name: str) -> bool:
-        """Whether `name` is one source of a fused target (which only a dense tensor can be)."""
-        return name in self.fused_of
+    def fused_target(self, name: str) -> str | None:
+        """The fused target `name` is one source of, if any."""
+        return self.fused_of.get(name)
 
     def arrive(self, name: str, tensor: Any) -> dict[str, Any]:
         """{model name: tensor} that `name`'s arrival completes: itself renamed (whatever it is: a pre-quantized
-        weight goes on as it came), a whole fused target, or nothing."""
+        weight goes on as it came), a whole fused target, or nothing.
+
+        A fused target whose sources all arrived pre-quantized, and which transformers makes by stacking whole
+        sources along their rows, comes as a list with one weight per expert, each still as the file stores it
+        (gate and up joined as a `Stacked`): the caller splits it into per-expert layers without a dequantization.
+        Otherwise pre-quantized sources are dequantized and transformers' conversion fuses them."""
         target = self.fused_of.get(name)
         if target is None:
             return {self.direct.get(name, name): tensor}
@@ -90,5 +99,34 @@ class CheckpointNames:
         if len(fused.arrived) < len(fused.patterns):
             return {}
         del self.fused[target]
-        sources = {name: (fused.patterns[name], tensor) for name, tensor in fused.arrived.items()}
+        if all(isinstance(t, Prequantized) for t in fused.arrived.values()):
+            stacks = self._row_stacks(target, fused)
+            if stacks is not None:
+                return {target: [parts[0] if len(parts) == 1 else Stacked(parts) for parts in stacks]}
+        sources = {
+            name: (fused.patterns[name], t.dequantize() if isinstance(t, Prequantized) else t)
+            for name, t in fused.arrived.items()
+        }
         return convert_fused(fused.converter, target, sources, self.model)
+
+    def _row_stacks(self, target: str, fused: _Fused) -> list[list[Any]] | None:
+        """Each expert's sources, top to bottom, where transformers' conversion of `target` only stacks whole
+        sources along their rows, expert after expert (MergeModulelist, then Concatenate of gate and up); None where
+        it does anything else (transposes, interleaves, splits). Asked of transformers' own conversion run on index
+        tensors, two rows per source, so its expert order (dot_natural_key) and source order are its own."""
+        names = list(fused.arrived)
+        probes = {n: (fused.patterns[n], torch.tensor([[2.0 * i], [2.0 * i + 1]])) for i, n in enumerate(names)}
+        try:
+            converted = convert_fused(fused.converter, target, probes, self.model)
+        except (RuntimeError, ValueError):  # an operation sized from the model (a split) does not take the probes
+            return None
+        rows = converted.get(target)
+        if len(converted) != 1 or rows is None or rows.dim() != 3 or rows.shape[-1] != 1 or rows.shape[1] % 2:
+            return None
+        first, second = rows[..., 0::2, 0].long(), rows[..., 1::2, 0].long()
+        if (first % 2).any() or not torch.equal(second, first + 1):  # each source's two rows whole and in order
+            return None
+        order = (first // 2).tolist()
+        if sorted(i for expert in order for i in expert) != list(range(len(names))):
+            return None
+        return [[fused.arrived[names[i]] for i in expert] for expert in order]

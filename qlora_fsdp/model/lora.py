@@ -18,6 +18,7 @@ from qlora_fsdp.config.options import LoraConfig
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.model.adapter_config import make_loadable
 from qlora_fsdp.model.attention import indexer_linears
+from qlora_fsdp.model.skeleton import transformers_model
 from qlora_fsdp.model.vision import split_vision_targets, vision_parts
 from qlora_fsdp.quant.experts import FUSED, ExpertAdapter, QuantizedExperts, is_projection, router_gates
 
@@ -76,13 +77,17 @@ def _refuse_routers(spec: str, names: list[str], gates: set[str], model: nn.Modu
             )
 
 
-def inject_lora(model: nn.Module, cfg: LoraConfig, *, dtype: torch.dtype) -> nn.Module:
+def inject_lora(
+    model: nn.Module, cfg: LoraConfig, *, dtype: torch.dtype, saved: bool = True, reference: nn.Module | None = None
+) -> nn.Module:
     """Wrap `model` in a PeftModel whose only trainable parameters are the adapters, stored in `dtype`.
 
     On a meta skeleton the adapters are meta too: `init_adapters` gives them their values once their decoder
     layer has been loaded. Routed experts (QuantizedExperts) get per-expert adapters on their fused projections,
     recorded in the adapter config as PEFT's `target_parameters`, so PEFT builds the same adapter on the
-    transformers model; the config is saved in the form PEFT loads there (adapter_config.make_loadable).
+    transformers model; the config is saved in the form PEFT loads there (adapter_config.make_loadable, on
+    `reference`, transformers' own model of `model`'s config, built here if not given), unless the adapter is not to
+    be `saved` (one loaded from its file to generate with).
     """
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
@@ -118,17 +123,21 @@ def inject_lora(model: nn.Module, cfg: LoraConfig, *, dtype: torch.dtype) -> nn.
             peft_model = get_peft_model(model, peft_config, autocast_adapter_dtype=False)
     except ValueError as exc:
         raise UserError(f"--lora_target_modules {cfg.lora_target_modules}: {str(exc).splitlines()[0]}") from None
-    saved = peft_model.peft_config["default"]
+    peft_config = peft_model.peft_config["default"]
     if adapt_experts:
         for module in experts.values():
             for adapter in module.add_adapters(rank=cfg.lora_rank, alpha=cfg.lora_alpha):
                 adapter.requires_grad_(True)
         # PEFT's own layout for them (see ExpertAdapter), which has no dropout.
-        saved.target_parameters = sorted({f"{name.rpartition('.')[2]}.{fused}" for name in experts for fused in FUSED})
-        saved.lora_dropout = 0.0
-    lora = set(peft_lora_layers(model))
-    adapted = {n: m for n, m in model.named_modules() if m in lora}
-    make_loadable(saved, model=model, adapted=adapted, dora=cfg.train_type == "dora")
+        peft_config.target_parameters = sorted(
+            {f"{name.rpartition('.')[2]}.{fused}" for name in experts for fused in FUSED}
+        )
+        peft_config.lora_dropout = 0.0
+    if saved:
+        lora = set(peft_lora_layers(model))
+        adapted = {n: m for n, m in model.named_modules() if m in lora}
+        reference = reference or transformers_model(model)
+        make_loadable(peft_config, model=model, reference=reference, adapted=adapted, dora=cfg.train_type == "dora")
     for param in peft_model.parameters():
         if param.requires_grad:
             param.data = param.data.to(dtype)
@@ -251,7 +260,7 @@ def load_saved_adapter(model: nn.Module, path: Path, config: dict, *, dtype: tor
         lora_rank=int(config["r"]), lora_alpha=float(config["lora_alpha"]), lora_dropout=0.0,
         lora_target_modules=",".join(targets), train_type="dora" if config.get("use_dora") else "lora",
     )  # fmt: skip
-    peft_model = inject_lora(model, lora, dtype=dtype)
+    peft_model = inject_lora(model, lora, dtype=dtype, saved=False)
     tensors = load_file(str(path))
     device = next(model.parameters()).device
     for module, names in adapter_keys(peft_model).items():

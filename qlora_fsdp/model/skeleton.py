@@ -4,6 +4,7 @@ backend's empty quantized layers, and a map of where each checkpoint tensor goes
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 from collections.abc import Callable, Iterator
@@ -77,6 +78,14 @@ def meta_model(path: Path, *, dtype: torch.dtype, trust_remote_code: bool, atten
     return model
 
 
+def transformers_model(model: nn.Module) -> nn.Module:
+    """transformers' own model of `model`'s config on the meta device, as transformers builds it (routed experts
+    fused, every linear plain, whatever this project made of them): what its checkpoint conversion reads shapes from,
+    and what a user loads an adapter onto."""
+    with torch.device("meta"):  # a copy: building writes its dtype and implementations into the config
+        return type(model)._from_config(copy.deepcopy(model.config))
+
+
 def decoder_layer_classes(model: nn.Module) -> tuple[type[nn.Module], ...]:
     """The repeated block classes named by the model's `_no_split_modules` (not hard-coded to Llama)."""
     names = set(no_split_modules(model))
@@ -120,6 +129,9 @@ class Skeleton:
     """Qualified name of the output head (never quantized)."""
     sources: dict[str, tuple[nn.Module, str]] = field(default_factory=dict)
     """Checkpoint tensor name -> (module, attribute) it fills, named before adapters rename anything."""
+    reference: nn.Module | None = None
+    """transformers' own model of the config, on meta (transformers_model): what its checkpoint conversion reads
+    shapes from, and what a saved adapter is loaded onto."""
 
 
 def build_skeleton(
@@ -165,7 +177,8 @@ def build_skeleton(
     sources = {n: _owner(model, n) for n, _ in model.named_parameters(remove_duplicate=False)}
     sources |= {n: _owner(model, n) for n, _ in model.named_buffers()}
     units = {n: m for n, m in model.named_modules() if isinstance(m, layer_classes)}
-    return Skeleton(model, path, files, reader, layer_classes, units, quantized, head_name, sources)
+    reference = transformers_model(model)
+    return Skeleton(model, path, files, reader, layer_classes, units, quantized, head_name, sources, reference)
 
 
 def _plain_linear(linear: nn.Linear) -> nn.Linear:

@@ -21,7 +21,8 @@ from qlora_fsdp.config.options import ModelConfig
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.model.conversion import CheckpointNames
 from qlora_fsdp.model.formats import Prequantized, Stored
-from qlora_fsdp.model.skeleton import Skeleton, build_skeleton
+from qlora_fsdp.model.formats.base import Stacked
+from qlora_fsdp.model.skeleton import Skeleton, build_skeleton, transformers_model
 from qlora_fsdp.parallel.distributed import DistEnv
 from qlora_fsdp.quant import QuantBackend
 from qlora_fsdp.quant.base import QuantizedLinear, QuantizedWeight
@@ -116,16 +117,41 @@ def stream_weights(
     if short:
         raise UserError(f"--model {skeleton.path}: checkpoint lacks expert tensors ({short[0]}); is it complete?")
 
-    def place(name: str, tensor: Stored) -> None:
-        source = skeleton.sources.get(name)
-        if source is None:
-            log.warning("ignoring checkpoint tensor %s: no such parameter in the model", name)
+    unjoined: set[str] = set()
+    ignored: list[str] = []
+
+    def say_unjoined(name: str, stacked: Stacked) -> None:
+        """One line per reason where parts the file stores quantized (an expert's gate and up) cannot be held as the
+        one layer they fill, so a layer that could have kept them quantizes them again."""
+        if isinstance(stacked.joined, str) and stacked.joined not in unjoined:
+            unjoined.add(stacked.joined)
+            log.warning(
+                "--model %s: %s and every expert's layer like it: %s, so the parts the checkpoint stores (an "
+                "expert's gate and up projections) cannot be held as one layer as they are; they are dequantized and "
+                "quantized again with --quant %s",
+                skeleton.path, name, stacked.joined, backend.name,  # type: ignore[union-attr]
+            )  # fmt: skip
+
+    def place(name: str, tensor: Stored, source: str) -> None:
+        """Fill `name` from `tensor`, which the checkpoint stores as `source`."""
+        located = skeleton.sources.get(name)
+        if located is None:
+            ignored.append(name)
             return
-        module, attr = source
+        module, attr = located
+        _check_fits(skeleton.path, name, tensor, module, attr, source)
         kept = None
         if isinstance(tensor, Prequantized):  # the file's own quantization: kept where the layer's is the same
             kept = tensor.kept(module) if attr == "weight" else None
+            if kept is None and isinstance(tensor, Stacked) and id(module) in quantized:
+                say_unjoined(name, tensor)
             tensor = tensor.dequantize() if kept is None else tensor
+        if kept is None and attr == "weight" and isinstance(module, QuantizedLinear) and id(module) not in quantized:
+            raise UserError(
+                f"--model {skeleton.path}: {source} arrives unquantized for {name}, which holds the checkpoint's own "
+                f"quantization ({type(module).__name__}, kept as stored): the checkpoint stores this weight otherwise "
+                "than its config.json declares; pass --mxfp4 dequantize to quantize such weights with --quant"
+            )
         if kept is not None:
             module.set_quantized(kept.to(device))  # type: ignore[operator]
             if shares is not None:  # every rank read the same bytes: nothing to share out
@@ -156,19 +182,29 @@ def stream_weights(
                 on_unit_ready(unit, layer)
 
     for checkpoint_name, stored in skeleton.checkpoint_format.tensors(skeleton.files):
-        if isinstance(stored, Prequantized) and names.fuses(checkpoint_name):  # fused by transformers' own ops
+        target = names.fused_target(checkpoint_name)
+        # A pre-quantized source of a fused target reaches per-expert layers as the file stores it (the target is
+        # then one weight per expert, see CheckpointNames.arrive); any other is fused by transformers' own ops.
+        if isinstance(stored, Prequantized) and target is not None and not _per_expert(target, experts):
             stored = stored.dequantize()
         for name, converted in names.arrive(checkpoint_name, stored).items():
             module_name, _, fused = name.rpartition(".")
             module = experts.get(module_name)
             if module is None or fused not in module.fused_names():
-                place(name, converted)
+                place(name, converted, checkpoint_name)
                 continue
             if isinstance(converted, Prequantized):  # one part per expert where the format splits it
                 parts = converted.experts()
                 converted = converted.dequantize() if parts is None else parts
+            count = len(converted) if isinstance(converted, list) else converted.shape[0]
+            if count != module.num_experts:
+                raise UserError(f"--model {skeleton.path}: {name} holds {count} experts, but the model has "
+                                f"{module.num_experts} (config.json); the checkpoint does not match it")  # fmt: skip
             for part, value in module.split(fused, converted).items():  # one 2-D weight (or bias) per expert
-                place(f"{module_name}.{part}", value)
+                place(f"{module_name}.{part}", value, name)
+    if ignored:  # a release's multi-token-prediction layer (DeepSeek-V3's), say: transformers' model has none
+        log.warning("--model %s: %d checkpoint tensor(s) the model has no parameter for were skipped, e.g. %s",
+                    skeleton.path, len(ignored), ignored[0])  # fmt: skip
     params.materialize(model, device)
 
 
@@ -179,7 +215,9 @@ def checkpoint_targets(skeleton: Skeleton) -> set[str]:
 
 def _checkpoint_names(skeleton: Skeleton, experts: dict[str, QuantizedExperts]) -> CheckpointNames:
     names = skeleton.checkpoint_format.names(skeleton.files)
-    return CheckpointNames(skeleton.model, names, _model_names(skeleton, experts))
+    # Conversions read parameter shapes (a split's sizes) from transformers' own model, not from packed layers.
+    reference = skeleton.reference or transformers_model(skeleton.model)
+    return CheckpointNames(reference, names, _model_names(skeleton, experts))
 
 
 def _expert_count(model: nn.Module, target: str) -> int | None:
@@ -198,6 +236,37 @@ def _model_names(skeleton: Skeleton, experts: dict[str, QuantizedExperts]) -> li
     inside = tuple(f"{n}." for n in experts)
     names = [n for n in skeleton.sources if not (inside and n.startswith(inside))]
     return names + [f"{n}.{fused}" for n, module in experts.items() for fused in module.fused_names()]
+
+
+def _per_expert(target: str, experts: dict[str, QuantizedExperts]) -> bool:
+    """Whether the fused target `target` fills per-expert layers each weight of which is [out, in] as the
+    checkpoint's per-expert weights are (transposed layouts are fused by transformers' own ops)."""
+    module_name, _, fused = target.rpartition(".")
+    module = experts.get(module_name)
+    return module is not None and fused in module.fused_names() and not module.layout.transposed
+
+
+def _check_fits(path: Path, name: str, tensor: Stored, module: nn.Module, attr: str, source: str) -> None:
+    """Refuses, in one line naming both, a checkpoint tensor `source` that cannot be what fills `name`: another
+    shape than the model's (config.json's), or integers for a floating-point parameter (or the reverse); a quantized
+    layer's weight is its [out, in] matrix, whatever its packed storage."""
+    if isinstance(module, QuantizedLinear) and attr == "weight":
+        shape, floating = torch.Size((module.out_features, module.in_features)), True
+    else:
+        held = module._parameters.get(attr, module._buffers.get(attr))
+        if held is None:
+            return
+        shape, floating = held.shape, held.is_floating_point()
+    if isinstance(tensor, Prequantized):
+        found, kind_fits = "quantized", True
+    else:
+        found, kind_fits = str(tensor.dtype).removeprefix("torch."), tensor.is_floating_point() == floating
+    if tuple(tensor.shape) != tuple(shape) or not kind_fits:
+        where = name if source == name else f"{name} (from {source})"
+        raise UserError(
+            f"--model {path}: {where}: expected {list(shape)} {'floating-point' if floating else 'integer'} values "
+            f"(config.json's model), found {found} {list(tensor.shape)}; the checkpoint does not match its config.json"
+        )
 
 
 def _expand(name: str, experts: dict[str, QuantizedExperts]) -> list[str]:

@@ -305,17 +305,29 @@ def router_gates(model: nn.Module) -> set[str]:
     """The linears that route or gate tokens beside routed experts: never quantized or adapted, so the model routes
     as it was trained to. A dense model has none.
 
-    Found by what they are, not by their class: a linear child of the module that holds the routed experts which
-    either computes more than its projection (a subclass with its own forward, as PhiMoE's router, which returns
-    logits, weights and expert indices: PEFT's LoRA cannot wrap it) or is named as a gate (Qwen2-MoE's plain
-    `shared_expert_gate`). A plain linear beside the experts that projects (NemotronH's latent projections, say)
-    stays an ordinary layer. Routers that are not linears (Mixtral's, DeepSeek-V2's) are never touched anyway."""
+    Found by what they are and where they sit, not by their class: a linear child of the module that holds the
+    routed experts which either computes more than its projection (a subclass with its own forward, as PhiMoE's
+    router, which returns logits, weights and expert indices: PEFT's LoRA cannot wrap it) or is named as a gate
+    (Qwen2-MoE's plain `shared_expert_gate`); and every linear inside a router module beside the experts, one named
+    or classed as a gate or router (AFMoE's `router.gate`, Hunyuan-MoE's `gate.wg`). A plain linear beside the
+    experts that projects (NemotronH's latent projections, say) stays an ordinary layer. Routers that hold their
+    weight as a parameter of their own (Mixtral's, DeepSeek-V2's) have no linear to find."""
     gates = set()
     for name, module in model.named_modules():
         if any(has_fused_experts(m) or isinstance(m, QuantizedExperts) for m in module.children()):
             prefix = f"{name}." if name else ""
-            gates |= {prefix + n for n, m in module.named_children() if routes(n, m)}
+            for child_name, child in module.named_children():
+                if routes(child_name, child):
+                    gates.add(prefix + child_name)
+                elif not isinstance(child, nn.Linear) and is_router_module(child_name, child):
+                    inner = (n for n, m in child.named_modules() if n and isinstance(m, nn.Linear))
+                    gates |= {f"{prefix}{child_name}.{n}" for n in inner}
     return gates
+
+
+def is_router_module(name: str, module: nn.Module) -> bool:
+    """Whether a module beside the routed experts, named `name`, is their router (by its name or its class)."""
+    return name.endswith(("gate", "router")) or type(module).__name__.endswith(("Gate", "Router"))
 
 
 def routes(name: str, module: nn.Module) -> bool:

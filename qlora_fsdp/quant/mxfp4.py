@@ -1,8 +1,11 @@
-"""MXFP4 experts kept as released (gpt-oss): the frozen base of each routed expert is the checkpoint's own packed
-e2m1 values and power-of-two block scales, 4.25 bits a weight, dequantized in torch when the expert runs.
+"""MXFP4 experts kept as released (gpt-oss, and DeepSeek-V4's FP4 experts with E8M0 scales: the same bytes): the
+frozen base of each routed expert is the checkpoint's own packed e2m1 values and power-of-two block scales, 4.25 bits
+a weight, dequantized in torch when the expert runs. The decoding of e2m1 values and E8M0 scales lives here for every
+checkpoint format that stores them.
 
-Not a --quant backend: nothing here quantizes. A checkpoint in MXFP4 (qlora_fsdp/model/formats/mxfp4.py) fills these
-layers with its bytes when --mxfp4 keep (the default); every other linear is quantized with --quant as usual.
+Not a --quant backend: nothing here quantizes. A checkpoint in MXFP4 (qlora_fsdp/model/formats/mxfp4.py), or an FP8
+one with FP4 experts (formats/fp8.py), fills these layers with its bytes when --mxfp4 keep (the default); every other
+linear is quantized with --quant as usual.
 """
 
 from __future__ import annotations
@@ -18,14 +21,25 @@ E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3
 """The value of each 4-bit code (OCP microscaling formats, e2m1)."""
 
 
+def e2m1_values(packed: torch.Tensor) -> torch.Tensor:
+    """Bytes of two e2m1 codes each, low nibble first (uint8, or DeepSeek-V4's int8: the same bytes), as float32
+    values: [..., n] bytes to [..., 2n] values."""
+    lut = torch.tensor(E2M1, dtype=torch.float32, device=packed.device)
+    codes = packed.view(torch.uint8)
+    return lut[torch.stack([codes & 0x0F, codes >> 4], dim=-1).long()].flatten(-2)
+
+
+def e8m0_values(exponents: torch.Tensor) -> torch.Tensor:
+    """E8M0 scales (float8_e8m0fnu, or its bytes as uint8) as float32 powers of two, 2^(byte - 127): exact."""
+    exponents = exponents.view(torch.uint8).to(torch.int32) - 127
+    return torch.ldexp(torch.ones(exponents.shape, device=exponents.device), exponents)
+
+
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[..., rows, groups, 16] uint8 codes (low nibble first) and [..., rows, groups] uint8 exponents (bias 127) to
-    [..., rows, groups x 32] values in `dtype`: each code's value times 2^(exponent - 127), exact in any float
-    dtype wide enough for the exponent."""
-    lut = torch.tensor(E2M1, dtype=torch.float32, device=blocks.device)
-    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).long()
-    values = torch.ldexp(lut[codes].flatten(-2), scales.to(torch.int32).unsqueeze(-1) - 127)
-    return values.flatten(-2).to(dtype)
+    """[..., rows, groups, 16] codes (low nibble first) and [..., rows, groups] E8M0 exponents to
+    [..., rows, groups x 32] values in `dtype`: each code's value times its power of two, exact in any float dtype
+    wide enough for the exponent."""
+    return (e2m1_values(blocks) * e8m0_values(scales).unsqueeze(-1)).flatten(-2).to(dtype)
 
 
 class Mxfp4Linear(QuantizedLinear):

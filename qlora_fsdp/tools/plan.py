@@ -105,7 +105,7 @@ def plan_run(cfg: TrainConfig, options: PlanConfig) -> Plan:
     for name in skeleton.quantized:
         module = skeleton.model.get_submodule(name)
         shape = torch.Size((module.out_features, module.in_features))
-        # Experts kept in the checkpoint's MXFP4 (gpt-oss), else what --quant's backend makes.
+        # Experts kept in the checkpoint's MXFP4 (gpt-oss; DeepSeek-V4's FP4), else what --quant's backend makes.
         module.set_quantized(planned_mxfp4(shape) if isinstance(module, Mxfp4Linear) else backend.planned(shape))
     widths = [_token_width(layer, skeleton.model.config) for layer in skeleton.units.values()]
     model = add_trainables(cfg, skeleton, precision, new_blocks)
@@ -138,7 +138,7 @@ def plan_run(cfg: TrainConfig, options: PlanConfig) -> Plan:
     settings = [
         f"{world} ranks ({options.nnodes} node(s) x {options.nproc_per_node}); FSDP{cfg.fsdp.fsdp_version} "
         f"{cfg.fsdp.sharding_strategy}: {group} rank(s) share each parameter, {replicas} replica(s)",
-        _quant_line(cfg) + (f"; {layout.describe()}" if layout is not None else ""),
+        _quant_line(cfg) + (f"; {layout.describe()}" if layout is not None else "") + _kept_line(skeleton.model),
         f"--train_type {cfg.lora.train_type} --lora_rank {cfg.lora.lora_rank} --lora_target_modules "
         f"{cfg.lora.lora_target_modules}; --precision {cfg.fsdp.precision}; --optimizer {cfg.optim.optimizer} "
         f"(state {ratio:g} x the adapters' bytes, measured on torch's optimizer)",
@@ -156,6 +156,12 @@ def _quant_line(cfg: TrainConfig) -> str:
     if quant.quant == "hqq":
         return f"--quant hqq ({quant.hqq_bits} bits, groups of {quant.hqq_group_size})"
     return "--quant none"
+
+
+def _kept_line(model: nn.Module) -> str:
+    """Where the checkpoint's own MXFP4 experts are kept (gpt-oss's, DeepSeek-V4's FP4 ones), how many layers."""
+    kept = sum(isinstance(m, Mxfp4Linear) for m in model.modules())
+    return f"; routed experts kept as the checkpoint's MXFP4 ({kept} layers, --mxfp4 keep)" if kept else ""
 
 
 def _categories(model: nn.Module) -> dict[nn.Parameter, str]:

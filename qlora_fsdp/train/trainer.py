@@ -487,7 +487,7 @@ def add_trainables(
     """The model that trains: the skeleton with PEFT's adapters (lora, dora), or with the weights that train marked
     so (full, llama_pro: only `new_blocks`)."""
     if cfg.lora.train_type in ("lora", "dora"):
-        return inject_lora(skeleton.model, cfg.lora, dtype=precision.param_dtype)
+        return inject_lora(skeleton.model, cfg.lora, dtype=precision.param_dtype, reference=skeleton.reference)
     return prepare_full_finetune(skeleton.model, only_prefixes=new_blocks)
 
 

@@ -1,7 +1,7 @@
 """The checkpoints people download, trained by the real CLI on 2 CPU ranks (one launch each, 6 steps over the same
 two rows): gpt-oss and Llama 4 with bnb and HQQ, gpt-oss from its MXFP4 release (experts kept, or dequantized and
-quantized with --quant), DeepSeek-V3 from an FP8 release, a pre-quantized bitsandbytes 4-bit Llama and
-scripts/export_quantized.py's HQQ export of one.
+quantized with --quant), DeepSeek-V3 from an FP8 release, DeepSeek-V4 from its FP8 release with FP4 experts (kept),
+a pre-quantized bitsandbytes 4-bit Llama and scripts/export_quantized.py's HQQ export of one.
 
 Each run's loss falls, and its adapter loads in PEFT onto transformers' own loading of the same files and lowers
 that model's loss on the rows. Where the checkpoint's quantization is kept, the bytes rank 0 digested for the
@@ -26,6 +26,7 @@ from tests.moe_models import build_moe_model
 from tests.quantized_checkpoints import (
     bnb_4bit_checkpoint,
     file_digests,
+    fp4_expert_digests,
     fp8_checkpoint,
     hqq_digests,
     hqq_export,
@@ -50,6 +51,7 @@ RUNS = {
     "gpt_oss-mxfp4-hqq": ("gpt_oss-mxfp4", "hqq", ["--mxfp4", "dequantize"]),
     "deepseek_v3-fp8-bnb": ("deepseek_v3-fp8", "bnb", []),
     "deepseek_v3-fp8-hqq": ("deepseek_v3-fp8", "hqq", []),
+    "deepseek_v4-fp4-kept-bnb": ("deepseek_v4-fp4", "bnb", ["--mxfp4", "keep"]),
     "llama-bnb-4bit": ("llama-bnb-4bit", "bnb", []),
     "llama-hqq-export": ("llama-hqq-export", "hqq", []),
 }
@@ -67,6 +69,8 @@ def checkpoint(kind: str, root: Path, tiny_model: Path) -> Path:
     dense = build_moe_model(family, root / family, tokenizer_from=tiny_model)
     if fmt == "mxfp4":
         return mxfp4_checkpoint(dense, root / kind)
+    if fmt == "fp4":  # DeepSeek-V4's release: FP8 with E8M0 scales, its routed experts FP4
+        return fp8_checkpoint(dense, root / kind, block=(2, 16), scale_fmt="ue8m0", fp4_experts=True)
     return fp8_checkpoint(dense, root / kind, block=(8, 8)) if fmt == "fp8" else dense
 
 
@@ -102,7 +106,7 @@ def test_trains_and_the_adapter_loads_on_transformers_loading(tiny_model: Path, 
         assert manifest.layers == hqq_digests(model)
     if "--mxfp4" in flags and flags[-1] == "keep":
         experts = {n: d for n, d in manifest.layers.items() if ".experts." in n}
-        assert experts == mxfp4_digests(model)
+        assert experts == (fp4_expert_digests(model) if kind.endswith("-fp4") else mxfp4_digests(model))
 
     if kind == "llama-hqq-export":  # HQQ's own loader reads its qmodel.pt
         from hqq.models.hf.base import AutoHQQHFModel

@@ -3,6 +3,7 @@ a weight's tensors that arrive one at a time."""
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -36,6 +37,37 @@ class Prequantized(ABC):
         """For a fused experts tensor, one part per expert, each an [out, in] weight (the per-expert layers'
         layout); None where the format cannot split it (it is then dequantized whole)."""
         return None
+
+    @classmethod
+    def join(cls, parts: list[Prequantized]) -> Prequantized | str:
+        """`parts` (of this class, with the same columns) stacked along their rows as one weight, still as the file
+        stores it; or why this format cannot join them exactly (see Stacked)."""
+        return f"{cls.__name__} weights cannot be joined as stored"
+
+
+class Stacked(Prequantized):
+    """One weight made of whole weights stacked along the output rows, each as the file stores it: an expert's
+    gate and up projections, which transformers concatenates into its fused gate_up_proj. The layer keeps them as
+    one packed weight where the format joins them exactly (`join`: row-wise blocks concatenate); otherwise they are
+    dequantized, which is exactly what transformers' concatenation of the dequantized parts gives."""
+
+    def __init__(self, parts: list[Prequantized]) -> None:
+        self.parts = parts
+        self.shape = torch.Size((sum(p.shape[0] for p in parts), parts[0].shape[1]))
+
+    @functools.cached_property
+    def joined(self) -> Prequantized | str:
+        """The parts as one weight of their format, or why they cannot be (parts of different formats cannot)."""
+        kind = type(self.parts[0])
+        if any(type(p) is not kind for p in self.parts):
+            return "its parts are stored in different formats"
+        return kind.join(self.parts)
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])
+
+    def kept(self, module: nn.Module) -> QuantizedWeight | None:
+        return self.joined.kept(module) if isinstance(self.joined, Prequantized) else None
 
 
 Stored = torch.Tensor | Prequantized

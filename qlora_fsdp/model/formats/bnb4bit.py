@@ -37,12 +37,40 @@ FLAGS = {"bnb_quant_type": "bnb_4bit_quant_type", "bnb_double_quant": "bnb_4bit_
 class Bnb4bitWeight(Prequantized):
     """One layer's packed bytes and bitsandbytes QuantState, as the file holds them."""
 
-    def __init__(self, name: str, parts: dict[str, torch.Tensor]) -> None:
+    def __init__(self, packed: torch.Tensor, state: Any) -> None:
+        self.packed, self.state = packed, state
+        self.shape = state.shape
+
+    @classmethod
+    def from_file(cls, name: str, parts: dict[str, torch.Tensor]) -> Bnb4bitWeight:
+        """The weight `name` from its tensors in the file: the packed bytes and the QuantState taken apart."""
         import bitsandbytes.functional as bnbf
 
-        self.packed = parts.pop(name).contiguous().view(torch.uint8).flatten()
-        self.state = bnbf.QuantState.from_dict({k[len(name) + 1 :]: v for k, v in parts.items()}, device="cpu")
-        self.shape = self.state.shape
+        packed = parts.pop(name).contiguous().view(torch.uint8).flatten()
+        return cls(packed, bnbf.QuantState.from_dict({k[len(name) + 1 :]: v for k, v in parts.items()}, device="cpu"))
+
+    @classmethod
+    def join(cls, parts: list[Prequantized]) -> Prequantized | str:
+        """Exact where each part but the last is whole blocks and the blocks' scales are plain: the values are packed
+        row by row, two a byte, each block of `blocksize` with its own absmax, so the parts' bytes and absmax
+        concatenate. Double quantization shifts each weight's absmax by an offset of its own, which one state cannot
+        hold for two weights."""
+        import bitsandbytes.functional as bnbf
+
+        states = [p.state for p in parts]  # type: ignore[attr-defined]
+        first = states[0]
+        if any(s.state2 is not None for s in states):
+            return "bitsandbytes double quantization gives each stored weight an absmax offset of its own"
+        if any((s.quant_type, s.blocksize, s.dtype) != (first.quant_type, first.blocksize, first.dtype)
+               or not torch.equal(s.code, first.code) for s in states):  # fmt: skip
+            return "the parts differ in 4-bit type, block size or dtype"
+        if any(s.shape.numel() % s.blocksize for s in states[:-1]):
+            return f"blocks of {first.blocksize} values straddle the parts"
+        packed = torch.cat([p.packed[: -(-p.shape.numel() // 2)] for p in parts])  # type: ignore[attr-defined]
+        shape = torch.Size((sum(s.shape[0] for s in states), first.shape[1]))
+        absmax = torch.cat([s.absmax for s in states])
+        state = bnbf.QuantState(absmax, shape, first.code, first.blocksize, first.quant_type, first.dtype)
+        return cls(packed, state)
 
     def dequantize(self) -> torch.Tensor:
         import bitsandbytes.functional as bnbf
@@ -85,7 +113,7 @@ class Bnb4bitFormat(ShardedFiles):
     def tensors(self, files: list[Path]) -> Iterator[tuple[str, Stored]]:
         group_of = _groups(files, weight_names(files))
         stream = (item for file in files for item in read_tensors(file))
-        yield from grouped(stream, group_of, Bnb4bitWeight)
+        yield from grouped(stream, group_of, Bnb4bitWeight.from_file)
 
     def kept_experts(self, quant: QuantConfig) -> None:
         return None

@@ -28,7 +28,8 @@ PARTS = ("_blocks", "_scales")
 
 
 class Mxfp4Weight(Prequantized):
-    """One expert's projection as the file holds it: [out, in/32, 16] codes and [out, in/32] exponents."""
+    """One expert's projection as the file holds it: [out, in/32, 16] codes and [out, in/32] exponents (gpt-oss's
+    experts, and DeepSeek-V4's FP4 experts with E8M0 scales, qlora_fsdp/model/formats/fp8.py: the same layout)."""
 
     def __init__(self, blocks: torch.Tensor, scales: torch.Tensor) -> None:
         self.blocks, self.scales = blocks, scales
@@ -41,6 +42,11 @@ class Mxfp4Weight(Prequantized):
         if not isinstance(module, Mxfp4Linear) or (module.out_features, module.in_features) != tuple(self.shape):
             return None
         return QuantizedWeight(self.blocks.contiguous().flatten(), {"scales": self.scales.contiguous()})
+
+    @classmethod
+    def join(cls, parts: list[Prequantized]) -> Prequantized | str:
+        """Exact: every row has its own scales, so rows of several weights stack as they are."""
+        return cls(torch.cat([p.blocks for p in parts]), torch.cat([p.scales for p in parts]))  # type: ignore[attr-defined]
 
 
 class Mxfp4Experts(Prequantized):

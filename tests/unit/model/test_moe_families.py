@@ -21,7 +21,7 @@ from qlora_fsdp.quant import make_backend
 from qlora_fsdp.quant.base import QuantizedLinear
 from qlora_fsdp.quant.experts import ExpertAdapter, QuantizedExperts, router_gates
 from tests.conftest import randomize_adapters
-from tests.moe_models import MORE_FAMILIES, build_moe_model, moe_config
+from tests.moe_models import MATRIX, MORE_FAMILIES, NOT_IN_MATRIX, build_moe_model, moe_config
 
 CPU = torch.device("cpu")
 
@@ -134,7 +134,8 @@ def test_names_peft_reads_as_experts_are_adapted_and_saved_by_their_weights(fami
 @pytest.mark.parametrize("family", MORE_FAMILIES)
 def test_adapter_config_builds_the_same_keys_in_peft(families: dict[str, Path], family: str) -> None:
     """PEFT, given the adapter config training records, adapts transformers' own model under exactly the keys
-    training saves (routers, and names PEFT would move, left out on both sides)."""
+    training saves, in their shapes (a rank PEFT doubled for names it reads as experts would show), routers left
+    out on both sides."""
     from peft import get_peft_model, get_peft_model_state_dict
     from transformers import AutoModelForCausalLM
 
@@ -142,9 +143,43 @@ def test_adapter_config_builds_the_same_keys_in_peft(families: dict[str, Path], 
     peft_model = inject_lora(
         skeleton.model, LoraConfig(lora_rank=4, lora_alpha=8, lora_dropout=0.0), dtype=torch.float32
     )
-    saved = {key for names in adapter_keys(peft_model).values() for key in names.values()}
+    keys = adapter_keys(peft_model).items()
+    saved = {key: tuple(getattr(module, attr).shape) for module, names in keys for attr, key in names.items()}
     assert any(".experts." in key for key in saved)
     assert not [m for m in skeleton.model.modules() if isinstance(m, QuantizedExperts) and m.gate_up_adapter is None]
     reference = AutoModelForCausalLM.from_pretrained(families[family], dtype=torch.float32)
     theirs = get_peft_model(reference, peft_model.peft_config["default"])
-    assert set(get_peft_model_state_dict(theirs)) == saved
+    assert {key: tuple(t.shape) for key, t in get_peft_model_state_dict(theirs).items()} == saved
+
+
+def transformers_moe_families() -> set[str]:
+    """Every model type transformers builds a causal LM for whose modeling code defines a mixture-of-experts class
+    (one named for experts or MoE: fused experts, DBRX's expert GLU, JetMoE's parallel experts): read from the
+    source, no model built."""
+    import importlib.util
+    import re
+
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    found = set()
+    for model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        module = model_type_to_module_name(model_type)
+        spec = importlib.util.find_spec(f"transformers.models.{module}.modeling_{module}")
+        source = Path(spec.origin).read_text() if spec is not None and spec.origin is not None else ""
+        if re.search(r"^class \w*(Expert|MoE|Moe)\w*\(", source, re.MULTILINE):
+            found.add(model_type)
+    return found
+
+
+def test_every_moe_family_transformers_ships_is_in_the_matrix_or_says_why() -> None:
+    """A family transformers adds is caught here: it joins MATRIX (trained on 2 ranks, its adapter loaded by PEFT)
+    or NOT_IN_MATRIX with its reason; a reason for a family transformers no longer ships is stale."""
+    shipped = transformers_moe_families()
+    # The control: the scan finds fused experts, DBRX's 2-D expert GLU and JetMoE's experts, and no dense model.
+    assert {"mixtral", "deepseek_v4", "glm_moe_dsa", "dbrx", "jetmoe"} <= shipped
+    assert not {"llama", "qwen3", "bamba"} & shipped
+    trained = {family for family, _, _ in MATRIX.values()} | {"llama4_text", "qwen3_5_moe_text"}  # their text models
+    assert not set(NOT_IN_MATRIX) & trained
+    assert sorted(shipped - trained - set(NOT_IN_MATRIX)) == [], "add each to MATRIX, or to NOT_IN_MATRIX with why"
+    assert sorted((set(NOT_IN_MATRIX) | trained) - shipped) == []

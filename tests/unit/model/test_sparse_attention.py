@@ -24,18 +24,9 @@ from qlora_fsdp.model.skeleton import build_skeleton
 from qlora_fsdp.quant import make_backend
 from qlora_fsdp.quant.base import QuantizedLinear
 from tests.moe_models import build_moe_model
-from tests.unit.model.test_checkpoint_formats import REPO_ROOT, ROWS, first_loss, transformers_label_loss
+from tests.unit.model.test_checkpoint_formats import first_loss, transformers_label_loss
 
 FAMILIES = ("deepseek_v32", "glm_moe_dsa", "deepseek_v4")
-
-
-@pytest.fixture(scope="module")
-def rows(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The first ROWS rows of the shipped Alpaca sample: one step's batch, of rows of different lengths."""
-    path = tmp_path_factory.mktemp("rows") / "rows.jsonl"
-    lines = (REPO_ROOT / "data" / "alpaca_tiny.jsonl").read_text().splitlines(keepends=True)
-    path.write_text("".join(lines[:ROWS]))
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +69,7 @@ def test_indexers_and_grouped_projections_stay_plain_frozen_and_unadapted(models
     grouped = {n for n, m in model.named_modules() if type(m).__name__.endswith("GroupedLinear")}
     assert bool(grouped) == (family == "deepseek_v4")
     for name in indexers | grouped:
-        assert type(model.get_submodule(name)) is not QuantizedLinear and name not in skeleton.quantized, name
+        assert not isinstance(model.get_submodule(name), QuantizedLinear) and name not in skeleton.quantized, name
     attention = [n for n, m in model.named_modules() if ".self_attn." in n and isinstance(m, nn.Linear)]
     plain = sorted(set(attention) - indexers - grouped)
     assert plain and all(name in skeleton.quantized for name in plain)
