@@ -10,7 +10,10 @@ linear is quantized with --quant as usual.
 
 from __future__ import annotations
 
+import functools
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from qlora_fsdp.quant.base import DequantizeMatmul, QuantizedLinear, QuantizedWeight
@@ -21,12 +24,21 @@ E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3
 """The value of each 4-bit code (OCP microscaling formats, e2m1)."""
 
 
-def e2m1_values(packed: torch.Tensor) -> torch.Tensor:
-    """Bytes of two e2m1 codes each, low nibble first (uint8, or DeepSeek-V4's int8: the same bytes), as float32
-    values: [..., n] bytes to [..., 2n] values."""
-    lut = torch.tensor(E2M1, dtype=torch.float32, device=packed.device)
-    codes = packed.view(torch.uint8)
-    return lut[torch.stack([codes & 0x0F, codes >> 4], dim=-1).long()].flatten(-2)
+@functools.cache
+def _byte_values(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """[256, 2]: the two e2m1 values each byte holds, low nibble first, in `dtype` on `device`: made once per
+    device and dtype (a table built on each call would be a host-to-device copy on a GPU every time)."""
+    values = torch.tensor(E2M1, dtype=torch.float32)
+    byte = torch.arange(256)
+    return torch.stack([values[byte & 0x0F], values[byte >> 4]], dim=-1).to(device=device, dtype=dtype)
+
+
+def e2m1_values(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Bytes of two e2m1 codes each, low nibble first (uint8, or DeepSeek-V4's int8: the same bytes), as values in
+    `dtype` (every e2m1 value is exact in any float dtype): [..., n] bytes to [..., 2n] values. Each byte looks up
+    its pair at once, indexed as int32: 2 bytes of index per value beside the result."""
+    table = _byte_values(packed.device, dtype)
+    return F.embedding(packed.view(torch.uint8).int(), table).flatten(-2)
 
 
 def e8m0_values(exponents: torch.Tensor) -> torch.Tensor:
@@ -35,11 +47,20 @@ def e8m0_values(exponents: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(torch.ones(exponents.shape, device=exponents.device), exponents)
 
 
+EXACT_SCALING = (torch.float32, torch.bfloat16)
+"""Dtypes that hold every E8M0 power of two (float32's exponent range): values are scaled in them directly."""
+
+
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[..., rows, groups, 16] codes (low nibble first) and [..., rows, groups] E8M0 exponents to
     [..., rows, groups x 32] values in `dtype`: each code's value times its power of two, exact in any float dtype
-    wide enough for the exponent."""
-    return (e2m1_values(blocks) * e8m0_values(scales).unsqueeze(-1)).flatten(-2).to(dtype)
+    wide enough for the exponent. Scaled in place in the result's dtype where it holds every power of two (float32,
+    bfloat16), so the temporaries beside the result are the int32 index (half the result in bf16) and the scales;
+    in float32 otherwise (float16 would overflow on a power of two the product fits)."""
+    work = dtype if dtype in EXACT_SCALING else torch.float32
+    values = e2m1_values(blocks, work).view(*blocks.shape[:-1], 2 * blocks.shape[-1])
+    values.mul_(e8m0_values(scales).to(work).unsqueeze(-1))
+    return values.flatten(-2).to(dtype)
 
 
 class Mxfp4Linear(QuantizedLinear):
