@@ -18,6 +18,7 @@ from torch import nn
 
 from qlora_fsdp.compat import convert_fused, converter_patterns, rename_source_key, weight_transforms
 from qlora_fsdp.model.formats.base import Prequantized, Stacked
+from qlora_fsdp.model.formats.files import Lazy
 
 
 @dataclass
@@ -103,10 +104,7 @@ class CheckpointNames:
             stacks = self._row_stacks(target, fused)
             if stacks is not None:
                 return {target: [parts[0] if len(parts) == 1 else Stacked(parts) for parts in stacks]}
-        sources = {
-            name: (fused.patterns[name], t.dequantize() if isinstance(t, Prequantized) else t)
-            for name, t in fused.arrived.items()
-        }
+        sources = {name: (fused.patterns[name], _values(t)) for name, t in fused.arrived.items()}
         return convert_fused(fused.converter, target, sources, self.model)
 
     def _row_stacks(self, target: str, fused: _Fused) -> list[list[Any]] | None:
@@ -130,3 +128,10 @@ class CheckpointNames:
         if sorted(i for expert in order for i in expert) != list(range(len(names))):
             return None
         return [[fused.arrived[names[i]] for i in expert] for expert in order]
+
+
+def _values(stored: Any) -> torch.Tensor:
+    """A source's values for transformers' conversion ops: a reference read, a pre-quantized weight dequantized."""
+    if isinstance(stored, Prequantized):
+        return stored.dequantize()
+    return stored.read() if isinstance(stored, Lazy) else stored

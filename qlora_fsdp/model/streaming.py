@@ -14,7 +14,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from qlora_fsdp.config.options import ModelConfig
@@ -22,10 +21,12 @@ from qlora_fsdp.errors import UserError
 from qlora_fsdp.model.conversion import CheckpointNames
 from qlora_fsdp.model.formats import Prequantized, Stored
 from qlora_fsdp.model.formats.base import Stacked
+from qlora_fsdp.model.formats.files import Lazy
+from qlora_fsdp.model.load_plan import WeightShares
 from qlora_fsdp.model.skeleton import Skeleton, build_skeleton, transformers_model
 from qlora_fsdp.parallel.distributed import DistEnv
 from qlora_fsdp.quant import QuantBackend
-from qlora_fsdp.quant.base import QuantizedLinear, QuantizedWeight
+from qlora_fsdp.quant.base import QuantizedLinear
 from qlora_fsdp.quant.experts import QuantizedExperts
 
 log = logging.getLogger(__name__)
@@ -72,7 +73,7 @@ def stream_weights(
     With `env`, every rank of the job streams the same checkpoint and shares the quantization out: the backend
     splits each weight between the ranks (see QuantBackend.quantize), or, for a backend that needs weights whole
     (`whole_weights`), each rank quantizes whole weights of a decoder layer and the layer's results are exchanged
-    when it is complete (_WeightShares). Without `env` this process quantizes every weight itself.
+    when it is complete (load_plan.WeightShares). Without `env` this process quantizes every weight itself.
 
     Tensors may come in any order and a decoder layer may span shards: as soon as every tensor of a layer has
     arrived, its remaining meta parameters (adapters) are allocated and `on_unit_ready(name, layer)` runs, so the
@@ -101,7 +102,7 @@ def stream_weights(
         for name, (module, attr) in skeleton.sources.items():
             if id(module) in quantized and attr == "weight" and unit_of(name):
                 by_unit.setdefault(unit_of(name), []).append(module)  # type: ignore[arg-type]
-        shares = _WeightShares(by_unit, backend=backend, env=env, device=device)
+        shares = WeightShares(by_unit, backend=backend, env=env, device=device)
 
     # Where every tensor goes is known from the files' names: a checkpoint that cannot fill the model is refused
     # before any weight is read.
@@ -146,6 +147,8 @@ def stream_weights(
             if kept is None and isinstance(tensor, Stacked) and id(module) in quantized:
                 say_unjoined(name, tensor)
             tensor = tensor.dequantize() if kept is None else tensor
+        elif isinstance(tensor, Lazy):
+            tensor = tensor.read()
         if kept is None and attr == "weight" and isinstance(module, QuantizedLinear) and id(module) not in quantized:
             raise UserError(
                 f"--model {skeleton.path}: {source} arrives unquantized for {name}, which holds the checkpoint's own "
@@ -196,6 +199,8 @@ def stream_weights(
             if isinstance(converted, Prequantized):  # one part per expert where the format splits it
                 parts = converted.experts()
                 converted = converted.dequantize() if parts is None else parts
+            elif isinstance(converted, Lazy):
+                converted = converted.read()
             count = len(converted) if isinstance(converted, list) else converted.shape[0]
             if count != module.num_experts:
                 raise UserError(f"--model {skeleton.path}: {name} holds {count} experts, but the model has "
@@ -276,90 +281,6 @@ def _expand(name: str, experts: dict[str, QuantizedExperts]) -> list[str]:
     if module is None or attr not in module.fused_names():
         return [name]
     return [f"{module_name}.{part}" for part in module.part_names(attr)]
-
-
-class _WeightShares:
-    """Which rank quantizes which whole weight of each decoder layer, for a backend that needs weights whole (HQQ).
-
-    A rank quantizes the weights it owns as they arrive and drops the others; when a layer is complete, each
-    owner broadcasts its results, so every rank ends with the bytes one process quantizing everything produces.
-    Owners are fixed up front from the skeleton's shapes, the same on every rank without communication: largest
-    weight first, each to the rank with the least work so far (carried across layers), so the ranks finish a
-    layer's shares at about the same time.
-    """
-
-    def __init__(
-        self,
-        by_unit: dict[str, list[QuantizedLinear]],
-        *,
-        backend: QuantBackend,
-        env: DistEnv,
-        device: torch.device,
-    ) -> None:
-        self.by_unit = by_unit
-        self.backend = backend
-        self.env = env
-        self.device = device
-        self.owner: dict[int, int] = {}
-        self.results: dict[int, QuantizedWeight] = {}
-        work = [0] * env.world_size
-        for modules in by_unit.values():
-            for module in sorted(modules, key=lambda m: -m.in_features * m.out_features):
-                rank = min(range(env.world_size), key=lambda r: (work[r], r))
-                self.owner[id(module)] = rank
-                work[rank] += module.in_features * module.out_features
-
-    def covers(self, module: nn.Module) -> bool:
-        return id(module) in self.owner
-
-    def drop(self, module: nn.Module) -> None:
-        """`module` was filled on every rank alike (kept from the checkpoint): its layer's exchange skips it."""
-        if self.owner.pop(id(module), None) is not None:
-            for modules in self.by_unit.values():
-                if module in modules:
-                    modules.remove(module)
-
-    def arrive(self, module: QuantizedLinear, weight: torch.Tensor) -> None:
-        """Quantize `weight` now if this rank owns it; another rank's is dropped, its result comes in exchange."""
-        if self.owner[id(module)] == self.env.rank:
-            self.results[id(module)] = self.backend.quantize(weight.to(self.device))
-
-    def exchange(self, unit: str) -> None:
-        """Every weight of a complete `unit` into its layer on every rank, each sent from its owner.
-
-        One object collective carries the layer's small metadata (scalar meta, dtypes and shapes); each weight's
-        bytes then go in one broadcast of a flat uint8 tensor on the weights' device (gloo or NCCL alike).
-        """
-        modules = self.by_unit.pop(unit, [])
-        if not modules:
-            return
-        mine = {i: self.results.pop(id(m)) for i, m in enumerate(modules) if self.owner[id(m)] == self.env.rank}
-        layouts: list[dict[int, tuple]] = [{} for _ in range(self.env.world_size)]
-        dist.all_gather_object(layouts, {i: _layout(q) for i, q in mine.items()})
-        for i, module in enumerate(modules):
-            owner = self.owner[id(module)]
-            module.set_quantized(_broadcast(mine.get(i), layouts[owner][i], src=owner, device=self.device))
-
-
-def _layout(quantized: QuantizedWeight) -> tuple[int, list[tuple[str, torch.dtype, torch.Size]], dict]:
-    """What a receiver needs to rebuild `quantized` from its bytes: packed size, state dtypes and shapes, meta."""
-    states = [(name, t.dtype, t.shape) for name, t in quantized.state.items()]
-    return quantized.packed.numel(), states, quantized.meta
-
-
-def _broadcast(quantized: QuantizedWeight | None, layout: tuple, *, src: int, device: torch.device) -> QuantizedWeight:
-    """Rank `src`'s `quantized` on every rank (None elsewhere): packed bytes and state sent as one flat buffer."""
-    packed_numel, states, meta = layout
-    sizes = [packed_numel, *(shape.numel() * dtype.itemsize for _, dtype, shape in states)]
-    if quantized is not None:
-        state_bytes = [t.contiguous().flatten().view(torch.uint8) for t in quantized.state.values()]
-        dist.broadcast(torch.cat([quantized.packed.flatten(), *state_bytes]), src=src)
-        return quantized
-    buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
-    dist.broadcast(buffer, src=src)
-    packed, *parts = buffer.split(sizes)
-    state = {name: t.clone().view(dtype).view(shape) for (name, dtype, shape), t in zip(states, parts, strict=True)}
-    return QuantizedWeight(packed.clone(), state, meta)
 
 
 def load_model(

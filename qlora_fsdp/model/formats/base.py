@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from qlora_fsdp.config.options import QuantConfig
-from qlora_fsdp.model.formats.files import tensor_names
+from qlora_fsdp.model.formats.files import Lazy, tensor_names
 from qlora_fsdp.model.hub import shard_files
 from qlora_fsdp.quant.base import QuantizedLinear, QuantizedWeight
 
@@ -70,8 +70,9 @@ class Stacked(Prequantized):
         return self.joined.kept(module) if isinstance(self.joined, Prequantized) else None
 
 
-Stored = torch.Tensor | Prequantized
-"""What a format yields for one checkpoint name."""
+Stored = Lazy | torch.Tensor | Prequantized
+"""What a format yields for one checkpoint name: a reference to plain values, read when (and as far as) loading
+needs them, or a weight stored quantized; loading's conversions may turn references into tensors."""
 
 
 class CheckpointFormat(Protocol):
@@ -99,8 +100,8 @@ class CheckpointFormat(Protocol):
         ...
 
     def tensors(self, files: list[Path]) -> Iterator[tuple[str, Stored]]:
-        """(checkpoint name, tensor or Prequantized) one at a time, in file order, each in fresh memory of its
-        own."""
+        """(checkpoint name, reference or Prequantized) one at a time, in file order; a reference reads into fresh
+        memory of its own when asked."""
         ...
 
     def kept_experts(self, quant: QuantConfig) -> Callable[..., QuantizedLinear] | None:
@@ -114,8 +115,13 @@ class CheckpointFormat(Protocol):
         ...
 
 
+def read_all(parts: dict[str, Lazy]) -> dict[str, torch.Tensor]:
+    """Every reference of a group read (for a format whose grouped weight is made of all of them at once)."""
+    return {name: ref.read() for name, ref in parts.items()}
+
+
 def grouped(
-    stream: Iterator[tuple[str, torch.Tensor]], group_of: dict[str, str], combine: Callable[[str, dict], Stored]
+    stream: Iterator[tuple[str, Lazy]], group_of: dict[str, str], combine: Callable[[str, dict], Stored]
 ) -> Iterator[tuple[str, Stored]]:
     """`stream` with each group's tensors (member name -> group name in `group_of`) held until the last of them has
     arrived, then yielded as one `combine(group, {member: tensor})` under the group's name; other tensors pass.

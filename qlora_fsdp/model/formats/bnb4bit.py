@@ -22,8 +22,8 @@ from torch import nn
 
 from qlora_fsdp.config.options import QuantConfig
 from qlora_fsdp.errors import UserError
-from qlora_fsdp.model.formats.base import Prequantized, ShardedFiles, Stored, grouped, weight_names
-from qlora_fsdp.model.formats.files import read_tensors
+from qlora_fsdp.model.formats.base import Prequantized, ShardedFiles, Stored, grouped, read_all, weight_names
+from qlora_fsdp.model.formats.files import Lazy, tensor_refs
 from qlora_fsdp.quant.base import QuantizedWeight
 
 PACKED_STATE = re.compile(r"(.+)\.quant_state\.bitsandbytes__(nf4|fp4)$")
@@ -42,10 +42,11 @@ class Bnb4bitWeight(Prequantized):
         self.shape = state.shape
 
     @classmethod
-    def from_file(cls, name: str, parts: dict[str, torch.Tensor]) -> Bnb4bitWeight:
+    def from_file(cls, name: str, refs: dict[str, Lazy]) -> Bnb4bitWeight:
         """The weight `name` from its tensors in the file: the packed bytes and the QuantState taken apart."""
         import bitsandbytes.functional as bnbf
 
+        parts = read_all(refs)
         packed = parts.pop(name).contiguous().view(torch.uint8).flatten()
         return cls(packed, bnbf.QuantState.from_dict({k[len(name) + 1 :]: v for k, v in parts.items()}, device="cpu"))
 
@@ -112,7 +113,7 @@ class Bnb4bitFormat(ShardedFiles):
 
     def tensors(self, files: list[Path]) -> Iterator[tuple[str, Stored]]:
         group_of = _groups(files, weight_names(files))
-        stream = (item for file in files for item in read_tensors(file))
+        stream = (item for file in files for item in tensor_refs(file))
         yield from grouped(stream, group_of, Bnb4bitWeight.from_file)
 
     def kept_experts(self, quant: QuantConfig) -> None:

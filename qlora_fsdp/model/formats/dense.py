@@ -6,11 +6,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from qlora_fsdp.config.options import QuantConfig
 from qlora_fsdp.model.formats.base import ShardedFiles, weight_names
-from qlora_fsdp.model.formats.files import read_tensors
+from qlora_fsdp.model.formats.files import Lazy, tensor_refs
 
 
 class DenseFormat(ShardedFiles):
@@ -27,9 +25,9 @@ class DenseFormat(ShardedFiles):
     def names(self, files: list[Path]) -> list[str]:
         return weight_names(files)
 
-    def tensors(self, files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, files: list[Path]) -> Iterator[tuple[str, Lazy]]:
         for file in files:
-            yield from read_tensors(file)
+            yield from tensor_refs(file)
 
     def kept_experts(self, quant: QuantConfig) -> None:
         return None

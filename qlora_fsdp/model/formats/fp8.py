@@ -27,7 +27,7 @@ import torch
 from qlora_fsdp.config.options import QuantConfig
 from qlora_fsdp.errors import UserError
 from qlora_fsdp.model.formats.base import ShardedFiles, Stored, grouped, weight_names
-from qlora_fsdp.model.formats.files import FP8_DTYPES, SAFETENSORS_DTYPES, read_tensors, safetensors_header
+from qlora_fsdp.model.formats.files import FP8_DTYPES, SAFETENSORS_DTYPES, Lazy, safetensors_header, tensor_refs
 from qlora_fsdp.model.formats.mxfp4 import Mxfp4Weight
 from qlora_fsdp.quant.base import QuantizedLinear
 from qlora_fsdp.quant.mxfp4 import BLOCK, e2m1_values, e8m0_values, mxfp4_layer
@@ -85,16 +85,16 @@ class Fp8Format(ShardedFiles):
         for weight, how in scaled.items():
             group_of[weight] = group_of[how.scale] = weight
 
-        def combine(weight: str, parts: dict[str, torch.Tensor]) -> Stored:
+        def combine(weight: str, refs: dict[str, Lazy]) -> Stored:
             how = scaled[weight]
-            values, scales = parts[weight], parts[how.scale]
-            if how.fp4 and values.dim() == 2 and scales.dtype in E8M0:  # MXFP4: kept or decoded where it lands
-                blocks = values.view(torch.uint8).view(values.shape[0], -1, BLOCK // 2)
-                return Mxfp4Weight(blocks, scales.view(torch.uint8))
-            return dequantize_fp8(values, scales, how.block, self.dtype)
+            values, scales = refs[weight], refs[how.scale]
+            if how.fp4 and len(values.shape) == 2 and scales.dtype in E8M0:  # MXFP4: kept or decoded where it lands
+                blocks = values.read().view(torch.uint8).view(values.shape[0], -1, BLOCK // 2)
+                return Mxfp4Weight(blocks, scales.read().view(torch.uint8))
+            return Fp8Values(values, scales, how.block, self.dtype)
 
         stream = (
-            (n, t) for file in files for n, t in read_tensors(file, SAFETENSORS_DTYPES | FP8_DTYPES)
+            (n, t) for file in files for n, t in tensor_refs(file, SAFETENSORS_DTYPES | FP8_DTYPES)
             if not n.endswith(DROPPED)
         )  # fmt: skip
         yield from grouped(stream, group_of, combine)
@@ -195,6 +195,30 @@ def _layouts(files: list[Path]) -> dict[str, tuple[torch.dtype | None, tuple[int
 
 def _dtype_name(dtype: torch.dtype | None) -> str:
     return "a dtype this loader does not read" if dtype is None else str(dtype).removeprefix("torch.")
+
+
+class Fp8Values(Lazy):
+    """An FP8 (or FP4) weight's dequantized values, computed when read: whole, or a run of rows with just the
+    scale rows they need (the first dimension, leading dimensions of fused experts aside, holds whole blocks'
+    rows only where the run starts and ends on a block edge: the values are the same either way)."""
+
+    def __init__(self, values: Lazy, scales: Lazy, block: tuple[int, int] | None, dtype: torch.dtype) -> None:
+        self.values, self.scales, self.block, self.dtype = values, scales, block, dtype
+        fp4 = values.dtype == torch.int8
+        self.shape = torch.Size((*values.shape[:-1], values.shape[-1] * (2 if fp4 else 1)))
+
+    def read(self) -> torch.Tensor:
+        return dequantize_fp8(self.values.read(), self.scales.read(), self.block, self.dtype)
+
+    def read_rows(self, start: int, stop: int) -> torch.Tensor:
+        if len(self.shape) != 2 or self.block is None:  # fused experts, or one scale for all: read it whole
+            return self.read()[start:stop]
+        rows = self.block[0]
+        first, last = start // rows * rows, -(-stop // rows) * rows
+        part = dequantize_fp8(self.values.read_rows(first, min(last, self.shape[0])),
+                              self.scales.read_rows(first // rows, -(-min(last, self.shape[0]) // rows)),
+                              self.block, self.dtype)  # fmt: skip
+        return part[start - first : stop - first]
 
 
 CHUNK_VALUES = 1 << 24

@@ -18,8 +18,8 @@ from torch import nn
 
 from qlora_fsdp.config.options import QuantConfig
 from qlora_fsdp.errors import UserError
-from qlora_fsdp.model.formats.base import Prequantized, ShardedFiles, Stored, grouped, weight_names
-from qlora_fsdp.model.formats.files import read_tensors
+from qlora_fsdp.model.formats.base import Prequantized, ShardedFiles, Stored, grouped, read_all, weight_names
+from qlora_fsdp.model.formats.files import Lazy, tensor_refs
 from qlora_fsdp.quant.base import QuantizedLinear, QuantizedWeight
 from qlora_fsdp.quant.mxfp4 import Mxfp4Linear, dequantize_mxfp4, mxfp4_layer
 
@@ -53,7 +53,8 @@ class Mxfp4Experts(Prequantized):
     """A layer's fused experts projection: dequantized, transformers' [experts, in, out] parameter; or one
     Mxfp4Weight per expert."""
 
-    def __init__(self, name: str, parts: dict[str, torch.Tensor]) -> None:
+    def __init__(self, name: str, refs: dict[str, Lazy]) -> None:
+        parts = read_all(refs)
         self.blocks, self.scales = parts[name + "_blocks"], parts[name + "_scales"]
         count, out_features, groups, half = self.blocks.shape
         if tuple(self.scales.shape) != (count, out_features, groups):
@@ -84,7 +85,7 @@ class Mxfp4Format(ShardedFiles):
 
     def tensors(self, files: list[Path]) -> Iterator[tuple[str, Stored]]:
         group_of = _groups(files, weight_names(files))
-        stream = (item for file in files for item in read_tensors(file))
+        stream = (item for file in files for item in tensor_refs(file))
         yield from grouped(stream, group_of, Mxfp4Experts)
 
     def quant_settings(self, quant: QuantConfig, given: frozenset[str]) -> QuantConfig:

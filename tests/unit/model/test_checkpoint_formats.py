@@ -293,7 +293,7 @@ def test_e8m0_scales_are_read_as_transformers_dequantizes_them(tmp_path: Path, s
     assert fmt.names(files) == ["w.weight"]
     ((name, ours),) = fmt.tensors(files)
     theirs = Fp8Dequantize(quantizer)._dequantize_one(values, scales, output_dtype=torch.float32)
-    assert name == "w.weight" and torch.equal(ours, theirs)
+    assert name == "w.weight" and torch.equal(ours.read(), theirs)
 
 
 @pytest.mark.parametrize("scale_fmt", ["ue8m0", "float"])
@@ -319,7 +319,7 @@ def test_fp4_experts_are_read_as_transformers_dequantizes_them(tmp_path: Path, s
         values, scales, output_dtype=torch.float32
     )
     if scale_fmt == "float":
-        assert torch.equal(stored, theirs)
+        assert torch.equal(stored.read(), theirs)
         return
     assert torch.equal(stored.dequantize(), theirs)
     layer = mxfp4_layer(torch.nn.Linear(96, 64, device="meta"), storage_dtype=torch.uint8, compute_dtype=torch.float32)
@@ -485,4 +485,4 @@ def test_fp8_scales_per_part_without_a_block_are_each_parts_own(tmp_path: Path, 
     assert fmt.names([tmp_path / "model.safetensors"]) == [name]
     ((read, value),) = list(fmt.tensors([tmp_path / "model.safetensors"]))
     assert read == name
-    assert torch.equal(value, weight.float() * scales.repeat_interleave(6 // parts, dim=1))
+    assert torch.equal(value.read(), weight.float() * scales.repeat_interleave(6 // parts, dim=1))

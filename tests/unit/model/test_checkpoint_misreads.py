@@ -162,4 +162,8 @@ def test_fp8_blocks_cut_short_are_read_as_transformers_reads_whole_ones(tmp_path
     ((_, ours),) = checkpoint_format(tmp_path / "m").tensors([tmp_path / "m" / "model.safetensors"])
     padded = torch.cat([weight, torch.zeros(64, 7168, dtype=weight.dtype)])
     dequantize = Fp8Dequantize(FineGrainedFP8HfQuantizer(FineGrainedFP8Config()))._dequantize_one
-    assert torch.equal(ours, dequantize(padded, scales, output_dtype=torch.float32)[:576])
+    theirs = dequantize(padded, scales, output_dtype=torch.float32)[:576]
+    assert torch.equal(ours.read(), theirs)
+    # A run of rows read alone (a rank's share), across block edges and into the cut-short block: the same values.
+    assert torch.equal(ours.read_rows(100, 300), theirs[100:300])
+    assert torch.equal(ours.read_rows(500, 576), theirs[500:])
